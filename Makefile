@@ -1,0 +1,51 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run   - create .venv, install pinned dependencies, build the extension, run the main job
+#   make test  - the same set-up when needed, then the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps-installed
+BUILT := $(VENV)/.ext-built
+CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: setup build run test test-fast lint bench gpu-check clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+$(BUILT): $(DEPS) setup.py $(CSRC)
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+setup: $(BUILT)
+build: $(BUILT)
+
+run: $(BUILT)
+	$(PY) -m mrtpo demo
+
+test: $(BUILT)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(BUILT)
+	$(PY) -m pytest -q -x -m "not slow"
+
+lint: $(DEPS)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	@if command -v clang-format >/dev/null; then clang-format --dry-run --Werror csrc/*/*; \
+	else echo "clang-format not installed: skipped"; fi
+
+bench: $(BUILT)
+	$(PY) -m bench
+
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info mrtpo_kernels/*.so $(BUILT)

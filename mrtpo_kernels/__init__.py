@@ -1,0 +1,34 @@
+"""mrtpo-kernels: fused kernels for multi-reward token-level policy optimization (MRTPO).
+
+Public API (semantics in METHOD.md; every op has a float64 reference in
+``mrtpo_kernels.reference``):
+
+- ``linear_logprobs``: per-token log-probs (and entropy) fused with the LM head, autograd.
+- ``logprobs_from_logits``: the same from existing logits, streaming over the vocabulary.
+- ``linear_js_distance``: per-token JS distance between two hidden streams, one-vs-many.
+- ``js_distance``: the same from existing logits.
+- ``linear_policy_loss``: clipped surrogate with the gradient computed in the forward pass.
+- ``gdpo_advantages``, ``mrtpo_token_advantages``: GDPO and MRTPO advantages.
+"""
+
+from ._dispatch import available as available_backends
+from .advantages import gdpo_advantages, mrtpo_token_advantages
+from .js import js_distance, linear_js_distance
+from .logprobs import linear_logprobs, logprobs_from_logits
+from .policy_loss import linear_policy_loss
+from .reference import GDPOAdvantages, TokenAdvantages
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GDPOAdvantages",
+    "TokenAdvantages",
+    "available_backends",
+    "gdpo_advantages",
+    "js_distance",
+    "linear_js_distance",
+    "linear_logprobs",
+    "linear_policy_loss",
+    "logprobs_from_logits",
+    "mrtpo_token_advantages",
+]

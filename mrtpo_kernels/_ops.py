@@ -1,0 +1,316 @@
+"""torch.library custom ops over the backends, with fake (meta) implementations and autograd.
+
+Registering the ops lets torch.compile(fullgraph=True) trace a caller without graph breaks
+and lets torch.library.opcheck test them. The backend is a plain string argument that the
+public functions resolve before the call, so no op looks at data to decide anything.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _dispatch
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """Dtype of computed outputs: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _empty_like_rows(t: Tensor, n: int) -> Tensor:
+    return t.new_empty(n, dtype=_acc(t))
+
+
+# --------------------------------------------------------------------------- linear log-probs
+
+
+@torch.library.custom_op("mrtpo::linear_logprobs_fwd", mutates_args=())
+def linear_logprobs_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "linear_logprobs_fwd")
+    return fn(hidden, weight, bias, labels, temperature, ignore_index, with_entropy)
+
+
+@linear_logprobs_fwd.register_fake
+def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend):
+    n = hidden.shape[0]
+    return (
+        _empty_like_rows(hidden, n),
+        _empty_like_rows(hidden, n if with_entropy else 0),
+        _empty_like_rows(hidden, n),
+    )
+
+
+@torch.library.custom_op("mrtpo::linear_logprobs_bwd", mutates_args=())
+def linear_logprobs_bwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "linear_logprobs_bwd")
+    return fn(
+        hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+        ignore_index,
+    )  # fmt: skip
+
+
+@linear_logprobs_bwd.register_fake
+def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, t, ii, backend):
+    return (
+        torch.empty_like(hidden),
+        weight.new_empty(weight.shape, dtype=_acc(hidden)),
+        weight.new_empty(bias.shape[0] if bias is not None else 0, dtype=_acc(hidden)),
+    )
+
+
+def _logprobs_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend = inputs
+    logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    ctx.cfg = (temperature, ignore_index, with_entropy, backend, bias is not None)
+
+
+def _logprobs_backward(ctx, g_logp, g_entropy, g_lse):
+    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, with_entropy, backend, has_bias = ctx.cfg
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if g_entropy is None or not with_entropy:
+        g_entropy = lse.new_empty(0)
+    dh, dw, db = linear_logprobs_bwd(
+        hidden, weight, bias, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+    )  # fmt: skip
+    dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+    db = db.to(bias.dtype) if has_bias and ctx.needs_input_grad[2] else None
+    dh = dh if ctx.needs_input_grad[0] else None
+    return dh, dw, db, None, None, None, None, None
+
+
+linear_logprobs_fwd.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+
+
+# --------------------------------------------------------------------------- logits log-probs
+
+
+@torch.library.custom_op("mrtpo::logits_logprobs_fwd", mutates_args=())
+def logits_logprobs_fwd(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "logits_logprobs_fwd")
+    return fn(logits, labels, temperature, ignore_index, with_entropy)
+
+
+@logits_logprobs_fwd.register_fake
+def _(logits, labels, temperature, ignore_index, with_entropy, backend):
+    n = logits.shape[0]
+    return (
+        _empty_like_rows(logits, n),
+        _empty_like_rows(logits, n if with_entropy else 0),
+        _empty_like_rows(logits, n),
+    )
+
+
+@torch.library.custom_op("mrtpo::logits_logprobs_bwd", mutates_args=())
+def logits_logprobs_bwd(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+) -> Tensor:
+    fn = _dispatch.get(backend, "logits_logprobs_bwd")
+    return fn(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+@logits_logprobs_bwd.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend):
+    return torch.empty_like(logits)
+
+
+def _logits_setup(ctx, inputs, output):
+    logits, labels, temperature, ignore_index, with_entropy, backend = inputs
+    logp, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.cfg = (temperature, ignore_index, with_entropy, backend)
+
+
+def _logits_backward(ctx, g_logp, g_entropy, g_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, with_entropy, backend = ctx.cfg
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if g_entropy is None or not with_entropy:
+        g_entropy = lse.new_empty(0)
+    dl = logits_logprobs_bwd(
+        logits, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+    )  # fmt: skip
+    return dl, None, None, None, None, None
+
+
+logits_logprobs_fwd.register_autograd(_logits_backward, setup_context=_logits_setup)
+
+
+# --------------------------------------------------------------------------- JS distance
+
+
+@torch.library.custom_op("mrtpo::linear_js", mutates_args=())
+def linear_js(
+    hidden_p: Tensor,
+    hidden_q: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    temperature: float,
+    backend: str,
+) -> Tensor:
+    return _dispatch.get(backend, "linear_js")(hidden_p, hidden_q, weight, bias, temperature)
+
+
+@linear_js.register_fake
+def _(hidden_p, hidden_q, weight, bias, temperature, backend):
+    return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=_acc(hidden_p))
+
+
+@torch.library.custom_op("mrtpo::logits_js", mutates_args=())
+def logits_js(logits_p: Tensor, logits_q: Tensor, temperature: float, backend: str) -> Tensor:
+    return _dispatch.get(backend, "logits_js")(logits_p, logits_q, temperature)
+
+
+@logits_js.register_fake
+def _(logits_p, logits_q, temperature, backend):
+    return logits_p.new_empty((logits_q.shape[0], logits_p.shape[0]), dtype=_acc(logits_p))
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+@torch.library.custom_op("mrtpo::linear_policy_loss", mutates_args=())
+def linear_policy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    token_weight: Tensor,
+    ref_logp: Tensor,
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    beta: float,
+    ignore_index: int,
+    need_grad: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "linear_policy_loss")
+    return fn(
+        hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp,
+        temperature, clip_low, clip_high, beta, ignore_index, need_grad,
+    )  # fmt: skip
+
+
+@linear_policy_loss.register_fake
+def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need_grad, backend):
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    f32 = _acc(hidden)
+    return (
+        hidden.new_empty((), dtype=f32),
+        hidden.new_empty(n, dtype=f32),
+        hidden.new_empty(n, dtype=f32),
+        torch.empty_like(hidden) if need_grad else hidden.new_empty(0),
+        weight.new_empty(weight.shape if need_grad else (0,), dtype=f32),
+        weight.new_empty((v if need_grad and bias is not None else 0,), dtype=f32),
+    )
+
+
+def _policy_setup(ctx, inputs, output):
+    hidden, weight, bias = inputs[0], inputs[1], inputs[2]
+    _, _, _, dh, dw, db = output
+    ctx.save_for_backward(dh, dw, db)
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+
+def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
+    # The gradient was computed in the forward pass (no recompute): scale it by the
+    # upstream gradient of the scalar loss. Gradients through the returned log-probs
+    # are not supported (they are metrics).
+    dh, dw, db = ctx.saved_tensors
+    w_dtype, b_dtype = ctx.dtypes
+    gh = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gh = dh * g_loss.to(dh.dtype)
+    if ctx.needs_input_grad[1]:
+        gw = (dw * g_loss).to(w_dtype)
+    if b_dtype is not None and ctx.needs_input_grad[2]:
+        gb = (db * g_loss).to(b_dtype)
+    return (gh, gw, gb) + (None,) * 12
+
+
+linear_policy_loss.register_autograd(_policy_backward, setup_context=_policy_setup)
+
+
+# --------------------------------------------------------------------------- reallocation
+
+
+@torch.library.custom_op("mrtpo::reallocate_packed", mutates_args=())
+def reallocate_packed(
+    per_reward: Tensor,
+    lam: Tensor,
+    has_info: Tensor,
+    relevance: Tensor,
+    seg_ids: Tensor,
+    cu_seqlens: Tensor,
+    mean: Tensor,
+    std: Tensor,
+    alpha: float,
+    gamma: float,
+    eps_batch: float,
+    delta: float,
+    clip_min: float,
+    clip_max: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    fn = _dispatch.get(backend, "reallocate_packed")
+    return fn(
+        per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std, alpha, gamma,
+        eps_batch, delta, clip_min, clip_max,
+    )  # fmt: skip
+
+
+@reallocate_packed.register_fake
+def _(per_reward, lam, has_info, relevance, seg_ids, cu, mean, std, a, g, e, d, c0, c1, backend):
+    f32 = _acc(relevance)
+    return (
+        relevance.new_empty(relevance.shape[1], dtype=f32),
+        relevance.new_empty(relevance.shape, dtype=f32),
+    )

@@ -1,0 +1,67 @@
+"""Backends: the low-level implementations behind the public ops.
+
+A backend is a module that defines some of the functions below, on already validated,
+flattened, contiguous inputs. All returned per-token quantities are float32; gradients of
+the hidden states come back in the hidden states' dtype, gradients of weight and bias in
+float32 (the caller casts). A backend may leave a function out: the dispatcher then uses
+the "torch" backend for that op, with one warning.
+
+``linear_logprobs_fwd(hidden (N,d), weight (V,d), bias (V,)|None, labels (N,) int64,
+    temperature, ignore_index, with_entropy) -> (logp (N,), entropy (N,) or (0,), lse (N,))``
+    lse is the log-normalizer of logits / temperature, saved for the backward.
+``linear_logprobs_bwd(hidden, weight, bias, labels, lse, entropy (N,) or (0,),
+    grad_logp (N,), grad_entropy (N,) or (0,), temperature, ignore_index)
+    -> (grad_hidden (N,d), grad_weight (V,d) fp32, grad_bias (V,) fp32 or (0,))``
+``linear_js(hidden_p (N,d), hidden_q (K,N,d), weight, bias, temperature) -> (K,N)``
+``logits_logprobs_fwd(logits (N,V), labels, temperature, ignore_index, with_entropy)``
+    -> as linear_logprobs_fwd
+``logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+    ignore_index) -> grad_logits (N,V) in logits' dtype``
+``logits_js(logits_p (N,V), logits_q (K,N,V), temperature) -> (K,N)``
+``linear_policy_loss(hidden, weight, bias, labels, old_logp (N,), advantages (N,),
+    token_weight (N,), ref_logp (N,) or (0,), temperature, clip_low, clip_high, beta,
+    ignore_index, need_grad) -> (loss (), logp (N,), clipped (N,), grad_hidden (N,d) or
+    (0,), grad_weight (V,d) fp32 or (0,), grad_bias (V,) fp32 or (0,))``
+    loss = sum_t token_weight[t] * L_t and its gradient, computed in the same pass.
+``reallocate_packed(per_reward (n,K), lam (K,), has_info (n,K) bool, relevance (K,N),
+    seg_ids (N,) int64, cu_seqlens (n+1,) int64, mean (), std (), alpha, gamma, eps_batch,
+    delta, clip_min, clip_max) -> (token (N,), allocation (K,N))``
+    clip_min/clip_max of 0/inf mean no clip.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BACKENDS = ("torch", "cpu", "triton", "cuda")
+
+_MODULES = {
+    "torch": "mrtpo_kernels.backends.torch_backend",
+    "cpu": "mrtpo_kernels.backends.cpu_backend",
+    "triton": "mrtpo_kernels.backends.triton_backend",
+    "cuda": "mrtpo_kernels.backends.cuda_backend",
+}
+
+_loaded: dict[str, object] = {}
+_errors: dict[str, str] = {}
+
+
+def load(name: str):
+    """Import backend ``name``; return the module, or None (reason in ``load_error``)."""
+    if name in _loaded:
+        return _loaded[name]
+    if name in _errors:
+        return None
+    try:
+        mod = importlib.import_module(_MODULES[name])
+        if hasattr(mod, "available") and not mod.available():
+            raise ImportError(getattr(mod, "unavailable_reason", lambda: "not available")())
+    except Exception as exc:  # ImportError, missing extension, no GPU
+        _errors[name] = f"{type(exc).__name__}: {exc}"
+        return None
+    _loaded[name] = mod
+    return mod
+
+
+def load_error(name: str) -> str | None:
+    return _errors.get(name)

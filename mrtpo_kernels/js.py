@@ -1,0 +1,110 @@
+"""Per-token Jensen-Shannon distance between two next-token distributions (METHOD.md
+section 3), fused with a shared LM head or from existing logits. No gradient.
+
+    P = softmax(z_p / tau), Q = softmax(z_q / tau), M = (P + Q) / 2
+    JSD = 1/2 KL(P || M) + 1/2 KL(Q || M),   d = sqrt(JSD / ln 2) in [0, 1]
+
+One-vs-many: with hidden_q / logits_q of K streams, P's logits are computed once per chunk
+of tokens and compared with each Q stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch, _ops
+from . import _validation as check
+from .logprobs import _check_head
+
+
+def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
+    """Flatten p to (N, last) and q to (K, N, last); return them and the output shape."""
+    if q.dim() == p.dim():
+        if q.shape != p.shape:
+            raise ValueError(
+                f"{qname}: expected shape {tuple(p.shape)} (like {pname}) or "
+                f"(K, {', '.join(map(str, p.shape))}), got {tuple(q.shape)}"
+            )
+        k, out_shape = 1, tuple(p.shape[:-1])
+        squeeze = True
+    elif q.dim() == p.dim() + 1 and q.shape[1:] == p.shape:
+        k, out_shape = q.shape[0], (q.shape[0],) + tuple(p.shape[:-1])
+        squeeze = False
+    else:
+        raise ValueError(
+            f"{qname}: expected shape {tuple(p.shape)} (like {pname}) or "
+            f"(K, {', '.join(map(str, p.shape))}), got {tuple(q.shape)}"
+        )
+    last = p.shape[-1]
+    p2 = p.reshape(-1, last)
+    q3 = q.reshape(k, -1, last)
+    return p2, q3, out_shape, squeeze
+
+
+def linear_js_distance(
+    hidden_p: torch.Tensor,
+    hidden_q: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Per-token JS distance between the LM head's distributions at two hidden streams.
+
+    Args:
+        hidden_p: (N, d) or (B, T, d), the stream with the verifier's information.
+        hidden_q: same shape as hidden_p, or (K, *hidden_p.shape) for K streams (one per
+            reward), each compared with hidden_p.
+        weight: (V, d) LM head shared by both streams; bias: optional (V,).
+        temperature: the sampling temperature.
+
+    Returns:
+        float32 distances in [0, 1] of shape hidden_p.shape[:-1], or (K, *that) for K streams.
+    """
+    check.float_tensor("hidden_p", hidden_p, min_ndim=2)
+    check.float_tensor("hidden_q", hidden_q, min_ndim=2)
+    _check_head(hidden_p, weight, bias)
+    check.same_dtype(hidden_p=hidden_p, hidden_q=hidden_q)
+    check.same_device(hidden_p=hidden_p, hidden_q=hidden_q, weight=weight, bias=bias)
+    temperature = check.positive_finite("temperature", temperature)
+    p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
+    check.non_empty("hidden_p", p2.shape[0])
+    be = _dispatch.resolve("linear_js", p2.device, backend)
+    out = _ops.linear_js(
+        p2.detach().contiguous(),
+        q3.detach().contiguous(),
+        weight.detach().contiguous(),
+        None if bias is None else bias.detach().contiguous(),
+        temperature,
+        be,
+    )
+    return out[0].view(out_shape) if squeeze else out.view(out_shape)
+
+
+def js_distance(
+    logits_p: torch.Tensor,
+    logits_q: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Per-token JS distance from existing logits: logits_p (..., V), logits_q of the same
+    shape or (K, ..., V). Returns float32 (...) or (K, ...). No gradient."""
+    check.float_tensor("logits_p", logits_p, min_ndim=1)
+    check.float_tensor("logits_q", logits_q, min_ndim=1)
+    check.same_dtype(logits_p=logits_p, logits_q=logits_q)
+    check.same_device(logits_p=logits_p, logits_q=logits_q)
+    temperature = check.positive_finite("temperature", temperature)
+    if logits_p.dim() == 1:
+        logits_p, logits_q = logits_p.unsqueeze(0), logits_q.unsqueeze(-2)
+        p2, q3, out_shape, squeeze = _pair_shapes(logits_p, logits_q, "logits_p", "logits_q")
+        out_shape = out_shape[:-1]
+    else:
+        p2, q3, out_shape, squeeze = _pair_shapes(logits_p, logits_q, "logits_p", "logits_q")
+    check.non_empty("logits_p", p2.shape[0])
+    if p2.shape[1] == 0:
+        raise ValueError("logits_p: the vocabulary is empty (V = 0)")
+    be = _dispatch.resolve("logits_js", p2.device, backend)
+    out = _ops.logits_js(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
+    return out[0].view(out_shape) if squeeze else out.view(out_shape)

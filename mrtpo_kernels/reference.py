@@ -1,0 +1,364 @@
+"""Plain PyTorch references for every op: the ground truth (run them in float64).
+
+Each function computes in the dtype of its inputs, so the same code serves two purposes:
+called on float64 tensors it is the ground truth the kernels are tested against; called on
+bf16/fp32 tensors it is "what plain PyTorch gives in that dtype", the yardstick for the
+error budget (a kernel may be off the float64 truth by at most 2x what this is, plus atol).
+
+Everything here materializes [tokens x vocab] tensors on purpose: clarity over memory.
+The math follows ../shared/METHOD.md; section numbers refer to it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "GDPOAdvantages",
+    "TokenAdvantages",
+    "logprobs_from_logits_ref",
+    "linear_logprobs_ref",
+    "js_distance_ref",
+    "linear_js_distance_ref",
+    "policy_loss_ref",
+    "linear_policy_loss_ref",
+    "gdpo_advantages_ref",
+    "mrtpo_token_advantages_ref",
+]
+
+LN2 = math.log(2.0)
+
+
+class GDPOAdvantages(NamedTuple):
+    """Result of GDPO normalization (METHOD.md section 1).
+
+    per_reward: (n, K) group-normalized advantage of each reward.
+    sequence:   (n,) batch-normalized GDPO advantage (S - mean) / (std + eps_batch).
+    mean, std:  () batch statistics of S = sum_k lambda_k A_k.
+    """
+
+    per_reward: torch.Tensor
+    sequence: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+class TokenAdvantages(NamedTuple):
+    """Result of MRTPO reallocation (METHOD.md sections 4-5).
+
+    token:      per-token advantages, (B, T) padded (0 at padding) or (N,) packed.
+    allocation: per-reward allocation weights w_k, (K, B, T) or (K, N); 1 where uniform.
+    per_reward, sequence, mean, std: as in GDPOAdvantages.
+    """
+
+    token: torch.Tensor
+    allocation: torch.Tensor
+    per_reward: torch.Tensor
+    sequence: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def logprobs_from_logits_ref(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+):
+    """log softmax(logits / temperature)[label] per row; 0 where label == ignore_index.
+
+    logits: (N, V); labels: (N,). Returns logp (N,) [, entropy (N,)] in logits' dtype.
+    """
+    z = logits / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    p = logp_all.exp()
+    ent = -(p * logp_all).nan_to_num(0.0).sum(-1)
+    ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return logp, ent
+
+
+def linear_logprobs_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+):
+    """logprobs_from_logits_ref(hidden @ weight.T + bias, ...). hidden (N, d), weight (V, d)."""
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    return logprobs_from_logits_ref(
+        logits,
+        labels,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )
+
+
+# --------------------------------------------------------------------------- JS distance
+
+
+def js_distance_ref(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-row Jensen-Shannon distance sqrt(JSD / ln 2) in [0, 1] (METHOD.md section 3).
+
+    logits_p: (N, V); logits_q: (N, V) or (K, N, V). Returns (N,) or (K, N).
+    Uses the stable form log m = logaddexp(log p, log q) - ln 2; terms with p = 0 give 0.
+    """
+    lp = torch.log_softmax(logits_p / temperature, dim=-1)
+    lq = torch.log_softmax(logits_q / temperature, dim=-1)
+    if lq.dim() == 3:
+        lp = lp.unsqueeze(0)
+    lm = torch.logaddexp(lp, lq) - LN2
+    kl_pm = torch.where(lp.exp() > 0, lp.exp() * (lp - lm), torch.zeros_like(lp)).sum(-1)
+    kl_qm = torch.where(lq.exp() > 0, lq.exp() * (lq - lm), torch.zeros_like(lq)).sum(-1)
+    jsd = 0.5 * kl_pm + 0.5 * kl_qm
+    return torch.sqrt(torch.clamp(jsd, min=0.0) / LN2).clamp(max=1.0)
+
+
+def linear_js_distance_ref(
+    hidden_p: torch.Tensor,
+    hidden_q: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """js_distance_ref of the two streams' logits through one LM head.
+
+    hidden_p: (N, d); hidden_q: (N, d) or (K, N, d); weight: (V, d). Returns (N,) or (K, N).
+    """
+    lp = hidden_p @ weight.t()
+    lq = hidden_q @ weight.t()
+    if bias is not None:
+        lp = lp + bias
+        lq = lq + bias
+    return js_distance_ref(lp, lq, temperature=temperature)
+
+
+# --------------------------------------------------------------------------- policy loss
+
+
+def _aggregate_ref(per_token, mask, aggregation, seq_ids, num_seqs, norm_len):
+    """Reduce a per-token loss to a scalar by one of the METHOD.md section 6 rules."""
+    m = mask.to(per_token.dtype)
+    if aggregation == "token-mean":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    sums = torch.zeros(num_seqs, dtype=per_token.dtype, device=per_token.device)
+    sums = sums.index_add(0, seq_ids, per_token * m)
+    counts = torch.zeros(num_seqs, dtype=per_token.dtype, device=per_token.device)
+    counts = counts.index_add(0, seq_ids, m)
+    present = counts > 0
+    if aggregation == "seq-mean-token-mean":
+        per_seq = torch.where(present, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    elif aggregation == "seq-mean-token-sum-norm":
+        per_seq = sums / norm_len
+    else:
+        raise ValueError(f"aggregation: unknown {aggregation!r}")
+    return per_seq.sum() / present.sum().clamp(min=1)
+
+
+def policy_loss_ref(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+    aggregation: str = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    num_seqs: int = 1,
+    norm_len: float = 1.0,
+):
+    """Token-level clipped surrogate (METHOD.md section 6) from per-token log-probs.
+
+    All per-token tensors are (N,); seq_ids (N,) names each token's sequence for the
+    sequence-level aggregations. Returns (loss, metrics) with metrics clip_fraction and
+    mean_ratio over the valid tokens (and kl when beta != 0).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    per_token = -surrogate
+    kl = None
+    if ref_logprobs is not None and beta != 0.0:
+        diff = ref_logprobs - logprobs
+        kl = torch.exp(diff) - diff - 1.0
+        per_token = per_token + beta * kl
+    if seq_ids is None:
+        seq_ids = torch.zeros_like(mask, dtype=torch.long)
+    loss = _aggregate_ref(per_token, mask, aggregation, seq_ids, num_seqs, norm_len)
+    m = mask.to(per_token.dtype)
+    n = m.sum().clamp(min=1)
+    was_clipped = (ratio * advantages > clipped_ratio * advantages).to(per_token.dtype)
+    metrics = {
+        "clip_fraction": (was_clipped * m).sum() / n,
+        "mean_ratio": (ratio * m).sum() / n,
+    }
+    if kl is not None:
+        metrics["kl"] = (kl * m).sum() / n
+    return loss, metrics
+
+
+def linear_policy_loss_ref(
+    hidden,
+    weight,
+    labels,
+    old_logprobs,
+    advantages,
+    *,
+    bias=None,
+    temperature=1.0,
+    clip_low=0.2,
+    clip_high=0.2,
+    ignore_index=-100,
+    ref_logprobs=None,
+    beta=0.0,
+    aggregation="token-mean",
+    seq_ids=None,
+    num_seqs=1,
+    norm_len=1.0,
+):
+    """policy_loss_ref on linear_logprobs_ref(hidden, weight, labels). All (N, ...) packed."""
+    logp = linear_logprobs_ref(
+        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
+    )
+    mask = labels != ignore_index
+    return policy_loss_ref(
+        logp,
+        old_logprobs.to(logp.dtype),
+        advantages.to(logp.dtype),
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        ref_logprobs=None if ref_logprobs is None else ref_logprobs.to(logp.dtype),
+        beta=beta,
+        aggregation=aggregation,
+        seq_ids=seq_ids,
+        num_seqs=num_seqs,
+        norm_len=norm_len,
+    )
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def gdpo_advantages_ref(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    eps_batch: float | None = None,
+    batch_norm: str = "sequence",
+    lengths: torch.Tensor | None = None,
+) -> GDPOAdvantages:
+    """GDPO (METHOD.md section 1), written as loops over groups for readability.
+
+    rewards (n, K); group_ids (n,); weights (K,) = lambda; lengths (n,) = T_i, needed for
+    batch_norm="token" (each response counted T_i times).
+    """
+    eps_batch = eps if eps_batch is None else eps_batch
+    n, k = rewards.shape
+    r = rewards
+    a = torch.zeros_like(r)
+    for g in torch.unique(group_ids).tolist():
+        idx = (group_ids == g).nonzero().squeeze(-1)
+        if idx.numel() < 2:
+            continue
+        for j in range(k):
+            x = r[idx, j]
+            if x.max() == x.min():  # zero variance, tested exactly (no rounding residue)
+                continue
+            a[idx, j] = (x - x.mean()) / (x.std() + eps)
+    lam = torch.ones(k, dtype=r.dtype) if weights is None else weights.to(r.dtype)
+    s = (a * lam).sum(-1)
+    if batch_norm == "sequence":
+        mu = s.mean()
+        sigma = s.std() if n > 1 else torch.zeros((), dtype=r.dtype)
+    elif batch_norm == "token":
+        w = lengths.to(r.dtype)
+        tot = w.sum()
+        mu = (w * s).sum() / tot
+        var = (w * (s - mu) ** 2).sum() / (tot - 1) if tot > 1 else torch.zeros((), dtype=r.dtype)
+        sigma = var.sqrt()
+    else:
+        raise ValueError(f"batch_norm: unknown {batch_norm!r}")
+    return GDPOAdvantages(a, (s - mu) / (sigma + eps_batch), mu, sigma)
+
+
+def mrtpo_token_advantages_ref(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    relevance: list[torch.Tensor],
+    *,
+    has_info: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+    eps_batch: float | None = None,
+    batch_norm: str = "sequence",
+    delta: float = 1e-8,
+    clip: tuple[float, float] | None = None,
+):
+    """MRTPO token advantages (METHOD.md sections 4-5), one response at a time.
+
+    relevance: a list of n tensors, response i's of shape (K, T_i) (d_k over its tokens).
+    has_info: (n, K) bool, whether reward k's verifier has spans for response i.
+    Returns (token advantages as a list of (T_i,) tensors, GDPOAdvantages).
+    """
+    lengths = torch.tensor([rel.shape[-1] for rel in relevance])
+    g = gdpo_advantages_ref(
+        rewards,
+        group_ids,
+        weights=weights,
+        eps=eps,
+        eps_batch=eps_batch,
+        batch_norm=batch_norm,
+        lengths=lengths,
+    )
+    eps_batch = eps if eps_batch is None else eps_batch
+    k = rewards.shape[1]
+    lam = torch.ones(k, dtype=rewards.dtype) if weights is None else weights.to(rewards.dtype)
+    out = []
+    for i, rel in enumerate(relevance):
+        t = rel.shape[-1]
+        total = torch.zeros(t, dtype=rewards.dtype)
+        for j in range(k):
+            w = torch.ones(t, dtype=rewards.dtype)
+            if bool(has_info[i, j]):
+                dg = rel[j].to(rewards.dtype) ** gamma
+                mean = dg.mean()
+                if mean >= delta:
+                    w_hat = dg / mean
+                    if clip is not None:
+                        w_hat = w_hat.clamp(clip[0], clip[1])
+                        w_hat = w_hat / w_hat.mean()
+                    w = (1 - alpha) + alpha * w_hat
+            total = total + lam[j] * g.per_reward[i, j] * w
+        out.append((total - g.mean) / (g.std + eps_batch))
+    return out, g
