@@ -32,7 +32,7 @@ def extensions():
     exts = []
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if cpu_sources:
-        cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno"]
+        cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno"]
         exts.append(
             cpp_extension.CppExtension(
                 "mrtpo_kernels._C",
@@ -62,7 +62,7 @@ def extensions():
                     cuda_sources,
                     include_dirs=[os.path.join(HERE, "csrc", "cuda")],
                     extra_compile_args={
-                        "cxx": ["-O3", "-std=c++17"],
+                        "cxx": ["-O3", "-std=c++20"],
                         "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + gencode,
                     },
                 )

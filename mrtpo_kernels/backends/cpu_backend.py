@@ -24,3 +24,59 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     return f"the C++ extension mrtpo_kernels._C is not built ({_IMPORT_ERROR}); run `make build`"
+
+
+class _CppChunkKernel:
+    """Adapter from the chunked drivers' kernel protocol to mrtpo_kernels._C."""
+
+    @staticmethod
+    def stats(z, labels, inv_t, ignore_index, with_ent):
+        logp, ent, lse = _C.stats(z, labels.contiguous(), inv_t, ignore_index, with_ent)
+        return logp, (ent if with_ent else None), lse
+
+    @staticmethod
+    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index):
+        dt = z.dtype
+        _C.grad_(
+            z,
+            labels.contiguous(),
+            lse.to(dt).contiguous(),
+            None if ent is None else ent.to(dt).contiguous(),
+            g_logp.to(dt).contiguous(),
+            None if g_ent is None else g_ent.to(dt).contiguous(),
+            inv_t,
+            ignore_index,
+        )
+
+    @staticmethod
+    def js(zp, zq, inv_t, lse_p):
+        return _C.js(zp, zq, inv_t, lse_p)
+
+    @staticmethod
+    def policy_(z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad):
+        dt = z.dtype
+        return _C.policy_(
+            z,
+            labels.contiguous(),
+            old.to(dt).contiguous(),
+            adv.to(dt).contiguous(),
+            tw.to(dt).contiguous(),
+            None if ref is None else ref.to(dt).contiguous(),
+            inv_t,
+            clip_low,
+            clip_high,
+            beta,
+            ii,
+            need_grad,
+        )
+
+
+if _C is not None:
+    _K = _CppChunkKernel()
+    linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
+    linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
+    linear_js = functools.partial(_chunked.linear_js, _K)
+    logits_logprobs_fwd = functools.partial(_chunked.logits_logprobs_fwd, _K)
+    logits_logprobs_bwd = functools.partial(_chunked.logits_logprobs_bwd, _K)
+    logits_js = functools.partial(_chunked.logits_js, _K)
+    linear_policy_loss = functools.partial(_chunked.linear_policy_loss, _K)

@@ -1,0 +1,1 @@
+"""Triton kernels, one op per module; see each module header for the math and costs."""
