@@ -27,8 +27,8 @@ class _TorchChunkKernel:
         logp = torch.where(valid, tgt - lse, torch.zeros_like(lse))
         ent = None
         if with_ent:
-            p = torch.exp(zt - lse.unsqueeze(-1))
-            ent = lse - (p * zt).sum(-1)
+            logp_all = zt - lse.unsqueeze(-1)
+            ent = -(torch.exp(logp_all) * logp_all).sum(-1)
             ent = torch.where(valid, ent, torch.zeros_like(ent))
         return logp, ent, lse
 
@@ -50,14 +50,27 @@ class _TorchChunkKernel:
 
     @staticmethod
     def js(zp, zq, inv_t, lse_p):
-        lp = zp * inv_t
-        lp = lp - (torch.logsumexp(lp, -1, keepdim=True) if lse_p is None else lse_p[:, None])
-        lse_p = (zp * inv_t - lp)[:, 0] if lse_p is None else lse_p
-        lq = torch.log_softmax(zq * inv_t, dim=-1)
-        lm = torch.logaddexp(lp, lq) - LN2
-        p, q = lp.exp(), lq.exp()
-        terms = torch.where(p > 0, p * (lp - lm), 0.0) + torch.where(q > 0, q * (lq - lm), 0.0)
-        jsd = 0.5 * terms.sum(-1)
+        # Same per-element form as the C++ kernel: p log(p/M) + q log(q/M) = M h(t) with
+        # M = (p+q)/2, t = (p-q)/(p+q); series for small |t| (exactly 0 when p == q).
+        zt = zp * inv_t
+        if lse_p is None:
+            lse_p = torch.logsumexp(zt, -1)
+        a = zt - lse_p[:, None]
+        zqt = zq * inv_t
+        b = zqt - torch.logsumexp(zqt, -1, keepdim=True)
+        p, q = a.exp(), b.exp()
+        s = p + q
+        tiny = torch.finfo(s.dtype).tiny
+        s_safe = torch.where(s > tiny, s, torch.ones_like(s))
+        t2 = ((p - q) / s_safe) ** 2
+        h = 1.0 / 66
+        for c in (1.0 / 45, 1.0 / 28, 1.0 / 15, 1.0 / 6, 1.0):
+            h = h * t2 + c
+        series = 0.5 * s * t2 * h
+        log_s = torch.log(s_safe)
+        direct = p * (LN2 + a - log_s) + q * (LN2 + b - log_s)
+        term = torch.where(t2 < 0.0625, series, direct)
+        jsd = 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
         return torch.sqrt(jsd.clamp(min=0.0) / LN2).clamp(max=1.0), lse_p
 
     @staticmethod

@@ -5,6 +5,7 @@ Host side:
     check_device(name, t)     ValueError unless t can run here (CUDA, or CPU when interpreting)
     num_sms(device)           streaming multiprocessors (a small number under the interpreter)
     dot_precision(dtype)      "ieee" or "tf32" for fp32 dots, following torch's matmul setting
+    interpreter_upcast(dtype) whether to upcast dot operands to fp32 (interpreter + bf16 only)
     chunk_bytes()             memory budget of one gradient chunk (``MRTPO_CHUNK_BYTES``)
 Device side:
     grouped_pid(pid, num_m, num_n, GROUP_M)   program id -> (pid_m, pid_n), grouped order
@@ -38,7 +39,7 @@ def check_device(name: str, t: torch.Tensor) -> None:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -51,10 +52,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 dots use TF32 only where torch's own fp32 matmuls would (same error budget)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "ieee"
+    """tl.dot input_precision: fp32 dots use TF32 only where torch's own fp32 matmuls would
+    (same error budget), else IEEE fp32; 16-bit dots get Triton's default ("tf32"), which
+    does not affect them."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """True under the interpreter for bf16 operands: its tl.dot multiplies the raw bf16 bit
+    patterns (wrong results, seen with Triton 3.9), so kernels pass this as a constexpr and
+    upcast both operands to fp32 before the dot. Always False on a GPU."""
+    return interpreting() and dtype == torch.bfloat16
 
 
 def chunk_bytes() -> int:

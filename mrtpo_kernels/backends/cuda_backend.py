@@ -1,0 +1,102 @@
+"""The "cuda" backend: hand-written CUDA kernels (mrtpo_kernels._cuda, csrc/cuda) for the
+memory-bound stages.
+
+Implemented here:
+    logits_logprobs_fwd / logits_logprobs_bwd / logits_js   streaming over existing logits,
+        one CTA per token row, one read of the logits (two for JS), fp32 math from fp32,
+        bf16 or fp16 logits
+    reallocate_packed                                       one segmented kernel over responses
+
+The fused LM-head ops (linear_*) are not here: the dispatcher runs them on another backend.
+float64 inputs (gradcheck, references) run on the chunked PyTorch kernels, which keep
+float64 end to end; the CUDA kernels compute in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_backend
+
+try:
+    from .. import _cuda
+except ImportError as exc:  # not built (no nvcc, CPU-only torch) or built for another torch
+    _cuda = None
+    _IMPORT_ERROR = str(exc)
+else:
+    _IMPORT_ERROR = ""
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unavailable_reason() -> str:
+    """Why the backend cannot run here ("" when it can)."""
+    if _cuda is None:
+        return (
+            f"the CUDA extension mrtpo_kernels._cuda is not built ({_IMPORT_ERROR}); it is "
+            "built by `make build` where torch is a CUDA build and nvcc is found"
+        )
+    if not torch.cuda.is_available():
+        return "mrtpo_kernels._cuda is built but torch sees no CUDA device"
+    return ""
+
+
+def available() -> bool:
+    return unavailable_reason() == ""
+
+
+def _on_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in _KERNEL_DTYPES
+
+
+def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
+    """(logp (N,), entropy (N,) or (0,), lse (N,)) float32 from logits (N, V).
+
+    lse is 0 on rows whose label is ignore_index (never read: their gradient is 0)."""
+    if not _on_kernels(logits):
+        return torch_backend.logits_logprobs_fwd(
+            logits, labels, temperature, ignore_index, with_entropy
+        )
+    return _cuda.logits_logprobs_fwd(
+        logits, labels, float(temperature), int(ignore_index), bool(with_entropy)
+    )
+
+
+def logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+                        ignore_index):  # fmt: skip
+    """dL/dlogits (N, V) in the logits' dtype."""
+    if not _on_kernels(logits):
+        return torch_backend.logits_logprobs_bwd(
+            logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+        )
+    f32 = torch.float32
+    return _cuda.logits_logprobs_bwd(
+        logits, labels, lse.to(f32).contiguous(), entropy.to(f32).contiguous(),
+        grad_logp.to(f32).contiguous(), grad_entropy.to(f32).contiguous(), float(temperature),
+        int(ignore_index),
+    )  # fmt: skip
+
+
+def logits_js(logits_p, logits_q, temperature):
+    """(K, N) float32 JS distances between logits_p (N, V) and logits_q (K, N, V)."""
+    if not _on_kernels(logits_p):
+        return torch_backend.logits_js(logits_p, logits_q, temperature)
+    return _cuda.logits_js(logits_p, logits_q, float(temperature))
+
+
+def reallocate_packed(per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std,
+                      alpha, gamma, eps_batch, delta, clip_min, clip_max):  # fmt: skip
+    """(token (N,), allocation (K, N)); see the backend interface. seg_ids is not needed: the
+    kernel walks each response's tokens from cu_seqlens."""
+    if not (relevance.is_cuda and relevance.dtype == torch.float32):
+        return torch_backend.reallocate_packed(
+            per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std, alpha, gamma,
+            eps_batch, delta, clip_min, clip_max,
+        )  # fmt: skip
+    f32 = torch.float32
+    return _cuda.reallocate_packed(
+        per_reward.to(f32).contiguous(), lam.to(f32).contiguous(), has_info.contiguous(),
+        relevance.contiguous(), cu_seqlens.long().contiguous(), mean.to(f32).reshape(1),
+        std.to(f32).reshape(1), float(alpha), float(gamma), float(eps_batch), float(delta),
+        float(clip_min), float(clip_max),
+    )  # fmt: skip

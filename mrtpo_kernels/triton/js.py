@@ -1,0 +1,399 @@
+"""One-vs-many Jensen-Shannon distance (METHOD.md section 3), fused with the LM head
+(``linear_js``) and from logits that already exist (``logits_js``). No gradient.
+
+Math (per token row r, stream k = 1..K, vocabulary entry v; tau the temperature):
+    lp_v = z_p[v] / tau - lse_p,   lq_v = z_q[k, v] / tau - lse_q[k]    (log P, log Q)
+    JSD  = 1/2 sum_v [ p log(p/m) + q log(q/m) ],  m = (p + q) / 2
+    d    = min(1, sqrt(max(JSD, 0) / ln 2))
+  Each vocabulary term is evaluated without cancellation from delta = lp - lq (computed as
+  (z_p - z_q) / tau - (lse_p - lse_q), so identical rows give delta = 0 exactly):
+    p log(p/m) + q log(q/m) = m h,   h = 2 (x tanh x - log cosh x),  x = delta / 2
+    |delta| <  1/2:  h = x^2 - x^4/2 + 2x^6/9 - 17x^8/180 + 62x^10/1575 - 1382x^12/85050
+                     (next term below 1e-9 relative there)
+    |delta| >= 1/2:  m h = (p + q)(ln 2 - log(1 + e^-|delta|)) - min(p, q) |delta|
+  Every term is >= 0, and 0 where p = q = 0. Disjoint supports give JSD = ln 2, d = 1.
+  Per term and stream: 3 transcendentals (exp lq, exp -|delta|, log(1 + e)); exp lp is
+  shared by the K streams.
+
+The two log-normalizers are needed before any term can be summed, so the vocabulary is
+visited twice. Counting for the target shape (H200, bf16, N = 16384 tokens, d = 4096,
+V = 151936, K = 4; GEMM work (1 + K) 2 N d V = 102 TFLOP, ~130 ms at the chip's ~790
+TFLOP/s dense bf16):
+  (a) two passes, logits recomputed: 2 x 102 TFLOP, >= 260 ms, at most ~390 TFLOP/s counted
+      as (1 + K) 2 N d V: below the 500 TFLOP/s target before any other cost. Rejected.
+  (b) chosen: one GEMM pass that keeps each chunk's fp32 logits in a device scratch between
+      their two uses. Per chunk of C tokens, the GEMM kernel (_js_logits_kernel) writes the
+      (1 + K) x C x V fp32 logits / tau and, from the accumulator tile, a partial
+      log-sum-exp per (row, vocabulary tile); a tiny kernel combines the partials into
+      lse; _js_sum_kernel then reads the scratch once and sums the terms. Extra bytes:
+      (1 + K) N V 4 written + the same read = 2 x 49.8 GB = 100 GB, ~21 ms at 4.8 TB/s, most
+      of the writes overlapped with the tensor cores; the weight is re-read once per chunk,
+      (N / C) V d 2 = 80 GB at C = 256, overlapped (the chunk GEMM does 1280 FLOP per weight
+      byte, far above the ~165 FLOP/B balance point). Estimate: ~165-175 ms, ~600 TFLOP/s
+      counted. C is sized so the scratch stays within MRTPO_JS_SCRATCH_BYTES (default
+      768 MiB: C = 256 for K = 4, V = 151936), inside the 1 GB extra-memory budget.
+      P's logits are computed once per chunk and shared by the K streams.
+  From existing logits (logits_js) there is no GEMM: pass 1 (_row_lse_kernel) reads every
+  row for its lse, pass 2 (_js_sum_kernel) reads them again, 2 (1 + K) N V b bytes (b the
+  logits' element size); memory-bound.
+
+Shapes, strides, dtypes:
+  linear_js(hidden_p (N, d), hidden_q (K, N, d), weight (V, d), bias (V,) | None, tau)
+      -> (K, N) fp32; inputs contiguous, same dtype (bf16, fp16 or fp32; fp32 uses IEEE fp32
+      dots, not tf32). Scratch: logits (1 + K, C, V) fp32, partial lse (1 + K, C, V / BN),
+      lse (1 + K, C), split sums (S, K, C).
+  logits_js(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous.
+  float64 inputs go to the chunked "torch" backend (float64 throughout, no tensor cores to
+  gain from), so results stay float64-exact for gradcheck-style references.
+  N, V, d, K are run-time kernel arguments (RL batches vary); offsets are int64; tails are
+  masked; the max identity is -inf and guarded; all accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, dot_precision, interpreting, num_sms
+
+LN2 = math.log(2.0)
+
+# Series coefficients of h(x) = 2 (x tanh x - log cosh x) in powers of x^2 (see the header).
+_H1 = tl.constexpr(-0.5)
+_H2 = tl.constexpr(2.0 / 9.0)
+_H3 = tl.constexpr(-17.0 / 180.0)
+_H4 = tl.constexpr(62.0 / 1575.0)
+_H5 = tl.constexpr(-1382.0 / 85050.0)
+_LN2 = tl.constexpr(LN2)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _js_logits_kernel(
+    a_ptr,  # (M, d): this chunk's hidden rows, streams stacked (P's rows, then each Q's)
+    w_ptr,  # (V, d)
+    b_ptr,  # (V,) or a dummy pointer when HAS_BIAS is False
+    z_ptr,  # (M, V) fp32 scratch: (a W^T + b) / tau
+    part_ptr,  # (M, n_vt) fp32: log-sum-exp of each row over each vocabulary tile
+    M,
+    D,
+    V,
+    n_vt,
+    inv_t,
+    stride_a,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: its bf16 dot multiplies the raw bits
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Program order: all row tiles of one vocabulary tile are consecutive, so a weight tile
+    # comes from HBM once per chunk and the chunk's rows (a few MiB) stay in L2.
+    pid = tl.program_id(0)
+    n_mt = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % n_mt
+    pid_v = pid // n_mt
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_v = pid_v.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v_mask = offs_v < V
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + offs_v[None, :] * stride_w + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_mask = (k0 + offs_k) < D
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & v_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # Epilogue on the fp32 accumulator: (z + b) / tau, stored fp32, and this tile's lse.
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    zs = tl.where(v_mask[None, :], acc * inv_t, float("-inf"))
+    z_ptrs = z_ptr + offs_m[:, None] * V + offs_v[None, :]
+    tl.store(z_ptrs, zs, mask=m_mask[:, None] & v_mask[None, :])
+    mx = tl.max(zs, axis=1)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    se = tl.sum(tl.exp(zs - mx_safe[:, None]), axis=1)
+    tl.store(part_ptr + offs_m * n_vt + pid_v, mx_safe + tl.log(se), mask=m_mask)
+
+
+@triton.jit
+def _row_lse_kernel(
+    x_ptr,  # rows of values, row (r, s) at s * stride_xs + r * stride_xr
+    out_ptr,  # fp32, (s, r) at s * stride_os + r
+    cols,
+    stride_xs,
+    stride_xr,
+    stride_os,
+    scale,
+    BLOCK: tl.constexpr,
+):
+    # out = log sum_c exp(scale * x[c]); one program per (row, stream), one pass.
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    base = x_ptr + s * stride_xs + r * stride_xr
+    offs = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    total = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    for c0 in range(0, cols, BLOCK):
+        idx = c0 + offs
+        x = tl.load(base + idx, mask=idx < cols, other=float("-inf")).to(tl.float32) * scale
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(out_ptr + s * stride_os + r, m_safe + tl.log(total))
+
+
+@triton.jit
+def _js_terms(p, q, delta):
+    """Per-element p log(p/m) + q log(q/m) from p, q and delta = log p - log q (fp32)."""
+    ad = tl.abs(delta)
+    x2 = 0.25 * ad * ad
+    h = x2 * (1.0 + x2 * (_H1 + x2 * (_H2 + x2 * (_H3 + x2 * (_H4 + x2 * _H5)))))
+    small = 0.5 * (p + q) * h
+    log1pe = tl.log(1.0 + tl.exp(-ad))
+    mn = tl.minimum(p, q)
+    large = (p + q) * (_LN2 - log1pe) - tl.where(mn > 0.0, mn * ad, 0.0)
+    term = tl.where(ad < 0.5, small, large)
+    return tl.where(p + q > 0.0, term, 0.0)
+
+
+@triton.jit
+def _js_sum_kernel(
+    zp_ptr,  # P rows, row r at r * stride_p
+    zq_ptr,  # Q rows, (k, r) at k * stride_qk + r * stride_q
+    lse_ptr,  # (1 + K, *) fp32: lse of P at [0, r], of Q_k at [1 + k, r]
+    part_ptr,  # (S, K, rows_alloc) fp32: this split's half sum of terms
+    K,
+    cols,
+    cols_per_split,
+    stride_p,
+    stride_qk,
+    stride_q,
+    stride_ls,
+    stride_part_s,
+    stride_part_k,
+    scale,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # One program per (token row, vocabulary split); P's block is loaded and exponentiated
+    # once and compared with all K streams ([BLOCK_K, BLOCK_V] tile).
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    lse_p = tl.load(lse_ptr + r)
+    lse_q = tl.load(lse_ptr + (1 + kk).to(tl.int64) * stride_ls + r, mask=k_mask, other=0.0)
+    dl = lse_p - lse_q
+    p_row = zp_ptr + r * stride_p
+    q_rows = zq_ptr + kk.to(tl.int64)[:, None] * stride_qk + r * stride_q
+    v_lo = sp * cols_per_split
+    v_hi = tl.minimum(v_lo + cols_per_split, cols)
+    acc = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        vm = offs < v_hi
+        zp = tl.load(p_row + offs, mask=vm, other=float("-inf")).to(tl.float32) * scale
+        zq = tl.load(
+            q_rows + offs[None, :], mask=k_mask[:, None] & vm[None, :], other=float("-inf")
+        )
+        zq = zq.to(tl.float32) * scale
+        p = tl.exp(zp - lse_p)
+        q = tl.exp(zq - lse_q[:, None])
+        delta = (zp[None, :] - zq) - dl[:, None]
+        acc += _js_terms(p[None, :], q, delta)
+    half = 0.5 * tl.sum(acc, axis=1)
+    tl.store(part_ptr + sp * stride_part_s + kk.to(tl.int64) * stride_part_k + r, half, k_mask)
+
+
+@triton.jit
+def _js_finish_kernel(
+    part_ptr,  # (S, K, rows_alloc) fp32
+    out_ptr,  # (K, N) fp32
+    K,
+    rows,
+    splits,
+    row0,
+    stride_part_s,
+    stride_part_k,
+    stride_out_k,
+    BLOCK: tl.constexpr,
+):
+    # d = min(1, sqrt(max(JSD, 0) / ln 2)), JSD = sum over the S splits (fixed order).
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < K * rows
+    k = j // rows
+    r = j % rows
+    src = part_ptr + k * stride_part_k + r
+    jsd = tl.zeros([BLOCK], dtype=tl.float32)
+    for sp in range(0, splits):
+        jsd += tl.load(src + sp * stride_part_s, mask=mask, other=0.0)
+    d = tl.sqrt_rn(tl.maximum(jsd, 0.0) * (1.0 / _LN2))
+    tl.store(out_ptr + k * stride_out_k + row0 + r, tl.minimum(d, 1.0), mask=mask)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+class _GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _gemm_config(dtype: torch.dtype) -> _GemmConfig:
+    """Tile sizes for _js_logits_kernel. MRTPO_JS_GEMM="BM,BN,BK,warps,stages" overrides
+    (for tuning on a GPU). Hopper, 16-bit: 128 x 256 x 64 tiles, 8 warps (two warpgroups
+    of wgmma), 3 stages of (128 + 256) x 64 x 2 B = 48 KiB shared memory each. fp32 runs
+    IEEE dots (no tf32) on smaller tiles."""
+    env = os.environ.get("MRTPO_JS_GEMM")
+    if env:
+        return _GemmConfig(*(int(x) for x in env.split(",")))
+    if interpreting():
+        return _GemmConfig(64, 256, 64, 4, 1)  # few, large programs: the interpreter is numpy
+    if dtype == torch.float32:
+        return _GemmConfig(64, 128, 32, 4, 3)
+    return _GemmConfig(128, 256, 64, 8, 3)
+
+
+def _scratch_bytes() -> int:
+    return int(os.environ.get("MRTPO_JS_SCRATCH_BYTES", 768 << 20))
+
+
+def _chunk_rows(n: int, vocab: int, streams: int, block_m: int) -> int:
+    """Tokens per chunk so the (streams, C, V) fp32 logits scratch fits the budget."""
+    c = _scratch_bytes() // (4 * streams * vocab)
+    if c >= block_m:
+        c -= c % block_m
+    return max(1, min(c, n))
+
+
+def _sum_blocks(k: int) -> tuple[int, int]:
+    block_k = triton.next_power_of_2(k)
+    elems = 8192 if interpreting() else 4096
+    return block_k, max(64, elems // block_k)
+
+
+def _splits(rows: int, cols: int, block_v: int, device: torch.device) -> tuple[int, int]:
+    """Vocabulary splits per row so that rows x splits programs fill the GPU (8 per SM)."""
+    target = 8 * num_sms(device)
+    splits = max(1, min(triton.cdiv(target, rows), triton.cdiv(cols, block_v)))
+    per_split = triton.cdiv(triton.cdiv(cols, splits), block_v) * block_v
+    return triton.cdiv(cols, per_split), per_split
+
+
+def _lse_block(cols: int) -> int:
+    return min(triton.next_power_of_2(max(cols, 16)), 8192 if interpreting() else 2048)
+
+
+def _js_sum_and_finish(zp, zq, lse, out, row0, scale):
+    """Launch _js_sum_kernel and _js_finish_kernel: zp (rows, V) and zq (K, rows, V) views
+    with unit last stride, lse (1 + K, rows) fp32; writes out[:, row0 : row0 + rows]."""
+    rows, cols = zp.shape
+    k = zq.shape[0]
+    block_k, block_v = _sum_blocks(k)
+    splits, per_split = _splits(rows, cols, block_v, out.device)
+    part = torch.empty((splits, k, rows), dtype=torch.float32, device=out.device)
+    _js_sum_kernel[(rows, splits)](
+        zp, zq, lse, part, k, cols, per_split, zp.stride(0), zq.stride(0), zq.stride(1),
+        lse.stride(0), k * rows, rows, scale, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
+    )  # fmt: skip
+    fin_block = 1024
+    _js_finish_kernel[(triton.cdiv(k * rows, fin_block),)](
+        part, out, k, rows, splits, row0, k * rows, rows, out.stride(0), BLOCK=fin_block,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def linear_js(hidden_p, hidden_q, weight, bias, temperature):
+    """(K, N) fp32 JS distances between softmax((hidden_p W^T + b) / tau) and each of the
+    K streams softmax((hidden_q[k] W^T + b) / tau). Inputs contiguous, validated."""
+    if hidden_p.dtype == torch.float64:
+        from ..backends import torch_backend  # float64: exact chunked path (see header)
+
+        return torch_backend.linear_js(hidden_p, hidden_q, weight, bias, temperature)
+    check_device("hidden_p", hidden_p)
+    n, d = hidden_p.shape
+    k = hidden_q.shape[0]
+    v = weight.shape[0]
+    streams = 1 + k
+    dev = hidden_p.device
+    cfg = _gemm_config(hidden_p.dtype)
+    c = _chunk_rows(n, v, streams, cfg.block_m)
+    n_vt = triton.cdiv(v, cfg.block_n)
+    # Per-chunk buffers, viewed densely as (streams, rows, .) for the last, shorter chunk.
+    a_buf = torch.empty(streams * c * d, dtype=hidden_p.dtype, device=dev)
+    z_buf = torch.empty(streams * c * v, dtype=torch.float32, device=dev)
+    part_buf = torch.empty(streams * c * n_vt, dtype=torch.float32, device=dev)
+    lse_buf = torch.empty(streams * c, dtype=torch.float32, device=dev)
+    out = torch.empty((k, n), dtype=torch.float32, device=dev)
+    precision = dot_precision(hidden_p.dtype) if hidden_p.dtype == torch.float32 else "tf32"
+    dot_in_fp32 = interpreting() and hidden_p.dtype == torch.bfloat16
+    if dot_in_fp32:
+        precision = "ieee"
+    b_arg = bias if bias is not None else weight
+    for row0 in range(0, n, c):
+        rows = min(c, n - row0)
+        m = streams * rows
+        a = a_buf[: m * d].view(streams, rows, d)
+        a[0].copy_(hidden_p[row0 : row0 + rows])
+        a[1:].copy_(hidden_q[:, row0 : row0 + rows])
+        z = z_buf[: m * v].view(streams, rows, v)
+        part = part_buf[: m * n_vt]
+        lse = lse_buf[:m]
+        grid = (triton.cdiv(m, cfg.block_m) * n_vt,)
+        _js_logits_kernel[grid](
+            a, weight, b_arg, z, part, m, d, v, n_vt, 1.0 / temperature, d, weight.stride(0),
+            HAS_BIAS=bias is not None, DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        _row_lse_kernel[(m, 1)](part, lse, n_vt, 0, n_vt, 0, 1.0, BLOCK=_lse_block(n_vt))
+        _js_sum_and_finish(z[0], z[1:], lse.view(streams, rows), out, row0, 1.0)
+    return out
+
+
+def logits_js(logits_p, logits_q, temperature):
+    """(K, N) fp32 JS distances between softmax(logits_p / tau) and each
+    softmax(logits_q[k] / tau). Inputs contiguous, validated."""
+    if logits_p.dtype == torch.float64:
+        from ..backends import torch_backend  # float64: exact chunked path (see header)
+
+        return torch_backend.logits_js(logits_p, logits_q, temperature)
+    check_device("logits_p", logits_p)
+    n, v = logits_p.shape
+    k = logits_q.shape[0]
+    dev = logits_p.device
+    inv_t = 1.0 / temperature
+    lse = torch.empty((1 + k, n), dtype=torch.float32, device=dev)
+    out = torch.empty((k, n), dtype=torch.float32, device=dev)
+    block = _lse_block(v)
+    warps = 8 if block >= 2048 else 4
+    _row_lse_kernel[(n, 1)](logits_p, lse, v, 0, v, 0, inv_t, BLOCK=block, num_warps=warps)
+    _row_lse_kernel[(n, k)](logits_q, lse[1:], v, n * v, v, n, inv_t, BLOCK=block, num_warps=warps)
+    _js_sum_and_finish(logits_p, logits_q, lse, out, 0, inv_t)
+    return out

@@ -1,0 +1,570 @@
+"""Triton kernels: per-token log-probs and entropy, fused with the LM head or from logits.
+
+Math (per token n, z = (h_n W^T + b) / tau, or z = logits_n / tau; all in fp32):
+    lse_n = log sum_v exp(z_v)          logp_n = z_y - lse_n        (0 where y = ignore)
+    H_n   = lse_n - sum_v p_v z_v       p_v = exp(z_v - lse_n)      (0 where y = ignore)
+Backward, upstream gradients g (of logp) and e (of H), both 0 on ignored tokens:
+    dz_v      = g ([v == y] - p_v) - e p_v (log p_v + H)           (and dlogits = dz / tau)
+    dh_n      = sum_v dlogits_nv W_v     dW_v = sum_n dlogits_nv h_n     db_v = sum_n dlogits_nv
+
+Shapes and dtypes: hidden (N, d) and weight (V, d) fp32/bf16/fp16, same dtype, contiguous
+rows (the row stride is passed, the last stride must be 1); bias (V,); labels (N,) int64;
+logits (N, V) any float dtype. N, V and d are run-time arguments (RL batches vary); only
+tile sizes and feature flags are constexpr. Offsets are int64. Outputs logp, entropy, lse
+are fp32 (N,); lse (of z, i.e. after the temperature) is what the backward needs, together
+with the entropy when there is an entropy gradient. grad_hidden in hidden's dtype,
+grad_weight and grad_bias fp32, grad_logits in logits' dtype. float64 inputs go to the
+"torch" backend (Triton dots have no fp64 tensor-core path; the torch backend then computes
+in float64 as the other backends do).
+
+Forward (``_stats_partial_kernel`` + ``_stats_combine_kernel``): a program owns BLOCK_N
+tokens and one contiguous range ("split") of the vocabulary; for each BLOCK_V block it
+accumulates z = h W^T with tl.dot over BLOCK_D slices of d in fp32 registers, then folds
+the block into an online log-sum-exp: running max m, s = sum exp(z - m) and, for the
+entropy, t = sum exp(z - m) (z - m) (kept relative to m, so H = log s - t / s has no
+cancellation when |z| is large); when m grows, s and t are rescaled by exp(m_old - m_new)
+and t shifted by s (m_old - m_new). The target logit is picked when y falls in the block.
+Logits never reach global memory. Splits (several per token tile, launched in grouped
+order) fill the GPU when N is small and keep the tiles that run together in L2; the combine
+kernel merges the (m, s, t, z_y) partials of the S splits the same way. Max identity is
+-inf; exp(-inf - -inf) is avoided by exponentiating against 0 while the max is still -inf.
+
+Backward decomposition, chosen by counting. One fused kernel cannot produce dh and dW: for
+d = 4096 the dh accumulator of one token tile is BLOCK_N x d fp32 (2 MiB at BLOCK_N = 128),
+far beyond registers and shared memory, so "loop over V and accumulate dh online" would
+recompute the logits d / BLOCK_D times; fp32 atomics for both dh and dW would issue
+N d V / BLOCK_V + V d N / BLOCK_N ~ 1.6e11 atomics at the target shape, several times the
+GEMM time. So the vocabulary is walked in chunks of C columns (C from MRTPO_CHUNK_BYTES,
+default 256 MiB of gradient-of-logits; C = 8192 at N = 16384 in bf16):
+    1. ``_dlogits_kernel``: recompute the (N, C) logits tile by tile (GEMM 1), turn them
+       into dlogits in registers with the saved lse (and entropy) and store them in
+       hidden's dtype into the chunk buffer G (N, C); db by fp32 atomics of column sums.
+    2. dW[chunk] = G^T hidden  (GEMM 2, ``_matmul_kernel``): each row of dW is finished in
+       one chunk, accumulated in fp32 over all N in registers, written once (no
+       read-modify-write, no bf16 accumulation across chunks).
+    3. dh32 += G W[chunk]      (GEMM 3): an fp32 (N, d) accumulator, read and written once
+       per chunk (2 N d 4 bytes x V / C: 10 GB at the target shape, ~2 ms).
+Chunking the vocabulary rather than the tokens is what makes dW single-pass: the saved lse
+is known before the backward starts, so any vocabulary chunk can be finished on its own.
+
+Costs (2 N d V = 2.0e13 FLOPs per GEMM at N = 16384, d = 4096, V = 151936):
+    forward   1 GEMM + ~8 N V fp32 epilogue ops; HBM: hidden (N d e) and weight (V d e)
+              once each in the ideal, ~S and ~N / (BLOCK_N GROUP) times through L2 in
+              practice; writes 12 N bytes.
+    backward  3 GEMMs; HBM beyond the inputs: G written and read 2 x (N V e) bytes
+              (10 GB bf16), dh32 traffic as above, dW written once (4 V d bytes).
+    logits    (N V e) bytes read forward; read + (N V e) written backward; ~10 flops/elem.
+Extra device memory: G (<= MRTPO_CHUNK_BYTES), dh32 (4 N d bytes, none for fp32 hidden),
+the (4, S, N) fp32 partials.
+
+Tiles (fixed, not autotuned: no GPU was available when this was written): bf16/fp16 dots
+BLOCK_N = BLOCK_V = 128, BLOCK_D = 64, 8 warps, 3 stages; fp32 dots 64/64/32, 4 warps,
+2 stages; the GEMMs 128 x 128 x 64 (fp32: 64 x 64 x 32), GROUP_M = 8. Under the
+interpreter the tiles are chosen for few program launches. fp32 dots use IEEE fp32 unless
+torch's float32 matmul precision allows TF32 (then TF32, as torch would).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    cdiv,
+    check_device,
+    chunk_bytes,
+    dot_precision,
+    grouped_pid,
+    interpreter_upcast,
+    interpreting,
+)
+from ._common import num_sms as _num_sms
+
+__all__ = [
+    "linear_logprobs_fwd",
+    "linear_logprobs_bwd",
+    "logits_logprobs_fwd",
+    "logits_logprobs_bwd",
+]
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _logits_tile(
+    src_ptr,
+    w_ptr,
+    b_ptr,
+    rows64,
+    row_mask,
+    cols,
+    col_mask,
+    D,
+    stride_src,
+    stride_w,
+    inv_t,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """z = (h W^T + b) / tau for a (BLOCK_N, BLOCK_V) tile, in fp32; -inf outside the
+    vocabulary. With FROM_LOGITS, src is the (N, V) logits and z = logits / tau."""
+    cols64 = cols.to(tl.int64)
+    if FROM_LOGITS:
+        ptrs = src_ptr + rows64[:, None] * stride_src + cols64[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            ks = k0 + tl.arange(0, BLOCK_D)
+            k_mask = ks < D
+            h = tl.load(
+                src_ptr + rows64[:, None] * stride_src + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + cols64[None, :] * stride_w + ks[:, None],
+                mask=col_mask[None, :] & k_mask[:, None],
+                other=0.0,
+            )
+            if UPCAST_DOT:  # interpreter only, see _common.interpreter_upcast
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            z = tl.dot(h, w, z, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + cols64, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    z = z * inv_t
+    return tl.where(col_mask[None, :], z, float("-inf"))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _stats_partial_kernel(
+    src_ptr,
+    w_ptr,
+    b_ptr,
+    labels_ptr,
+    part_ptr,  # (4, S, N) fp32: running max m, s, t, target logit
+    N,
+    V,
+    D,
+    stride_src,
+    stride_w,
+    inv_t,
+    num_splits,
+    blocks_per_split,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WITH_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    num_tiles = tl.cdiv(N, BLOCK_N)
+    pid_n, split = grouped_pid(tl.program_id(0), num_tiles, num_splits, GROUP)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    y = tl.load(labels_ptr + rows64, mask=row_mask, other=-1)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tgt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    v_begin = split * blocks_per_split * BLOCK_V
+    v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        z = _logits_tile(
+            src_ptr, w_ptr, b_ptr, rows64, row_mask, cols, col_mask, D, stride_src,
+            stride_w, inv_t, FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
+            UPCAST_DOT,
+        )  # fmt: skip
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp against 0 while all -inf
+        alpha = tl.exp(m - base)
+        e = tl.exp(z - base[:, None])
+        if WITH_ENT:
+            shift = tl.where(m == float("-inf"), 0.0, m - base)
+            ez = tl.where(e > 0.0, e * (z - base[:, None]), 0.0)
+            t = alpha * (t + s * shift) + tl.sum(ez, axis=1)
+        s = s * alpha + tl.sum(e, axis=1)
+        tgt += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
+        m = m_new
+
+    plane = N.to(tl.int64) * num_splits
+    out = split.to(tl.int64) * N + rows64
+    tl.store(part_ptr + out, m, mask=row_mask)
+    tl.store(part_ptr + plane + out, s, mask=row_mask)
+    if WITH_ENT:
+        tl.store(part_ptr + 2 * plane + out, t, mask=row_mask)
+    tl.store(part_ptr + 3 * plane + out, tgt, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _stats_combine_kernel(
+    part_ptr,
+    labels_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    N,
+    num_splits,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < N
+    rows64 = rows.to(tl.int64)
+    n64 = N.to(tl.int64)
+    plane = n64 * num_splits
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for i in range(0, num_splits):
+        m = tl.maximum(m, tl.load(part_ptr + i * n64 + rows64, mask=mask, other=0.0))
+    base = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    t = tl.zeros((BLOCK,), dtype=tl.float32)
+    tgt = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, num_splits):
+        off = i * n64 + rows64
+        mi = tl.load(part_ptr + off, mask=mask, other=0.0)
+        si = tl.load(part_ptr + plane + off, mask=mask, other=0.0)
+        alpha = tl.exp(mi - base)
+        s += si * alpha
+        if WITH_ENT:
+            ti = tl.load(part_ptr + 2 * plane + off, mask=mask, other=0.0)
+            shift = tl.where(mi == float("-inf"), 0.0, mi - base)
+            t += alpha * (ti + si * shift)
+        tgt += tl.load(part_ptr + 3 * plane + off, mask=mask, other=0.0)
+    log_s = tl.log(s)
+    lse = m + log_s
+    y = tl.load(labels_ptr + rows64, mask=mask, other=ignore_index)
+    valid = y != ignore_index
+    tl.store(lse_ptr + rows64, lse, mask=mask)
+    tl.store(logp_ptr + rows64, tl.where(valid, tgt - lse, 0.0), mask=mask)
+    if WITH_ENT:
+        tl.store(ent_ptr + rows64, tl.where(valid, log_s - t / s, 0.0), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _dlogits_kernel(
+    src_ptr,
+    w_ptr,
+    b_ptr,
+    labels_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_logp_ptr,
+    g_ent_ptr,
+    out_ptr,  # (N, v_hi - v_lo) with row stride stride_out
+    db_ptr,
+    N,
+    v_lo,
+    v_hi,
+    D,
+    stride_src,
+    stride_w,
+    stride_out,
+    inv_t,
+    ignore_index,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_ENT_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """dlogits = (g ([v == y] - p) - e p (log p + H)) / tau on vocabulary columns
+    [v_lo, v_hi), recomputing the logits; stored in out's dtype; db += column sums."""
+    num_tiles = tl.cdiv(N, BLOCK_N)
+    num_vb = tl.cdiv(v_hi - v_lo, BLOCK_V)
+    pid_n, pid_v = grouped_pid(tl.program_id(0), num_tiles, num_vb, GROUP)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows64 = rows.to(tl.int64)
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_lo + local
+    col_mask = cols < v_hi
+    z = _logits_tile(
+        src_ptr, w_ptr, b_ptr, rows64, row_mask, cols, col_mask, D, stride_src, stride_w,
+        inv_t, FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
+    y = tl.load(labels_ptr + rows64, mask=row_mask, other=ignore_index)
+    valid = (y != ignore_index) & row_mask
+    lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
+    g = tl.where(valid, tl.load(g_logp_ptr + rows64, mask=row_mask, other=0.0), 0.0)
+    log_p = z - lse[:, None]
+    p = tl.exp(log_p)
+    grad = tl.where(cols[None, :] == y[:, None], g[:, None], 0.0) - g[:, None] * p
+    if HAS_ENT_GRAD:
+        e = tl.where(valid, tl.load(g_ent_ptr + rows64, mask=row_mask, other=0.0), 0.0)
+        ent = tl.load(ent_ptr + rows64, mask=row_mask, other=0.0)
+        grad -= e[:, None] * tl.where(p > 0.0, p * (log_p + ent[:, None]), 0.0)
+    grad = tl.where(valid[:, None], grad * inv_t, 0.0)
+    out = out_ptr + rows64[:, None] * stride_out + local.to(tl.int64)[None, :]
+    tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    if BIAS_GRAD:
+        tl.atomic_add(db_ptr + cols.to(tl.int64), tl.sum(grad, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K"])
+def _matmul_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """c (+)= a @ b with fp32 accumulation; a is cast to b's dtype before the dot (so an
+    fp32 gradient chunk can meet a bf16 weight), c is written in its own dtype."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_mask = rk < K
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        a = a.to(b.dtype)
+        if UPCAST_DOT:  # interpreter only, see _common.interpreter_upcast
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# --------------------------------------------------------------------------- launch config
+
+
+def _tiles(dtype: torch.dtype, from_logits: bool = False) -> dict:
+    """Fixed tile sizes (see the header); small-launch-count tiles under the interpreter."""
+    if interpreting():
+        if from_logits:
+            return dict(BLOCK_N=16, BLOCK_V=1024, BLOCK_D=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=32, BLOCK_V=256, BLOCK_D=64, num_warps=4, num_stages=1)
+    if from_logits:
+        return dict(BLOCK_N=4, BLOCK_V=1024, BLOCK_D=16, num_warps=4, num_stages=2)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3)
+
+
+def _gemm_tiles(dtype: torch.dtype) -> dict:
+    if interpreting():
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+_GROUP = 8
+
+
+def _num_splits(num_tiles: int, num_vblocks: int, device: torch.device, gemm: bool) -> int:
+    """Vocabulary splits per token tile: enough programs for two waves and, for the fused
+    GEMM, up to 32 splits of >= 8 blocks each so that the tiles running together (grouped
+    order) share their hidden and weight tiles in L2."""
+    want = cdiv(2 * _num_sms(device), num_tiles)
+    if gemm:
+        want = max(want, min(32, num_vblocks // 8))
+    return max(1, min(num_vblocks, want))
+
+
+def _torch_backend():
+    from ..backends import torch_backend
+
+    return torch_backend
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def lse_stats(src, weight, bias, labels, v, temperature, ignore_index, with_ent, from_logits):
+    """logp, entropy (or (0,)), lse for every row of src (hidden, or logits)."""
+    n = src.shape[0]
+    d = 0 if from_logits else src.shape[1]
+    cfg = _tiles(src.dtype, from_logits)
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    num_tiles, num_vblocks = cdiv(n, bn), cdiv(v, bv)
+    splits = _num_splits(num_tiles, num_vblocks, src.device, gemm=not from_logits)
+    per_split = cdiv(num_vblocks, splits)
+    splits = cdiv(num_vblocks, per_split)  # every split non-empty
+    part = torch.empty((4, splits, n), dtype=torch.float32, device=src.device)
+    w = src if weight is None else weight
+    _stats_partial_kernel[(num_tiles * splits,)](
+        src, w, w if bias is None else bias, labels, part, n, v, d, src.stride(0),
+        w.stride(0), 1.0 / temperature, splits, per_split,
+        FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, WITH_ENT=with_ent,
+        GROUP=_GROUP, DOT_PRECISION=dot_precision(src.dtype),
+        UPCAST_DOT=interpreter_upcast(src.dtype), **cfg,
+    )  # fmt: skip
+    logp = torch.empty(n, dtype=torch.float32, device=src.device)
+    lse = torch.empty(n, dtype=torch.float32, device=src.device)
+    ent = torch.empty(n if with_ent else 0, dtype=torch.float32, device=src.device)
+    block = 1024 if not interpreting() else 256
+    _stats_combine_kernel[(cdiv(n, block),)](
+        part, labels, logp, ent if with_ent else lse, lse, n, splits, ignore_index,
+        WITH_ENT=with_ent, BLOCK=block,
+    )  # fmt: skip
+    return logp, ent, lse
+
+
+def _matmul(a, b, c, accumulate: bool):
+    """c (+)= a @ b; a (M, K), b (K, N), c (M, N) strided views (fp32 accumulation)."""
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = _gemm_tiles(b.dtype)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
+    _matmul_kernel[grid](
+        a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+        c.stride(1), ACCUMULATE=accumulate, GROUP=_GROUP, DOT_PRECISION=dot_precision(b.dtype),
+        UPCAST_DOT=interpreter_upcast(b.dtype), **cfg,
+    )  # fmt: skip
+
+
+def _vocab_chunk(n: int, v: int, elem_bytes: int, block: int) -> int:
+    cols = chunk_bytes() // max(1, n * elem_bytes)
+    return min(v, max(block, cols // block * block))
+
+
+def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index):
+    """(dh, dW fp32, db fp32 or (0,)) for upstream g_logp (N,) and optional entropy terms
+    (ent and g_ent both (N,), or None): the three-GEMM vocabulary-chunked backward."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    cfg = _tiles(hidden.dtype)
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    has_ent = ent is not None and g_ent is not None
+    dw = torch.empty((v, d), dtype=torch.float32, device=dev)
+    db = torch.zeros(v if bias is not None else 0, dtype=torch.float32, device=dev)
+    dh32 = torch.empty((n, d), dtype=torch.float32, device=dev)
+    cv = _vocab_chunk(n, v, hidden.element_size(), bv)
+    g_buf = torch.empty((n, cv), dtype=hidden.dtype, device=dev)
+    prec = dot_precision(hidden.dtype)
+    for i, v_lo in enumerate(range(0, v, cv)):
+        v_hi = min(v, v_lo + cv)
+        g = g_buf[:, : v_hi - v_lo]
+        _dlogits_kernel[(cdiv(n, bn) * cdiv(v_hi - v_lo, bv),)](
+            hidden, weight, weight if bias is None else bias, labels, lse,
+            ent if has_ent else lse, g_logp, g_ent if has_ent else g_logp, g,
+            db if bias is not None else lse, n, v_lo, v_hi, d, hidden.stride(0),
+            weight.stride(0), g.stride(0), 1.0 / temperature, ignore_index,
+            FROM_LOGITS=False, HAS_BIAS=bias is not None, HAS_ENT_GRAD=has_ent,
+            BIAS_GRAD=bias is not None, GROUP=_GROUP, DOT_PRECISION=prec,
+            UPCAST_DOT=interpreter_upcast(hidden.dtype), **cfg,
+        )  # fmt: skip
+        _matmul(g.t(), hidden, dw[v_lo:v_hi], accumulate=False)
+        _matmul(g, weight[v_lo:v_hi], dh32, accumulate=i > 0)
+    dh = dh32 if hidden.dtype == torch.float32 else dh32.to(hidden.dtype)
+    return dh, dw, db
+
+
+# --------------------------------------------------------------------------- backend API
+
+
+def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
+    if hidden.dtype == torch.float64:  # no fp64 dots in Triton: the torch backend, in fp64
+        return _torch_backend().linear_logprobs_fwd(
+            hidden, weight, bias, labels, temperature, ignore_index, with_entropy
+        )
+    check_device("hidden", hidden)
+    return lse_stats(
+        hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index,
+        bool(with_entropy), from_logits=False,
+    )  # fmt: skip
+
+
+def linear_logprobs_bwd(
+    hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+    ignore_index,
+):  # fmt: skip
+    if hidden.dtype == torch.float64:
+        return _torch_backend().linear_logprobs_bwd(
+            hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+            ignore_index,
+        )  # fmt: skip
+    check_device("hidden", hidden)
+    has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
+    return linear_grad(
+        hidden, weight, bias, labels, lse, entropy if has_ent else None, grad_logp,
+        grad_entropy if has_ent else None, temperature, ignore_index,
+    )  # fmt: skip
+
+
+def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
+    if logits.dtype == torch.float64:
+        return _torch_backend().logits_logprobs_fwd(
+            logits, labels, temperature, ignore_index, with_entropy
+        )
+    check_device("logits", logits)
+    return lse_stats(
+        logits, None, None, labels, logits.shape[1], temperature, ignore_index,
+        bool(with_entropy), from_logits=True,
+    )  # fmt: skip
+
+
+def logits_logprobs_bwd(
+    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+):
+    if logits.dtype == torch.float64:
+        return _torch_backend().logits_logprobs_bwd(
+            logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+        )
+    check_device("logits", logits)
+    n, v = logits.shape
+    cfg = _tiles(logits.dtype, from_logits=True)
+    has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
+    out = torch.empty_like(logits)
+    _dlogits_kernel[(cdiv(n, cfg["BLOCK_N"]) * cdiv(v, cfg["BLOCK_V"]),)](
+        logits, logits, logits, labels, lse, entropy if has_ent else lse, grad_logp,
+        grad_entropy if has_ent else grad_logp, out, lse, n, 0, v, 0, logits.stride(0), 0,
+        out.stride(0), 1.0 / temperature, ignore_index,
+        FROM_LOGITS=True, HAS_BIAS=False, HAS_ENT_GRAD=has_ent, BIAS_GRAD=False, GROUP=_GROUP,
+        DOT_PRECISION="ieee", UPCAST_DOT=False, **cfg,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,34 @@
+"""Shared test helpers: backends under test and the error-budget rule.
+
+Error budget (ARCHITECTURE.md, "Numerics contract"): a kernel's max error against the float64
+reference may be at most 2x the error of plain PyTorch in the same dtype, plus a small atol.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrtpo_kernels import available_backends
+
+CPU_BACKENDS = [b for b in ("cpu", "torch") if available_backends().get(b) == "ok"]
+
+
+def pytest_report_header(config):
+    return [f"mrtpo_kernels backends: {available_backends()}"]
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_budget(out, ref64, plain, *, atol: float, name: str = "output"):
+    """max|out - ref64| <= 2 max|plain - ref64| + atol."""
+    err = max_err(out, ref64)
+    budget = 2.0 * max_err(plain, ref64) + atol
+    assert err <= budget, f"{name}: error {err:.3e} exceeds budget {budget:.3e}"

@@ -1,0 +1,152 @@
+"""linear_policy_loss: value, metrics and gradients against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_within_budget, max_err
+
+import mrtpo_kernels as mk
+from mrtpo_kernels import reference as R
+
+
+def _case(b, t, v, d, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(b, t, d, generator=g)
+    w = torch.randn(v, d, generator=g) / d**0.5
+    bias = torch.randn(v, generator=g) * 0.1
+    lab = torch.randint(0, v, (b, t), generator=g)
+    lab[0, -2:] = -100  # padding
+    logp = R.linear_logprobs_ref(h.double(), w.double(), lab, bias=bias.double(), temperature=0.9)
+    # old log-probs near the current ones so that both clipped and unclipped tokens occur
+    old = (logp + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
+    adv = torch.randn(b, t, generator=g)
+    ref = (logp + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
+    return h.to(dtype), w.to(dtype), bias.to(dtype), lab, old, adv, ref
+
+
+def _ref_loss(h, w, bias, lab, old, adv, ref, agg, beta, norm_len=None):
+    b, t = lab.shape
+    seq_ids = torch.arange(b).repeat_interleave(t)
+    return R.linear_policy_loss_ref(
+        h.reshape(b * t, -1), w, lab.reshape(-1), old.reshape(-1), adv.reshape(-1), bias=bias,
+        temperature=0.9, clip_low=0.2, clip_high=0.28, ref_logprobs=ref.reshape(-1), beta=beta,
+        aggregation=agg, seq_ids=seq_ids, num_seqs=b, norm_len=norm_len or t,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_policy_loss_value_metrics_and_grads(backend, agg, beta):
+    h, w, bias, lab, old, adv, ref = _case(3, 9, 1000, 16)
+
+    def run(fn, dtype):
+        hh, ww, bb = (x.detach().to(dtype, copy=True).requires_grad_() for x in (h, w, bias))
+        loss, metrics = fn(hh, ww, bb)
+        loss.backward()
+        return loss, metrics, (hh.grad, ww.grad, bb.grad)
+
+    loss, metrics, grads = run(
+        lambda hh, ww, bb: mk.linear_policy_loss(
+            hh, ww, lab, old, adv, bias=bb, temperature=0.9, clip_low=0.2, clip_high=0.28,
+            aggregation=agg, ref_logprobs=ref, beta=beta, backend=backend,
+        ),
+        torch.float32,
+    )  # fmt: skip
+
+    def reference(hh, ww, bb):
+        return _ref_loss(hh, ww, bb, lab, old.to(hh.dtype), adv.to(hh.dtype), ref, agg, beta)
+
+    rloss, rmetrics, rgrads = run(reference, torch.float64)
+    ploss, _, pgrads = run(reference, torch.float32)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert_within_budget(loss, rloss, ploss, atol=1e-6, name="loss")
+    for name, a, r, p in zip(("hidden", "weight", "bias"), grads, rgrads, pgrads):
+        assert_within_budget(a, r, p, atol=1e-6, name=f"grad_{name}")
+    assert 0.0 < rmetrics["clip_fraction"] < 1.0  # the case exercises both branches
+    assert abs(metrics["clip_fraction"].item() - rmetrics["clip_fraction"].item()) < 1e-6
+    assert abs(metrics["mean_ratio"].item() - rmetrics["mean_ratio"].item()) < 1e-5
+    if beta:
+        assert abs(metrics["kl"].item() - rmetrics["kl"].item()) < 1e-6
+
+
+def test_policy_loss_packed_with_cu_seqlens_equals_padded(backend):
+    h, w, bias, lab, old, adv, ref = _case(3, 9, 1000, 16, seed=1)
+    padded, _ = mk.linear_policy_loss(
+        h, w, lab, old, adv, bias=bias, aggregation="seq-mean-token-mean", backend=backend
+    )
+    # pack without the padding of row 0 (2 tokens)
+    keep = lab.reshape(-1) != -100
+    cu = torch.tensor([0, 7, 16, 25])
+    packed, _ = mk.linear_policy_loss(
+        h.reshape(27, 16)[keep], w, lab.reshape(-1)[keep], old.reshape(-1)[keep],
+        adv.reshape(-1)[keep], bias=bias, aggregation="seq-mean-token-mean", cu_seqlens=cu,
+        backend=backend,
+    )  # fmt: skip
+    assert abs(packed.item() - padded.item()) < 1e-6
+
+
+def test_policy_loss_gradient_computed_in_forward_matches_logprob_path(backend):
+    """The fused gradient equals autograd through linear_logprobs + the surrogate."""
+    h, w, bias, lab, old, adv, _ = _case(2, 5, 300, 8, seed=2)
+    h1 = h.clone().requires_grad_()
+    loss, _ = mk.linear_policy_loss(h1, w, lab, old, adv, bias=bias, backend=backend)
+    (2.5 * loss).backward()  # a non-unit upstream gradient scales the saved gradient
+    h2 = h.clone().requires_grad_()
+    logp = mk.linear_logprobs(h2, w, lab, bias=bias, backend=backend)
+    l2, _ = R.policy_loss_ref(logp.reshape(-1), old.reshape(-1), adv.reshape(-1), lab.reshape(-1) != -100)
+    (2.5 * l2).backward()
+    assert max_err(h1.grad, h2.grad) < 1e-6
+
+
+def test_policy_loss_gradcheck_float64(backend):
+    h, w, bias, lab, old, adv, ref = _case(2, 3, 7, 3, seed=3, dtype=torch.float64)
+    old, adv, ref = old.double(), adv.double(), ref.double()
+    args = (h.requires_grad_(), w.requires_grad_(), bias.requires_grad_())
+
+    def fn(hh, ww, bb):
+        return mk.linear_policy_loss(
+            hh, ww, lab, old, adv, bias=bb, ref_logprobs=ref, beta=0.1, backend=backend
+        )[0]
+
+    # The gradient is computed in the forward: gradcheck compares it with finite differences.
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7)
+
+
+def test_policy_loss_no_grad_mode_and_all_ignored(backend):
+    h, w, bias, lab, old, adv, _ = _case(2, 4, 50, 4, seed=4)
+    with torch.no_grad():
+        loss, m = mk.linear_policy_loss(h, w, lab, old, adv, backend=backend)
+    assert not loss.requires_grad and torch.isfinite(loss)
+    lab_none = torch.full_like(lab, -100)
+    hh = h.clone().requires_grad_()
+    loss, m = mk.linear_policy_loss(hh, w, lab_none, old, adv, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(hh.grad, torch.zeros_like(h))
+    assert m["clip_fraction"].item() == 0.0
+
+
+def test_policy_loss_bf16_within_budget(backend):
+    h, w, bias, lab, old, adv, _ = _case(2, 6, 1000, 32, seed=5, dtype=torch.bfloat16)
+    loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, bias=bias, backend=backend)
+    b, t = lab.shape
+    rl, _ = R.linear_policy_loss_ref(
+        h.reshape(b * t, -1).double(), w.double(), lab.reshape(-1), old.reshape(-1),
+        adv.reshape(-1), bias=bias.double(),
+    )  # fmt: skip
+    pl, _ = R.linear_policy_loss_ref(
+        h.reshape(b * t, -1), w, lab.reshape(-1), old.reshape(-1).bfloat16(),
+        adv.reshape(-1).bfloat16(), bias=bias,
+    )  # fmt: skip
+    assert_within_budget(loss, rl, pl, atol=1e-4, name="loss bf16")
+
+
+def test_opcheck_policy_loss(backend):
+    h, w, bias, lab, old, adv, ref = _case(1, 5, 11, 3, seed=6)
+    n = 5
+    args = (
+        h.reshape(n, 3).requires_grad_(), w.requires_grad_(), bias, lab.reshape(-1),
+        old.reshape(-1), adv.reshape(-1), torch.full((n,), 1.0 / n), ref.reshape(-1), 1.0, 0.2,
+        0.2, 0.1, -100, True, backend,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
