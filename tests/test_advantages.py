@@ -1,0 +1,183 @@
+"""GDPO and MRTPO token advantages: METHOD.md section 5 invariants and the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mrtpo_kernels as mk
+from mrtpo_kernels import reference as R
+
+
+def _batch(n_groups=4, g=4, k=3, seed=0, max_len=9):
+    gen = torch.Generator().manual_seed(seed)
+    n = n_groups * g
+    rewards = torch.randint(0, 2, (n, k), generator=gen).double()
+    rewards[:, -1] = torch.rand(n, generator=gen, dtype=torch.float64)
+    group_ids = torch.arange(n_groups).repeat_interleave(g) * 7 + 3  # arbitrary ids
+    lengths = torch.randint(1, max_len + 1, (n,), generator=gen)
+    cu = torch.zeros(n + 1, dtype=torch.long)
+    cu[1:] = lengths.cumsum(0)
+    rel = torch.rand(k, int(cu[-1]), generator=gen, dtype=torch.float64)
+    has_info = torch.rand(n, k, generator=gen) > 0.3
+    has_info[:, 0] = False  # reward 0 reads no span (overall correctness)
+    return rewards, group_ids, rel, cu, has_info
+
+
+def _split(x, cu):
+    return [x[..., cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def test_gdpo_hand_computed_example():
+    # one group of 3 with rewards (r1, r2): r1 = 1, 0, 0 ; r2 = 0.5, 0.5, 0.5 (zero variance)
+    rewards = torch.tensor([[1.0, 0.5], [0.0, 0.5], [0.0, 0.5]], dtype=torch.float64)
+    out = mk.gdpo_advantages(rewards, torch.tensor([0, 0, 0]), eps=0.0)
+    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased std of (1, 0, 0)
+    expect = torch.tensor([2 / 3, -1 / 3, -1 / 3], dtype=torch.float64) / std
+    assert torch.allclose(out.per_reward[:, 0], expect, atol=1e-12)
+    assert torch.equal(out.per_reward[:, 1], torch.zeros(3, dtype=torch.float64))
+    # batch statistics of S = A_1 + A_2
+    s = expect
+    assert torch.allclose(out.mean, s.mean()) and torch.allclose(out.std, s.std())
+    assert torch.allclose(out.sequence, (s - s.mean()) / s.std(), atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_norm", ["sequence", "token"])
+def test_gdpo_matches_reference(batch_norm):
+    rewards, gid, _, cu, _ = _batch(seed=1)
+    lengths = cu[1:] - cu[:-1]
+    w = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    out = mk.gdpo_advantages(rewards, gid, weights=w, batch_norm=batch_norm, lengths=lengths)
+    ref = R.gdpo_advantages_ref(rewards, gid, weights=w, batch_norm=batch_norm, lengths=lengths)
+    for a, b in zip(out, ref):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_gdpo_group_of_one_and_zero_variance_give_zero():
+    rewards = torch.tensor([[1.0], [0.3], [0.3], [0.3]], dtype=torch.float64)
+    out = mk.gdpo_advantages(rewards, torch.tensor([5, 9, 9, 9]))
+    assert torch.equal(out.per_reward, torch.zeros(4, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("alpha,gamma,clip", [(1.0, 1.0, None), (0.6, 2.0, None), (1.0, 0.5, (0.2, 3.0))])
+@pytest.mark.parametrize("batch_norm", ["sequence", "token"])
+def test_token_advantages_match_reference(alpha, gamma, clip, batch_norm):
+    rewards, gid, rel, cu, has_info = _batch(seed=2)
+    out = mk.mrtpo_token_advantages(
+        rewards, gid, rel, has_info=has_info, cu_seqlens=cu, alpha=alpha, gamma=gamma,
+        clip=clip, batch_norm=batch_norm,
+    )  # fmt: skip
+    ref_tokens, ref_g = R.mrtpo_token_advantages_ref(
+        rewards, gid, _split(rel, cu), has_info=has_info, alpha=alpha, gamma=gamma, clip=clip,
+        batch_norm=batch_norm,
+    )  # fmt: skip
+    assert torch.allclose(out.token, torch.cat(ref_tokens), atol=1e-10)
+    assert torch.allclose(out.sequence, ref_g.sequence, atol=1e-12)
+
+
+def test_alpha_zero_is_exactly_gdpo():
+    rewards, gid, rel, cu, has_info = _batch(seed=3)
+    out = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu, alpha=0.0)
+    seq = mk.gdpo_advantages(rewards, gid).sequence
+    lengths = cu[1:] - cu[:-1]
+    assert torch.equal(out.token, seq.repeat_interleave(lengths))
+
+
+def test_no_spans_is_exactly_gdpo():
+    rewards, gid, rel, cu, _ = _batch(seed=4)
+    none = torch.zeros(rewards.shape, dtype=torch.bool)
+    out = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=none, cu_seqlens=cu)
+    seq = mk.gdpo_advantages(rewards, gid).sequence
+    assert torch.equal(out.token, seq.repeat_interleave(cu[1:] - cu[:-1]))
+    assert torch.equal(out.allocation, torch.ones_like(rel))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("gamma", [0.5, 1.0, 3.0])
+def test_mass_is_conserved(alpha, gamma):
+    rewards, gid, rel, cu, has_info = _batch(seed=5)
+    out = mk.mrtpo_token_advantages(
+        rewards, gid, rel, has_info=has_info, cu_seqlens=cu, alpha=alpha, gamma=gamma
+    )
+    lengths = (cu[1:] - cu[:-1]).double()
+    sums = torch.stack([t.sum() for t in _split(out.token, cu)])
+    assert torch.allclose(sums, lengths * out.sequence, atol=1e-9)
+
+
+def test_zero_variance_group_moves_nothing():
+    rewards, gid, rel, cu, has_info = _batch(seed=6)
+    has_info[:] = True
+    base = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu)
+    # reward 1 constant inside group 0: its relevance there must not matter
+    rewards2 = rewards.clone()
+    rewards2[:4, 1] = 1.0
+    a = mk.mrtpo_token_advantages(rewards2, gid, rel, has_info=has_info, cu_seqlens=cu)
+    rel2 = rel.clone()
+    rel2[1, : cu[4]] = torch.rand(int(cu[4]), dtype=torch.float64)
+    b = mk.mrtpo_token_advantages(rewards2, gid, rel2, has_info=has_info, cu_seqlens=cu)
+    assert torch.equal(a.per_reward[:4, 1], torch.zeros(4, dtype=torch.float64))
+    assert torch.allclose(a.token, b.token, atol=1e-12)
+    assert not torch.allclose(a.token, base.token)  # the change of rewards did matter
+
+
+def test_relevance_concentrates_advantage():
+    # one group, one reward with spans; relevance 1 on token 0 only
+    rewards = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    rel = torch.zeros(1, 6, dtype=torch.float64)
+    rel[0, 0] = 1.0
+    rel[0, 3] = 1.0
+    out = mk.mrtpo_token_advantages(
+        rewards, torch.tensor([0, 0]), rel, has_info=torch.ones(2, 1, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 3, 6]),
+    )  # fmt: skip
+    a = out.sequence
+    assert torch.allclose(out.token, torch.stack([3 * a[0], 0 * a[0], 0 * a[0], 3 * a[1], 0 * a[1], 0 * a[1]]))
+
+
+def test_uniform_when_relevance_below_delta():
+    rewards = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    rel = torch.zeros(1, 4, dtype=torch.float64)
+    out = mk.mrtpo_token_advantages(
+        rewards, torch.tensor([0, 0]), rel, has_info=torch.ones(2, 1, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 2, 4]),
+    )  # fmt: skip
+    assert torch.equal(out.allocation, torch.ones_like(rel))
+
+
+def test_padded_layout_equals_packed():
+    rewards, gid, rel, cu, has_info = _batch(seed=7)
+    n, k = rewards.shape
+    lengths = cu[1:] - cu[:-1]
+    t = int(lengths.max()) + 2
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    mask = mask.roll(1, dims=1)  # one leading pad column: layout need not be right-padded
+    rel_p = torch.full((k, n, t), 0.77, dtype=torch.float64)
+    rel_p[:, mask] = rel
+    out_p = mk.mrtpo_token_advantages(rewards, gid, rel_p, has_info=has_info, response_mask=mask)
+    out = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu)
+    assert out_p.token.shape == (n, t)
+    assert torch.equal(out_p.token[mask], out.token)
+    assert torch.equal(out_p.token[~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64))
+
+
+def test_float32_inputs_match_float64():
+    rewards, gid, rel, cu, has_info = _batch(seed=8)
+    a = mk.mrtpo_token_advantages(
+        rewards.float(), gid, rel.float(), has_info=has_info, cu_seqlens=cu, gamma=2.0
+    )
+    b = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu, gamma=2.0)
+    assert a.token.dtype == torch.float32
+    assert torch.allclose(a.token.double(), b.token, atol=1e-5)
+
+
+def test_nan_policy():
+    rewards, gid, rel, cu, has_info = _batch(seed=9)
+    rewards[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="rewards"):
+        mk.gdpo_advantages(rewards, gid)
+    out = mk.gdpo_advantages(rewards, gid, nan="zero")
+    fixed = rewards.clone()
+    fixed[2, 1] = 0.0
+    assert torch.equal(out.per_reward, mk.gdpo_advantages(fixed, gid).per_reward)
