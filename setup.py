@@ -32,7 +32,7 @@ def extensions():
     exts = []
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if cpu_sources:
-        cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno"]
+        cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
         exts.append(
             cpp_extension.CppExtension(
                 "mrtpo_kernels._C",

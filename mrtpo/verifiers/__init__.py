@@ -1,5 +1,32 @@
 """Verifiers of the three task families: text-to-SQL, multi-constraint instructions, tools."""
 
 from .base import Example, Span, Task, Verdict, Verifier
+from .constraints import KINDS as CONSTRAINT_KINDS
+from .constraints import ConstraintVerifier
+from .sql import (
+    QueryError,
+    QueryRefused,
+    QueryTimeout,
+    QueryTooManyRows,
+    run_readonly,
+    sql_verifiers,
+)
+from .tools import parse_call, tool_verifiers
 
-__all__ = ["Example", "Span", "Task", "Verdict", "Verifier"]
+__all__ = [
+    "CONSTRAINT_KINDS",
+    "ConstraintVerifier",
+    "Example",
+    "QueryError",
+    "QueryRefused",
+    "QueryTimeout",
+    "QueryTooManyRows",
+    "Span",
+    "Task",
+    "Verdict",
+    "Verifier",
+    "parse_call",
+    "run_readonly",
+    "sql_verifiers",
+    "tool_verifiers",
+]

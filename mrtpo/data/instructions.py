@@ -1,0 +1,215 @@
+"""The built-in instruction-following data: prompts composed from constraint templates.
+
+A prompt is a short base instruction ("Write a short note about the sea.") followed by
+2-4 constraint sentences. The gold response is assembled from closed word lists so that
+it satisfies every constraint by construction (and is checked against every verifier);
+count-like parameters (word bounds, letter counts, excluded words) are then chosen to
+agree with it. Everything is lowercase prose of a few dozen words over a vocabulary of
+a few hundred words, so that a tiny model trained from scratch can learn it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from mrtpo.verifiers.base import Example
+from mrtpo.verifiers.constraints import CONSTRAINTS, KINDS, describe
+
+TOPICS: dict[str, list[str]] = {
+    "the sea": ["the sea is wide and calm.", "waves roll on the sand.", "boats sail at dawn."],
+    "a forest": [
+        "the forest is dark and deep.",
+        "tall trees hide the sky.",
+        "birds sing in the oaks.",
+    ],
+    "the city": ["the city never sleeps.", "streets are full of cars.", "lights shine all night."],
+    "a cat": ["my cat sleeps all day.", "she likes warm milk.", "her fur is soft."],
+    "the moon": ["the moon is pale tonight.", "it pulls the tides.", "it shines on the lake."],
+    "a garden": ["the garden is in bloom.", "roses grow by the wall.", "bees visit every flower."],
+    "the rain": ["the rain falls softly.", "roofs drip all evening.", "puddles fill the road."],
+    "a train": ["the train leaves at noon.", "it runs along the coast.", "people read on board."],
+    "a song": ["the song is short and sweet.", "it has a simple tune.", "we sing it at night."],
+    "the winter": ["winter days are short.", "snow covers the hills.", "we stay by the fire."],
+    "a book": ["the book is old and thin.", "it tells a long story.", "i read it every year."],
+    "the market": ["the market opens early.", "farmers sell fresh bread.", "the square gets busy."],
+}
+START_PHRASES = ["dear friend", "hello there", "good news", "listen well", "in short", "to begin"]
+END_PHRASES = [
+    "that is all",
+    "see you soon",
+    "the end",
+    "best wishes",
+    "thank you",
+    "until next time",
+]
+KEYWORDS = [
+    "river", "light", "green", "music", "quiet", "bright", "stone", "happy",
+    "silver", "gentle", "golden", "paper", "window", "morning", "purple", "honey",
+]  # fmt: skip
+PLACEHOLDER_NAMES = ["name", "place", "date", "time"]
+
+DEFAULT_KINDS = ("start_phrase", "keyword_include", "end_phrase")
+
+# Pairs that cannot hold together, or that this simple composer does not combine.
+_STRUCTURE = ("bullet_count", "paragraph_count", "sections")
+_CONFLICTS = {
+    frozenset(p)
+    for p in [
+        ("lowercase", "uppercase"), ("lowercase", "sections"),
+        ("uppercase", "start_phrase"), ("uppercase", "end_phrase"),
+        ("title", "start_phrase"), ("json_format", "uppercase"),
+        *[("json_format", k) for k in ("title", "start_phrase", "end_phrase", "quotation")],
+        *[("json_format", k) for k in _STRUCTURE],
+        *[("quotation", k) for k in ("title", "start_phrase", "end_phrase", *_STRUCTURE)],
+        *[(a, b) for a in _STRUCTURE for b in _STRUCTURE if a != b],
+    ]
+}  # fmt: skip
+
+
+def compatible(kinds: list[str] | tuple[str, ...]) -> bool:
+    """True when no two of ``kinds`` conflict (and none repeats)."""
+    if len(set(kinds)) != len(kinds):
+        return False
+    return all(
+        frozenset((a, b)) not in _CONFLICTS for i, a in enumerate(kinds) for b in kinds[i + 1 :]
+    )
+
+
+def _sample_kinds(rng: random.Random, low: int, high: int) -> list[str]:
+    while True:
+        kinds = rng.sample(KINDS, rng.randint(low, high))
+        if compatible(kinds):
+            return kinds
+
+
+def _compose(rng: random.Random, topic: str, kinds: list[str]) -> tuple[str, dict[str, dict]]:
+    """A gold response satisfying ``kinds`` and the parameters of each constraint."""
+    p: dict[str, dict] = {}
+    sentences = TOPICS[topic]
+    n_units = 1
+    for k in _STRUCTURE:
+        if k in kinds:
+            n_units = rng.randint(2, 3)
+            p[k] = {"n": n_units}
+    units = [sentences[i % len(sentences)] for i in range(n_units)]
+    if n_units == 1 and rng.random() < 0.5:
+        units = [" ".join(rng.sample(sentences, 2))]
+    extra = []
+    if "keyword_include" in kinds:
+        word = rng.choice(KEYWORDS)
+        p["keyword_include"] = {"word": word}
+        extra.append(f"i think of {word}.")
+    if "placeholders" in kinds:
+        n = rng.randint(1, 2)
+        names = rng.sample(PLACEHOLDER_NAMES, n)
+        p["placeholders"] = {"n": n}
+        extra.append("ask " + " at ".join(f"[{x}]" for x in names) + ".")
+    if extra:
+        units[-1] = units[-1] + " " + " ".join(extra)
+
+    if "bullet_count" in kinds:
+        body = "\n".join(f"* {u}" for u in units)
+    elif "sections" in kinds:
+        body = "\n".join(f"SECTION {i + 1}\n{u}" for i, u in enumerate(units))
+    elif "paragraph_count" in kinds:
+        body = "\n***\n".join(units)
+    else:
+        body = units[0]
+    sep = "\n" if n_units > 1 else " "
+    text = body
+    if "start_phrase" in kinds:
+        phrase = rng.choice(START_PHRASES)
+        p["start_phrase"] = {"phrase": phrase}
+        text = f"{phrase}.{sep}{text}"
+    if "end_phrase" in kinds:
+        phrase = rng.choice(END_PHRASES)
+        p["end_phrase"] = {"phrase": phrase}
+        text = f"{text}{sep}{phrase}"
+    if "title" in kinds:
+        p["title"] = {}
+        text = f"<<{topic}>>\n{text}"
+    if "uppercase" in kinds:
+        p["uppercase"] = {}
+        text = text.upper()
+    if "lowercase" in kinds:
+        p["lowercase"] = {}
+        text = text.lower()
+    if "quotation" in kinds:
+        p["quotation"] = {}
+        text = f'"{text}"'
+    if "json_format" in kinds:
+        p["json_format"] = {}
+        text = json.dumps({"answer": text})
+    if "no_commas" in kinds:
+        p["no_commas"] = {}
+        text = text.replace(",", "")
+
+    # Parameters chosen to agree with the finished text.
+    if "word_count" in kinds:
+        n = len(CONSTRAINTS["word_count"].relevant(text, {}))
+        if rng.random() < 0.5:
+            p["word_count"] = {"relation": "at most", "n": n + rng.randint(0, 5)}
+        else:
+            p["word_count"] = {"relation": "at least", "n": max(1, n - rng.randint(0, 5))}
+    if "letter_frequency" in kinds:
+        low = text.lower()
+        letters = sorted({c for c in low if "a" <= c <= "z" and low.count(c) >= 2})
+        letter = rng.choice(letters)
+        p["letter_frequency"] = {"letter": letter, "n": rng.randint(2, min(6, low.count(letter)))}
+    if "keyword_exclude" in kinds:
+        words = set(text.lower().split())
+        p["keyword_exclude"] = {"word": rng.choice([w for w in KEYWORDS if w not in words])}
+    return text, p
+
+
+def make_examples(
+    rng: random.Random,
+    n: int,
+    *,
+    kinds: tuple[str, ...] | None = DEFAULT_KINDS,
+    shuffle_constraints: bool = False,
+    id_prefix: str = "constraints",
+    max_tries: int = 100,
+) -> list[Example]:
+    """``n`` examples. With ``kinds``, every example has exactly those constraints, in that
+    order unless ``shuffle_constraints``; with ``kinds=None`` each draws 2-4 compatible kinds.
+
+    ``fields["constraints"]`` lists ``{"kind", "params", "span"}`` in prompt order.
+    """
+    if kinds is not None:
+        unknown = [k for k in kinds if k not in CONSTRAINTS]
+        if unknown:
+            raise ValueError(
+                f"kinds: unknown constraint types {unknown}; known: {', '.join(KINDS)}"
+            )
+        if not compatible(tuple(kinds)):
+            raise ValueError(f"kinds: {kinds} cannot all hold at once")
+    out: list[Example] = []
+    for i in range(n):
+        for _ in range(max_tries):
+            chosen = list(kinds) if kinds is not None else _sample_kinds(rng, 2, 4)
+            if shuffle_constraints:
+                rng.shuffle(chosen)
+            topic = rng.choice(sorted(TOPICS))
+            gold, params = _compose(rng, topic, chosen)
+            if all(CONSTRAINTS[k].check(gold, params[k]) is None for k in chosen):
+                break
+        else:
+            raise RuntimeError(f"could not compose a gold response for {chosen}")
+        prompt = f"Write a short note about {topic}."
+        entries = []
+        for k in chosen:
+            sentence = describe(k, params[k])
+            start = len(prompt) + 1
+            prompt = f"{prompt} {sentence}"
+            entries.append({"kind": k, "params": params[k], "span": [start, start + len(sentence)]})
+        out.append(
+            Example(
+                id=f"{id_prefix}-{i}",
+                prompt=prompt,
+                fields={"topic": topic, "constraints": entries},
+                reference=gold,
+            )
+        )
+    return out

@@ -1,0 +1,157 @@
+"""The built-in tasks: examples with gold responses and the verifiers that reward them.
+
+`load_task(name, seed=...)` returns a `Task` whose train and eval examples are disjoint,
+carry a gold ``reference`` response (for the supervised warm start) and are the same for
+the same seed. Names:
+
+- ``"constraints"``: instruction following with a FIXED list of three rewards,
+  ``start_phrase``, ``keyword_include``, ``end_phrase``, whose parameters vary per example
+  (so that per-reward curves mean something and credit precision is known by construction).
+- ``"constraints:KIND,KIND,..."``: the same with another fixed list of constraint kinds
+  (see `mrtpo.verifiers.constraints.KINDS`).
+- ``"constraints-full"``: each prompt draws 2-4 of all 16 kinds, in a random order; the
+  rewards are the four slots ``constraint_1..constraint_4`` (an absent slot scores 1).
+- ``"sql"``: text-to-SQL on the built-in shop database; rewards ``sql_match``,
+  ``sql_runs``, ``sql_schema``.
+- ``"tools"``: one JSON tool call per request; rewards ``tool_format``, ``tool_name``,
+  ``tool_schema``, ``tool_args``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from mrtpo.data import instructions, shop, tool_defs
+from mrtpo.verifiers import Example, Task
+from mrtpo.verifiers.constraints import ConstraintVerifier
+from mrtpo.verifiers.sql import run_readonly, sql_verifiers
+from mrtpo.verifiers.tools import tool_verifiers
+
+TASKS = ("constraints", "sql", "tools")
+
+N_CONSTRAINT_EXAMPLES = 400
+N_TOOL_EXAMPLES = 400
+EVAL_FRACTION = 0.2
+MAX_SLOTS = 4
+
+
+def _split(examples: list[Example], rng: random.Random) -> tuple[list[Example], list[Example]]:
+    """Drop repeated prompts, shuffle, and split into (train, eval)."""
+    seen: set[str] = set()
+    unique = []
+    for ex in examples:
+        if ex.prompt not in seen:
+            seen.add(ex.prompt)
+            unique.append(ex)
+    rng.shuffle(unique)
+    n_eval = max(1, round(EVAL_FRACTION * len(unique)))
+    return unique[n_eval:], unique[:n_eval]
+
+
+def _constraints_task(name: str, kinds: tuple[str, ...] | None, seed: int) -> Task:
+    rng = random.Random(1_000_003 * seed + 11)
+    examples = instructions.make_examples(
+        rng, N_CONSTRAINT_EXAMPLES, kinds=kinds, shuffle_constraints=kinds is None, id_prefix=name
+    )
+    if kinds is None:
+        verifiers = [ConstraintVerifier(slot=i) for i in range(MAX_SLOTS)]
+    else:
+        verifiers = [ConstraintVerifier(k) for k in kinds]
+    train, eval_ = _split(examples, rng)
+    return Task(name=name, verifiers=verifiers, train=train, eval=eval_)
+
+
+def _sql_task(seed: int) -> Task:
+    rng = random.Random(1_000_003 * seed + 22)
+    db = shop.db_path()
+    header = "Answer the question with one SQLite query.\nTables:\n"
+    examples = []
+    for i, q in enumerate(shop.questions()):
+        rows = run_readonly(db, q["gold"], timeout_s=5.0, max_rows=1000)
+        if not rows or all(v is None for r in rows for v in r):
+            continue  # an empty answer rewards wrong queries too often
+        prompt = header
+        schema_spans = {}
+        for table, cols in shop.TABLE_COLUMNS.items():
+            line = f"{table}({', '.join(cols)})"
+            schema_spans[table] = [len(prompt), len(prompt) + len(line)]
+            prompt += line + "\n"
+        prompt += "Question: "
+        question_span = [len(prompt), len(prompt) + len(q["question"])]
+        prompt += q["question"]
+        examples.append(
+            Example(
+                id=f"sql-{i}",
+                prompt=prompt,
+                fields={
+                    "db_path": db,
+                    "gold": q["gold"],
+                    "gold_tables": list(q["tables"]),
+                    "schema": {t: list(c) for t, c in shop.TABLE_COLUMNS.items()},
+                    "schema_spans": schema_spans,
+                    "question_span": question_span,
+                },
+                reference=q["gold"],
+            )
+        )
+    train, eval_ = _split(examples, rng)
+    return Task(name="sql", verifiers=sql_verifiers(), train=train, eval=eval_)
+
+
+def _tools_task(seed: int) -> Task:
+    rng = random.Random(1_000_003 * seed + 33)
+    names = sorted(tool_defs.TOOLS)
+    examples = []
+    for i in range(N_TOOL_EXAMPLES):
+        request, gold = tool_defs.sample_request(rng)
+        others = rng.sample([n for n in names if n != gold["name"]], 2)
+        shown = [gold["name"], *others]
+        rng.shuffle(shown)
+        prompt = "Answer the request with one JSON tool call.\nTools:\n"
+        signature_spans = {}
+        for n in shown:
+            line = tool_defs.signature(n)
+            signature_spans[n] = [len(prompt), len(prompt) + len(line)]
+            prompt += line + "\n"
+        prompt += "Request: "
+        request_span = [len(prompt), len(prompt) + len(request)]
+        prompt += request
+        examples.append(
+            Example(
+                id=f"tools-{i}",
+                prompt=prompt,
+                fields={
+                    "tools": {n: tool_defs.TOOLS[n]["parameters"] for n in shown},
+                    "signature_spans": signature_spans,
+                    "request_span": request_span,
+                    "gold": gold,
+                },
+                reference=json.dumps(gold),
+            )
+        )
+    train, eval_ = _split(examples, rng)
+    return Task(name="tools", verifiers=tool_verifiers(), train=train, eval=eval_)
+
+
+def load_task(name: str, *, seed: int = 0) -> Task:
+    """The built-in task ``name`` (see the module docstring), deterministic for ``seed``."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
+    if name == "constraints":
+        return _constraints_task(name, instructions.DEFAULT_KINDS, seed)
+    if name == "constraints-full":
+        return _constraints_task(name, None, seed)
+    if isinstance(name, str) and name.startswith("constraints:"):
+        kinds = tuple(k.strip() for k in name.split(":", 1)[1].split(",") if k.strip())
+        if not kinds:
+            raise ValueError(f"name: {name!r} lists no constraint kinds")
+        return _constraints_task(name, kinds, seed)
+    if name == "sql":
+        return _sql_task(seed)
+    if name == "tools":
+        return _tools_task(seed)
+    raise ValueError(
+        f"name: unknown task {name!r}; expected one of {TASKS}, 'constraints-full' "
+        "or 'constraints:KIND,...'"
+    )

@@ -1,0 +1,441 @@
+"""Multi-constraint instruction following: IFEval-style constraint types and their verifiers.
+
+An example's ``fields["constraints"]`` is a list of ``{"kind", "params", "span"}``: the
+constraint type, its parameters and the ``[start, end)`` span of its sentence in the
+prompt. A `ConstraintVerifier` judges one of them (chosen by kind or by position) and
+returns that sentence as its span: one reward per constraint.
+
+Each verifier also has ``relevant_chars(example, response)``: the spans of the RESPONSE
+that its constraint concerns, used to measure credit precision. What each type returns:
+
+| kind | checks | relevant_chars |
+|---|---|---|
+| ``word_count`` | at most / at least n words | every word |
+| ``keyword_include`` | the word occurs (case-insensitive, whole word) | its occurrences |
+| ``keyword_exclude`` | the word does not occur | its occurrences (the violations) |
+| ``letter_frequency`` | the letter occurs at least n times (case-insensitive) | its occurrences |
+| ``no_commas`` | no ``,`` | the commas (the violations) |
+| ``lowercase`` | no uppercase letter | the uppercase letters (the violations) |
+| ``uppercase`` | no lowercase letter | the lowercase letters (the violations) |
+| ``json_format`` | the text (or its fenced block) parses as JSON | the stripped text |
+| ``bullet_count`` | exactly n lines start with ``* `` or ``- `` | the bullet markers |
+| ``paragraph_count`` | exactly n non-empty paragraphs split by ``***`` | the ``***`` dividers |
+| ``start_phrase`` | the stripped text starts with the phrase | its first len(phrase) chars |
+| ``end_phrase`` | the stripped text ends with the phrase | its last len(phrase) chars |
+| ``placeholders`` | at least n ``[placeholders]`` | the placeholders |
+| ``title`` | a title ``<<like this>>`` | the titles |
+| ``sections`` | exactly n lines start with ``SECTION k`` | the section markers |
+| ``quotation`` | the stripped text is wrapped in double quotes | the two quote characters |
+
+Words are maximal runs of letters and digits (apostrophes inside a word allowed).
+Prohibitions point at what breaks them (empty when satisfied); prescriptions point at
+where the required text is, or must be. Responses longer than `MAX_RESPONSE_CHARS` score 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from .base import Example, Span, Verdict
+
+logger = logging.getLogger(__name__)
+
+MAX_RESPONSE_CHARS = 100_000
+MAX_JSON_DEPTH = 32
+
+_WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
+_BULLET = re.compile(r"^[ \t]*([*-])[ \t]+\S", re.M)
+_DIVIDER = re.compile(r"\*\*\*")
+_PLACEHOLDER = re.compile(r"\[[^\[\]\n]{1,40}\]")
+_TITLE = re.compile(r"<<[^<>\n]{1,80}>>")
+_SECTION = re.compile(r"^[ \t]*SECTION[ \t]+\d+", re.M)
+_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
+
+
+def _word_re(word: str) -> re.Pattern:
+    return re.compile(r"(?<![^\W_])" + re.escape(word) + r"(?![^\W_])", re.I)
+
+
+def _spans_of(pattern: re.Pattern, text: str, group: int = 0) -> list[Span]:
+    return [m.span(group) for m in pattern.finditer(text)]
+
+
+def _stripped_bounds(text: str) -> Span:
+    start = len(text) - len(text.lstrip())
+    end = len(text.rstrip())
+    return (start, max(start, end))
+
+
+def _json_depth_ok(text: str) -> bool:
+    depth = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+class Constraint:
+    """One constraint type: its prompt sentence, its check and its relevant response spans."""
+
+    kind = ""
+
+    def sentence(self, p: dict) -> str:
+        raise NotImplementedError
+
+    def check(self, text: str, p: dict) -> str | None:
+        """None if ``text`` satisfies the constraint, else the reason it does not."""
+        raise NotImplementedError
+
+    def relevant(self, text: str, p: dict) -> list[Span]:
+        raise NotImplementedError
+
+
+class WordCount(Constraint):
+    kind = "word_count"
+
+    def sentence(self, p):
+        return f"Answer with {p['relation']} {p['n']} words."
+
+    def check(self, text, p):
+        n = sum(1 for _ in _WORD.finditer(text))
+        if p["relation"] == "at most" and n > p["n"]:
+            return f"{n} words, more than {p['n']}"
+        if p["relation"] == "at least" and n < p["n"]:
+            return f"{n} words, fewer than {p['n']}"
+        return None
+
+    def relevant(self, text, p):
+        return _spans_of(_WORD, text)
+
+
+class KeywordInclude(Constraint):
+    kind = "keyword_include"
+
+    def sentence(self, p):
+        return f'Include the word "{p["word"]}".'
+
+    def check(self, text, p):
+        return None if _word_re(p["word"]).search(text) else f"the word {p['word']!r} is missing"
+
+    def relevant(self, text, p):
+        return _spans_of(_word_re(p["word"]), text)
+
+
+class KeywordExclude(Constraint):
+    kind = "keyword_exclude"
+
+    def sentence(self, p):
+        return f'Do not use the word "{p["word"]}".'
+
+    def check(self, text, p):
+        return f"uses the word {p['word']!r}" if _word_re(p["word"]).search(text) else None
+
+    def relevant(self, text, p):
+        return _spans_of(_word_re(p["word"]), text)
+
+
+class LetterFrequency(Constraint):
+    kind = "letter_frequency"
+
+    def sentence(self, p):
+        return f'Use the letter "{p["letter"]}" at least {p["n"]} times.'
+
+    def check(self, text, p):
+        n = text.lower().count(p["letter"].lower())
+        return None if n >= p["n"] else f"letter {p['letter']!r} {n} times, fewer than {p['n']}"
+
+    def relevant(self, text, p):
+        return _spans_of(re.compile(re.escape(p["letter"]), re.I), text)
+
+
+class NoCommas(Constraint):
+    kind = "no_commas"
+
+    def sentence(self, p):
+        return "Do not use any commas."
+
+    def check(self, text, p):
+        n = text.count(",")
+        return f"{n} commas" if n else None
+
+    def relevant(self, text, p):
+        return [(i, i + 1) for i, ch in enumerate(text) if ch == ","]
+
+
+class Lowercase(Constraint):
+    kind = "lowercase"
+
+    def sentence(self, p):
+        return "Write only in lowercase letters."
+
+    def check(self, text, p):
+        return None if text == text.lower() else "contains uppercase letters"
+
+    def relevant(self, text, p):
+        return [(i, i + 1) for i, ch in enumerate(text) if ch != ch.lower()]
+
+
+class Uppercase(Constraint):
+    kind = "uppercase"
+
+    def sentence(self, p):
+        return "Write only in capital letters."
+
+    def check(self, text, p):
+        return None if text == text.upper() else "contains lowercase letters"
+
+    def relevant(self, text, p):
+        return [(i, i + 1) for i, ch in enumerate(text) if ch != ch.upper()]
+
+
+class JsonFormat(Constraint):
+    kind = "json_format"
+
+    def sentence(self, p):
+        return "Wrap your whole answer in JSON."
+
+    def check(self, text, p):
+        m = _FENCE.search(text)
+        body = (m.group(1) if m and not text.lstrip().startswith(("{", "[")) else text).strip()
+        if not body:
+            return "empty answer"
+        if not _json_depth_ok(body):
+            return f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError) as e:
+            return f"not valid JSON: {str(e)[:80]}"
+        return None
+
+    def relevant(self, text, p):
+        s, e = _stripped_bounds(text)
+        return [(s, e)] if e > s else []
+
+
+class BulletCount(Constraint):
+    kind = "bullet_count"
+
+    def sentence(self, p):
+        return f'Use exactly {p["n"]} bullet points like "* item".'
+
+    def check(self, text, p):
+        n = sum(1 for _ in _BULLET.finditer(text))
+        return None if n == p["n"] else f"{n} bullet points, expected {p['n']}"
+
+    def relevant(self, text, p):
+        return _spans_of(_BULLET, text, 1)
+
+
+class ParagraphCount(Constraint):
+    kind = "paragraph_count"
+
+    def sentence(self, p):
+        return f'Write exactly {p["n"]} paragraphs separated by "***".'
+
+    def check(self, text, p):
+        parts = _DIVIDER.split(text)
+        if any(not part.strip() for part in parts):
+            return "an empty paragraph between dividers"
+        return None if len(parts) == p["n"] else f"{len(parts)} paragraphs, expected {p['n']}"
+
+    def relevant(self, text, p):
+        return _spans_of(_DIVIDER, text)
+
+
+class StartPhrase(Constraint):
+    kind = "start_phrase"
+
+    def sentence(self, p):
+        return f'Start your answer with "{p["phrase"]}".'
+
+    def check(self, text, p):
+        return None if text.lstrip().startswith(p["phrase"]) else "does not start with the phrase"
+
+    def relevant(self, text, p):
+        s, e = _stripped_bounds(text)
+        return [(s, min(e, s + len(p["phrase"])))] if e > s else []
+
+
+class EndPhrase(Constraint):
+    kind = "end_phrase"
+
+    def sentence(self, p):
+        return f'End your answer with "{p["phrase"]}".'
+
+    def check(self, text, p):
+        return None if text.rstrip().endswith(p["phrase"]) else "does not end with the phrase"
+
+    def relevant(self, text, p):
+        s, e = _stripped_bounds(text)
+        return [(max(s, e - len(p["phrase"])), e)] if e > s else []
+
+
+class Placeholders(Constraint):
+    kind = "placeholders"
+
+    def sentence(self, p):
+        noun = "placeholder" if p["n"] == 1 else "placeholders"
+        return f"Include at least {p['n']} {noun} in square brackets like [name]."
+
+    def check(self, text, p):
+        n = sum(1 for _ in _PLACEHOLDER.finditer(text))
+        return None if n >= p["n"] else f"{n} placeholders, fewer than {p['n']}"
+
+    def relevant(self, text, p):
+        return _spans_of(_PLACEHOLDER, text)
+
+
+class Title(Constraint):
+    kind = "title"
+
+    def sentence(self, p):
+        return "Give your answer a title in double angular brackets like <<title>>."
+
+    def check(self, text, p):
+        return None if _TITLE.search(text) else "no <<title>>"
+
+    def relevant(self, text, p):
+        return _spans_of(_TITLE, text)
+
+
+class Sections(Constraint):
+    kind = "sections"
+
+    def sentence(self, p):
+        return f'Divide your answer into {p["n"]} sections that start with "SECTION X".'
+
+    def check(self, text, p):
+        n = sum(1 for _ in _SECTION.finditer(text))
+        return None if n == p["n"] else f"{n} sections, expected {p['n']}"
+
+    def relevant(self, text, p):
+        return _spans_of(_SECTION, text)
+
+
+class Quotation(Constraint):
+    kind = "quotation"
+
+    def sentence(self, p):
+        return "Wrap your whole answer in double quotes."
+
+    def check(self, text, p):
+        t = text.strip()
+        ok = len(t) >= 2 and t[0] == '"' and t[-1] == '"'
+        return None if ok else "not wrapped in double quotes"
+
+    def relevant(self, text, p):
+        s, e = _stripped_bounds(text)
+        if e - s < 2:
+            return [(s, e)] if e > s else []
+        return [(s, s + 1), (e - 1, e)]
+
+
+CONSTRAINTS: dict[str, Constraint] = {
+    c.kind: c
+    for c in (
+        WordCount(), KeywordInclude(), KeywordExclude(), LetterFrequency(), NoCommas(),
+        Lowercase(), Uppercase(), JsonFormat(), BulletCount(), ParagraphCount(),
+        StartPhrase(), EndPhrase(), Placeholders(), Title(), Sections(), Quotation(),
+    )
+}  # fmt: skip
+KINDS = tuple(CONSTRAINTS)
+
+
+class ConstraintVerifier:
+    """The reward of one constraint of an example.
+
+    Args:
+        kind: judge the example's constraint of this kind (the fixed-K tasks).
+        slot: judge the example's ``slot``-th constraint, whatever its kind (tasks whose
+            examples mix kinds). An example with no constraint there scores 1 with no spans:
+            nothing was asked, so nothing can fail.
+        name: the reward's name; defaults to ``kind`` or ``constraint_{slot + 1}``.
+    """
+
+    def __init__(
+        self, kind: str | None = None, *, slot: int | None = None, name: str | None = None
+    ):
+        if (kind is None) == (slot is None):
+            raise ValueError("ConstraintVerifier: give exactly one of kind and slot")
+        if kind is not None and kind not in CONSTRAINTS:
+            raise ValueError(f"kind: unknown constraint type {kind!r}; known: {', '.join(KINDS)}")
+        if slot is not None and (not isinstance(slot, int) or slot < 0):
+            raise ValueError(f"slot: expected an int >= 0, got {slot!r}")
+        self.kind = kind
+        self.slot = slot
+        self.name = name or (kind if kind is not None else f"constraint_{slot + 1}")
+
+    def _entry(self, example: Example) -> dict | None:
+        entries = example.fields.get("constraints") or []
+        if self.slot is not None:
+            return entries[self.slot] if self.slot < len(entries) else None
+        for c in entries:
+            if c.get("kind") == self.kind:
+                return c
+        return None
+
+    def __call__(self, example: Example, response: str) -> Verdict:
+        try:
+            entry = self._entry(example)
+        except Exception as e:
+            return Verdict(0.0, (), f"bad example fields: {type(e).__name__}: {e}")
+        if entry is None:
+            if self.slot is not None:
+                return Verdict(1.0)
+            return Verdict(0.0, (), f"the example has no {self.kind} constraint")
+        try:
+            s, e = entry["span"]
+            spans = ((int(s), int(e)),)
+        except Exception:
+            spans = ()
+        try:
+            if not isinstance(response, str):
+                return Verdict(0.0, spans, f"response is {type(response).__name__}, not str")
+            if len(response) > MAX_RESPONSE_CHARS:
+                return Verdict(0.0, spans, f"response longer than {MAX_RESPONSE_CHARS} chars")
+            reason = CONSTRAINTS[entry["kind"]].check(response, entry.get("params") or {})
+        except Exception as e:  # never raise into the trainer
+            logger.warning("%s: verifier error on %s: %r", self.name, example.id, e)
+            return Verdict(0.0, spans, f"verifier error: {type(e).__name__}: {e}")
+        if reason is None:
+            return Verdict(1.0, spans)
+        return Verdict(0.0, spans, f"{entry['kind']}: {reason}")
+
+    def relevant_chars(self, example: Example, response: str) -> list[Span]:
+        """The spans of ``response`` this constraint concerns (see the module's table)."""
+        try:
+            entry = self._entry(example)
+            if entry is None or not isinstance(response, str):
+                return []
+            if len(response) > MAX_RESPONSE_CHARS:
+                return []
+            return CONSTRAINTS[entry["kind"]].relevant(response, entry.get("params") or {})
+        except Exception:
+            return []
+
+
+def describe(kind: str, params: dict[str, Any]) -> str:
+    """The prompt sentence of a constraint."""
+    return CONSTRAINTS[kind].sentence(params)
+
+
+def check(kind: str, response: str, params: dict[str, Any]) -> str | None:
+    """None if ``response`` satisfies the constraint, else the reason."""
+    return CONSTRAINTS[kind].check(response, params)

@@ -1,0 +1,486 @@
+"""Text-to-SQL verifiers: run the generated query in a read-only SQLite sandbox.
+
+Every query, gold or generated, goes through `run_readonly`, which opens the database
+read-only (``file:...?mode=ro``), sets ``PRAGMA query_only``, caps string/blob sizes and
+other SQLite limits, installs an authorizer that allows only reading (SELECT, column reads,
+recursive CTEs and a deny-listed set of functions) and a progress handler that interrupts
+the query past a deadline, and fetches at most ``max_rows + 1`` rows. It returns the rows
+or raises a `QueryError` subclass that says why:
+
+- `QueryRefused`: not a single read-only query (DROP/INSERT/UPDATE/DELETE, ATTACH/DETACH,
+  PRAGMA, VACUUM, load_extension, several statements, ...).
+- `QueryTimeout`: still running after ``timeout_s`` seconds.
+- `QueryTooManyRows`: more than ``max_rows`` rows.
+- `QueryError` itself: anything else SQLite rejects (syntax, unknown table or column,
+  values too large).
+
+Three rewards per example (`sql_verifiers()`), reading these `Example.fields`:
+
+- ``db_path``: the SQLite file; ``gold``: the gold query;
+- ``schema``: ``{table: [columns]}`` as shown in the prompt;
+- ``schema_spans``: ``{table: [start, end]}``, the prompt line of each table;
+- ``gold_tables``: the tables the gold query reads; ``question_span``: ``[start, end]``.
+
+- ``sql_match``: 1 when the result equals the gold result (order-insensitive unless the
+  gold query has ORDER BY); spans: the gold tables' schema lines and the question.
+- ``sql_runs``: 1 when the query runs to completion in the sandbox; spans: the gold
+  tables' schema lines.
+- ``sql_schema``: 1 when the query compiles and reads only tables and columns shown in
+  the prompt; spans: every schema line.
+
+The query is the first fenced code block of the response if there is one, else the whole
+response. Refusals and errors are logged (logger ``mrtpo.verifiers.sql``) and become
+score 0 with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pathlib
+import re
+import sqlite3
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .base import Example, Span, Verdict
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_MAX_ROWS = 10_000
+MAX_QUERY_CHARS = 20_000
+MAX_RESPONSE_CHARS = 100_000  # longer responses are not parsed at all
+# SQLITE_LIMIT_LENGTH: the largest string or blob a query may read or build. Small, because
+# some functions (instr, replace) cost O(len^2) inside one VM step, where the progress
+# handler cannot stop them: at 10 KB a step costs at most a few milliseconds.
+MAX_VALUE_BYTES = 10_000
+PROGRESS_STEPS = 100  # VM instructions between two deadline checks
+
+# Functions a query may not call: extension loading and file access (where compiled in),
+# and printf/format, whose "%.*c" loops over its width argument, unbounded by the length
+# limit, inside a single VM step (tens of seconds for a width of 1e9).
+DENIED_FUNCTIONS = frozenset(
+    {"load_extension", "fts3_tokenizer", "readfile", "writefile", "edit", "printf", "format"}
+)
+
+_SQLITE_SELECT = sqlite3.SQLITE_SELECT
+_SQLITE_READ = sqlite3.SQLITE_READ
+_SQLITE_FUNCTION = getattr(sqlite3, "SQLITE_FUNCTION", 31)
+_SQLITE_RECURSIVE = getattr(sqlite3, "SQLITE_RECURSIVE", 33)
+_ACTION_NAMES = {
+    getattr(sqlite3, n): n[len("SQLITE_") :]
+    for n in (
+        "SQLITE_INSERT SQLITE_UPDATE SQLITE_DELETE SQLITE_ATTACH SQLITE_DETACH SQLITE_PRAGMA "
+        "SQLITE_TRANSACTION SQLITE_CREATE_TABLE SQLITE_CREATE_TEMP_TABLE SQLITE_CREATE_VIEW "
+        "SQLITE_CREATE_TEMP_VIEW SQLITE_CREATE_INDEX SQLITE_CREATE_TEMP_INDEX "
+        "SQLITE_CREATE_TRIGGER SQLITE_CREATE_TEMP_TRIGGER SQLITE_DROP_TABLE SQLITE_DROP_TEMP_TABLE "
+        "SQLITE_DROP_VIEW SQLITE_DROP_TEMP_VIEW SQLITE_DROP_INDEX SQLITE_DROP_TEMP_INDEX "
+        "SQLITE_DROP_TRIGGER SQLITE_DROP_TEMP_TRIGGER SQLITE_ALTER_TABLE SQLITE_REINDEX "
+        "SQLITE_ANALYZE SQLITE_CREATE_VTABLE SQLITE_DROP_VTABLE SQLITE_SAVEPOINT"
+    ).split()
+    if hasattr(sqlite3, n)
+}
+_FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|$)", re.S)
+_ORDER_BY = re.compile(r"\border\s+by\b", re.I)
+
+
+class QueryError(Exception):
+    """The query failed: SQLite rejected it (syntax, unknown name, value too large, ...)."""
+
+
+class QueryRefused(QueryError):
+    """The query tried something other than reading (write, ATTACH, PRAGMA, extension, ...)."""
+
+
+class QueryTimeout(QueryError):
+    """The query ran past its time limit and was interrupted."""
+
+
+class QueryTooManyRows(QueryError):
+    """The query returned more rows than the cap."""
+
+
+def _ro_uri(db_path: str | os.PathLike) -> str:
+    path = pathlib.Path(db_path).resolve()
+    if not path.is_file():
+        raise QueryError(f"db_path: no database file at {str(path)!r}")
+    return path.as_uri() + "?mode=ro"
+
+
+def _connect(db_path: str | os.PathLike) -> sqlite3.Connection:
+    try:
+        conn = sqlite3.connect(_ro_uri(db_path), uri=True, isolation_level=None)
+    except sqlite3.Error as e:
+        raise QueryError(f"cannot open {db_path!r} read-only: {e}") from e
+    try:
+        # Set before the authorizer exists: from then on PRAGMA is denied.
+        conn.execute("PRAGMA query_only = ON")
+        conn.execute("PRAGMA trusted_schema = OFF")
+    except sqlite3.Error as e:
+        conn.close()
+        raise QueryError(f"cannot open {db_path!r} read-only: {e}") from e
+    if hasattr(conn, "setlimit"):
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_QUERY_CHARS * 4)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_EXPR_DEPTH, 200)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_COMPOUND_SELECT, 50)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, 1000)
+    if hasattr(conn, "enable_load_extension"):
+        conn.enable_load_extension(False)
+    return conn
+
+
+class _Sandbox:
+    """Authorizer and progress handler for one query; remembers why it refused or stopped."""
+
+    def __init__(self, timeout_s: float):
+        self.deadline = time.monotonic() + timeout_s
+        self.timed_out = False
+        self.refused: str | None = None
+        self.reads: list[tuple[str, str]] = []  # (table, column) as SQLite resolves them
+
+    def authorize(self, action, arg1, arg2, dbname, source):
+        if action == _SQLITE_READ:
+            self.reads.append((arg1 or "", arg2 or ""))
+            return sqlite3.SQLITE_OK
+        if action in (_SQLITE_SELECT, _SQLITE_RECURSIVE):
+            return sqlite3.SQLITE_OK
+        if action == _SQLITE_FUNCTION:
+            if (arg2 or "").lower() in DENIED_FUNCTIONS:
+                self.refused = self.refused or f"function {arg2}() is not allowed"
+                return sqlite3.SQLITE_DENY
+            return sqlite3.SQLITE_OK
+        name = _ACTION_NAMES.get(action, f"action {action}")
+        self.refused = self.refused or f"{name} is not allowed (read-only sandbox)"
+        return sqlite3.SQLITE_DENY
+
+    def progress(self) -> int:
+        if time.monotonic() > self.deadline:
+            self.timed_out = True
+            return 1  # non-zero interrupts the statement
+        return 0
+
+
+def _first_keyword(query: str) -> str:
+    """The first word of ``query`` after whitespace, comments and opening parentheses."""
+    i, n = 0, len(query)
+    while i < n:
+        ch = query[i]
+        if ch.isspace() or ch == "(":
+            i += 1
+        elif query.startswith("--", i):
+            j = query.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif query.startswith("/*", i):
+            j = query.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        else:
+            break
+    j = i
+    while j < n and query[j].isascii() and query[j].isalpha():
+        j += 1
+    return query[i:j].upper()
+
+
+def _check_query_text(query: Any) -> str:
+    if not isinstance(query, str):
+        raise QueryRefused(f"query: expected a string, got {type(query).__name__}")
+    if len(query) > MAX_QUERY_CHARS:
+        raise QueryRefused(f"query: {len(query)} characters, more than {MAX_QUERY_CHARS}")
+    if "\x00" in query:
+        raise QueryRefused("query: contains a NUL character")
+    word = _first_keyword(query)
+    if not word:
+        raise QueryRefused("query: empty or not a statement")
+    if word not in ("SELECT", "WITH", "VALUES"):
+        raise QueryRefused(f"query: only SELECT, WITH or VALUES queries are allowed, got {word}")
+    return query
+
+
+def run_readonly(
+    db_path: str | os.PathLike,
+    query: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    compile_only: bool = False,
+    reads: list[tuple[str, str]] | None = None,
+) -> list[tuple]:
+    """Run one read-only query against the SQLite file ``db_path`` and return its rows.
+
+    Every query of the SQL verifiers, gold or generated, goes through here.
+
+    Args:
+        db_path: path of an existing SQLite database; opened read-only.
+        query: a single SELECT / WITH / VALUES statement (one trailing ``;`` allowed).
+        timeout_s: wall-clock limit; the query is interrupted past it.
+        max_rows: at most this many rows are returned.
+        compile_only: only compile the query (under ``EXPLAIN``, so nothing runs) and
+            return ``[]``; the same checks and refusals apply.
+        reads: if given, receives the ``(table, column)`` pairs the query reads, as SQLite
+            resolves them (``column`` is ``""`` for a whole-table read such as COUNT(*)).
+
+    Raises:
+        QueryRefused: the query is not a single read-only statement.
+        QueryTimeout: it ran longer than ``timeout_s``.
+        QueryTooManyRows: it returned more than ``max_rows`` rows.
+        QueryError: any other failure (syntax, unknown table or column, missing file).
+        ValueError: ``timeout_s`` or ``max_rows`` is out of range.
+    """
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s: expected a positive finite number, got {timeout_s!r}")
+    if not (isinstance(max_rows, int) and max_rows >= 0):
+        raise ValueError(f"max_rows: expected a non-negative int, got {max_rows!r}")
+    query = _check_query_text(query)
+    conn = _connect(db_path)
+    box = _Sandbox(timeout_s)
+    try:
+        conn.set_authorizer(box.authorize)
+        conn.set_progress_handler(box.progress, PROGRESS_STEPS)
+        try:
+            cur = conn.execute(("EXPLAIN " + query) if compile_only else query)
+            rows = [] if compile_only else cur.fetchmany(max_rows + 1)
+        except sqlite3.ProgrammingError as e:  # several statements, among others
+            raise QueryRefused(f"{e}") from e
+        except sqlite3.DatabaseError as e:
+            if box.refused is not None:
+                raise QueryRefused(box.refused) from e
+            if box.timed_out:
+                raise QueryTimeout(f"interrupted after {timeout_s:g} s") from e
+            raise QueryError(f"{type(e).__name__}: {e}") from e
+        except (OverflowError, ValueError, MemoryError) as e:
+            raise QueryError(f"{type(e).__name__}: {e}") from e
+        if len(rows) > max_rows:
+            raise QueryTooManyRows(f"more than {max_rows} rows")
+        if reads is not None:
+            reads.extend(box.reads)
+        return rows
+    finally:
+        conn.close()
+
+
+def referenced_columns(
+    db_path: str | os.PathLike, query: str, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> set[tuple[str, str]]:
+    """The (table, column) pairs ``query`` reads, found by compiling it without running it
+    (`run_readonly` with ``compile_only=True``); raises the same errors."""
+    reads: list[tuple[str, str]] = []
+    run_readonly(db_path, query, timeout_s=timeout_s, compile_only=True, reads=reads)
+    return set(reads)
+
+
+def extract_query(response: str) -> str:
+    """The SQL in a response: its first fenced code block, else the whole text, stripped."""
+    m = _FENCE.search(response)
+    text = m.group(1) if m else response
+    return text.strip()
+
+
+def _normalize_value(v):
+    if isinstance(v, float):
+        if math.isnan(v):
+            return ("nan",)
+        if v.is_integer() and abs(v) < 2**53:
+            return int(v)
+        return round(v, 6)
+    if isinstance(v, bytes):
+        return ("blob", v)
+    return v
+
+
+def _sort_key(row: tuple):
+    # Rows may mix NULL, numbers and text: sort by (type rank, value) per column.
+    return tuple(
+        (0, 0) if v is None else (1, v) if isinstance(v, (int, float)) else (2, str(v)) for v in row
+    )
+
+
+def results_equal(got: list[tuple], gold: list[tuple], *, ordered: bool) -> bool:
+    """Rows equal up to float rounding (6 decimals); as multisets unless ``ordered``."""
+    a = [tuple(_normalize_value(v) for v in r) for r in got]
+    b = [tuple(_normalize_value(v) for v in r) for r in gold]
+    if ordered:
+        return a == b
+    try:
+        return Counter(a) == Counter(b)
+    except TypeError:
+        return sorted(a, key=_sort_key) == sorted(b, key=_sort_key)
+
+
+class _RunCache:
+    """Small thread-safe LRU of query outcomes (rows or error), so that the three rewards
+    of one response run its query once."""
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self.lock = threading.Lock()
+        self.data: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, key: tuple, compute: Callable[[], Any]) -> tuple[Any, QueryError | None]:
+        with self.lock:
+            if key in self.data:
+                self.data.move_to_end(key)
+                return self.data[key]
+        try:
+            out: tuple = (compute(), None)
+        except QueryError as e:
+            out = (None, e)
+        with self.lock:
+            self.data[key] = out
+            if len(self.data) > self.size:
+                self.data.popitem(last=False)
+        return out
+
+
+_RUNS = _RunCache()
+_REFS = _RunCache()
+
+
+def _cached_run(db_path: str, query: str, timeout_s: float, max_rows: int):
+    try:
+        mtime = os.stat(db_path).st_mtime_ns
+    except OSError:
+        mtime = None
+    key = (db_path, mtime, query, timeout_s, max_rows)
+    return _RUNS.get(
+        key, lambda: run_readonly(db_path, query, timeout_s=timeout_s, max_rows=max_rows)
+    )
+
+
+def _cached_refs(db_path: str, query: str, timeout_s: float):
+    try:
+        mtime = os.stat(db_path).st_mtime_ns
+    except OSError:
+        mtime = None
+    key = (db_path, mtime, query, timeout_s)
+    return _REFS.get(key, lambda: referenced_columns(db_path, query, timeout_s=timeout_s))
+
+
+def _spans(fields: dict, tables: Iterable[str], question: bool) -> tuple[Span, ...]:
+    out: list[Span] = []
+    schema_spans = fields.get("schema_spans") or {}
+    for t in tables:
+        if t in schema_spans:
+            s, e = schema_spans[t]
+            out.append((int(s), int(e)))
+    if question and fields.get("question_span"):
+        s, e = fields["question_span"]
+        out.append((int(s), int(e)))
+    return tuple(sorted(set(out)))
+
+
+class _SQLVerifier:
+    name = "sql"
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS):
+        self.timeout_s = float(timeout_s)
+        self.max_rows = int(max_rows)
+
+    def spans(self, example: Example) -> tuple[Span, ...]:
+        raise NotImplementedError
+
+    def _score(self, example: Example, query: str) -> tuple[float, str | None]:
+        raise NotImplementedError
+
+    def __call__(self, example: Example, response: str) -> Verdict:
+        try:
+            spans = self.spans(example)
+        except Exception as e:  # malformed fields: still a verdict
+            return Verdict(0.0, (), f"{self.name}: bad example fields: {e}")
+        try:
+            if not isinstance(response, str):
+                return Verdict(0.0, spans, f"response is {type(response).__name__}, not str")
+            if len(response) > MAX_RESPONSE_CHARS:
+                return Verdict(0.0, spans, f"response longer than {MAX_RESPONSE_CHARS} chars")
+            query = extract_query(response)
+            if not query:
+                return Verdict(0.0, spans, "empty query")
+            score, reason = self._score(example, query)
+        except Exception as e:  # never raise into the trainer
+            logger.warning("%s: verifier error on %s: %r", self.name, example.id, e)
+            return Verdict(0.0, spans, f"verifier error: {type(e).__name__}: {e}")
+        if score == 0.0 and reason is not None:
+            logger.info("%s: %s: %s", self.name, example.id, reason)
+        return Verdict(score, spans, reason if score == 0.0 else None)
+
+    def _run(self, example: Example, query: str):
+        return _cached_run(str(example.fields["db_path"]), query, self.timeout_s, self.max_rows)
+
+
+class ExecutionMatch(_SQLVerifier):
+    """Score 1 when the query's result equals the gold query's."""
+
+    name = "sql_match"
+
+    def spans(self, example: Example) -> tuple[Span, ...]:
+        return _spans(example.fields, example.fields.get("gold_tables", ()), question=True)
+
+    def _score(self, example: Example, query: str) -> tuple[float, str | None]:
+        gold = example.fields["gold"]
+        gold_rows, gold_err = _cached_run(
+            str(example.fields["db_path"]), gold, max(self.timeout_s, 5.0), self.max_rows
+        )
+        if gold_err is not None:
+            raise RuntimeError(f"gold query failed: {gold_err}")
+        rows, err = self._run(example, query)
+        if err is not None:
+            return 0.0, f"{type(err).__name__}: {err}"
+        ordered = bool(_ORDER_BY.search(gold))
+        if results_equal(rows, gold_rows, ordered=ordered):
+            return 1.0, None
+        return 0.0, f"result differs from the gold result ({len(rows)} vs {len(gold_rows)} rows)"
+
+
+class QueryRuns(_SQLVerifier):
+    """Score 1 when the query runs to completion in the sandbox."""
+
+    name = "sql_runs"
+
+    def spans(self, example: Example) -> tuple[Span, ...]:
+        return _spans(example.fields, example.fields.get("gold_tables", ()), question=False)
+
+    def _score(self, example: Example, query: str) -> tuple[float, str | None]:
+        _, err = self._run(example, query)
+        if err is not None:
+            return 0.0, f"{type(err).__name__}: {err}"
+        return 1.0, None
+
+
+class SchemaOnly(_SQLVerifier):
+    """Score 1 when the query compiles and reads only tables and columns shown in the prompt."""
+
+    name = "sql_schema"
+
+    def spans(self, example: Example) -> tuple[Span, ...]:
+        return _spans(example.fields, (example.fields.get("schema") or {}).keys(), question=False)
+
+    def _score(self, example: Example, query: str) -> tuple[float, str | None]:
+        schema = {
+            t.lower(): {c.lower() for c in cols}
+            for t, cols in (example.fields.get("schema") or {}).items()
+        }
+        refs, err = _cached_refs(str(example.fields["db_path"]), query, self.timeout_s)
+        if err is not None:
+            return 0.0, f"{type(err).__name__}: {err}"
+        for table, column in sorted(refs):
+            cols = schema.get(table.lower())
+            if cols is None:
+                return 0.0, f"reads table {table!r}, which is not in the schema"
+            # "" is a whole-table read (COUNT(*)); rowid aliases are part of every table.
+            if column and column.lower() not in cols and column.lower() not in ("rowid",):
+                return 0.0, f"reads column {table}.{column}, which is not in the schema"
+        return 1.0, None
+
+
+def sql_verifiers(
+    *, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS
+) -> list[_SQLVerifier]:
+    """The three SQL rewards, in order: execution match, the query runs, schema only."""
+    kw = dict(timeout_s=timeout_s, max_rows=max_rows)
+    return [ExecutionMatch(**kw), QueryRuns(**kw), SchemaOnly(**kw)]

@@ -1,0 +1,172 @@
+"""Tool-call parsing, the four tool rewards, their spans, and oversized or nested input."""
+
+import json
+import time
+
+import pytest
+
+from mrtpo.data import tool_defs
+from mrtpo.tasks import load_task
+from mrtpo.verifiers.tools import (
+    MAX_CALL_CHARS,
+    ArgumentsMatch,
+    ArgumentsValid,
+    CallFormat,
+    CallName,
+    CallParseError,
+    parse_call,
+    tool_verifiers,
+    validate_arguments,
+)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_task("tools", seed=0)
+
+
+def _find(task, name):
+    return next(e for e in task.train if e.fields["gold"]["name"] == name)
+
+
+def _call(name, args):
+    return json.dumps({"name": name, "arguments": args})
+
+
+def test_parse_plain_fenced_and_string_arguments():
+    assert parse_call('{"name": "f", "arguments": {"a": 1}}') == ("f", {"a": 1})
+    assert parse_call('Sure:\n```json\n{"name": "f", "arguments": {}}\n```') == ("f", {})
+    assert parse_call('{"name": "f", "arguments": "{\\"a\\": 2}"}') == ("f", {"a": 2})
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("", "empty"),
+        ("call f(1)", "JSON"),
+        ("[1, 2]", "object"),
+        ('{"arguments": {}}', "name"),
+        ('{"name": "f"}', "arguments"),
+        ('{"name": "f", "arguments": [1]}', "arguments"),
+        ("[" * 100_000 + "]" * 100_000, "characters"),
+        ("[" * 40 + "]" * 40, "nested"),
+        ('{"name": "f", "arguments": ' + "{" * 5000 + "}" * 5000 + "}", "nested"),
+        ('{"name": "f", "arguments": {"a": "' + "x" * MAX_CALL_CHARS + '"}}', "characters"),
+        ("\x00\xff\ufffd", "JSON"),
+    ],
+)
+def test_parse_errors_are_clean(text, why):
+    with pytest.raises(CallParseError, match=why):
+        parse_call(text)
+
+
+def test_depth_counts_only_brackets_outside_strings():
+    deep_string = '"' + "[" * 100 + '"'
+    assert parse_call('{"name": "f", "arguments": {"s": ' + deep_string + "}}")[1] == {
+        "s": "[" * 100
+    }
+
+
+def test_gold_scores_one_and_spans_are_signatures(task):
+    for ex in task.train[:50] + task.eval[:20]:
+        verdicts = [v(ex, ex.reference) for v in tool_verifiers()]
+        assert [v.score for v in verdicts] == [1.0] * 4, (ex.prompt, ex.reference, verdicts)
+        gold_sig = tool_defs.signature(ex.fields["gold"]["name"])
+        fmt, name, schema, args = verdicts
+        assert fmt.spans == ()
+        assert [ex.prompt[s:e] for s, e in name.spans] == [gold_sig]
+        assert [ex.prompt[s:e] for s, e in schema.spans] == [gold_sig]
+        texts = [ex.prompt[s:e] for s, e in args.spans]
+        assert texts[0] == gold_sig and ex.prompt.endswith(texts[1]) and len(texts) == 2
+
+
+def test_wrong_name_and_schema_span_follows_the_called_tool(task):
+    ex = _find(task, "get_weather")
+    other = next(n for n in ex.fields["tools"] if n != "get_weather")
+    resp = _call(other, {"x": 1})
+    assert CallFormat()(ex, resp).score == 1.0
+    wrong = CallName()(ex, resp)
+    assert wrong.score == 0.0 and "get_weather" in wrong.reason
+    schema = ArgumentsValid()(ex, resp)
+    assert schema.score == 0.0
+    assert [ex.prompt[s:e] for s, e in schema.spans] == [tool_defs.signature(other)]
+    unknown = ArgumentsValid()(ex, _call("rm_rf", {}))
+    assert unknown.score == 0.0 and "no tool" in unknown.reason
+
+
+@pytest.mark.parametrize(
+    "args, valid",
+    [
+        ({"hour": 7, "minute": 30}, True),
+        ({"hour": 7}, False),  # missing required
+        ({"hour": "7", "minute": 30}, False),  # wrong type
+        ({"hour": 24, "minute": 0}, False),  # out of range
+        ({"hour": 7, "minute": 30, "second": 1}, False),  # extra property
+        ({"hour": 7.5, "minute": 30}, False),
+    ],
+)
+def test_schema_validation(task, args, valid):
+    ex = _find(task, "set_alarm")
+    out = ArgumentsValid()(ex, _call("set_alarm", args))
+    assert out.score == (1.0 if valid else 0.0)
+    assert (out.reason is None) == valid
+    assert (validate_arguments(tool_defs.TOOLS["set_alarm"]["parameters"], args) is None) == valid
+
+
+def test_argument_equality(task):
+    ex = _find(task, "set_alarm")
+    gold = ex.fields["gold"]["arguments"]
+    v = ArgumentsMatch()
+    assert v(ex, _call("set_alarm", dict(reversed(list(gold.items()))))).score == 1.0
+    as_float = {k: float(x) for k, x in gold.items()}
+    assert v(ex, _call("set_alarm", as_float)).score == 1.0  # 7 == 7.0
+    off = dict(gold, minute=(gold["minute"] + 1) % 60)
+    r = v(ex, _call("set_alarm", off))
+    assert r.score == 0.0 and "minute" in r.reason
+    r = v(ex, _call("set_alarm", {"hour": gold["hour"]}))
+    assert r.score == 0.0 and "missing minute" in r.reason
+    ex2 = _find(task, "play_music")
+    g2 = ex2.fields["gold"]["arguments"]
+    assert v(ex2, _call("play_music", dict(g2, extra=True))).score == 0.0
+
+
+def test_booleans_are_not_numbers():
+    from mrtpo.verifiers.tools import _same
+
+    assert not _same(True, 1) and not _same(1, True) and _same(1, 1.0)
+    assert _same({"a": [1, {"b": 2.0}]}, {"a": [1.0, {"b": 2}]})
+    assert not _same({"a": [1]}, {"a": [1, 1]})
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "",
+        None,
+        "\x00" * 100,
+        "x" * (MAX_CALL_CHARS + 1),
+        "{" * 100_000,
+        "[" * 50 + "]" * 50,
+        '{"name": ' * 1000,
+        "```json\n" + "[" * 1000 + "\n```",
+        "y" * 2_000_000,
+    ],
+)
+def test_oversized_nested_or_junk_scores_zero_with_reason(task, response):
+    ex = task.train[0]
+    for v in tool_verifiers():
+        out = v(ex, response)
+        assert out.score == 0.0 and out.reason
+
+
+def test_fast_enough(task):
+    verifiers = tool_verifiers()
+    examples = task.train[:100]
+    t0 = time.perf_counter()
+    calls = 0
+    for ex in examples * 5:
+        for v in verifiers:
+            v(ex, ex.reference)
+            calls += 1
+    rate = calls / (time.perf_counter() - t0)
+    assert rate > 1000, f"{rate:.0f} calls/s"
