@@ -39,6 +39,18 @@ def _fallback(wanted: str, op: str, reason: str):
 
 def resolve(op: str, device: torch.device, backend: str | None = None) -> str:
     """Name of the backend that will run ``op`` for tensors on ``device``."""
+    if torch.compiler.is_compiling():
+        # a constant of the traced graph: decided once at trace time, no import in the graph
+        return _resolve_constant(op, device.type, backend)
+    return _resolve(op, device, backend)
+
+
+@torch.compiler.assume_constant_result
+def _resolve_constant(op: str, device_type: str, backend: str | None) -> str:
+    return _resolve(op, torch.device(device_type), backend)
+
+
+def _resolve(op: str, device: torch.device, backend: str | None) -> str:
     wanted = backend or os.environ.get("MRTPO_BACKEND") or "auto"
     if wanted != "auto" and wanted not in backends.BACKENDS:
         raise ValueError(
