@@ -27,7 +27,7 @@ def _strict() -> bool:
 
 
 def _fallback(wanted: str, op: str, reason: str):
-    msg = f"mrtpo_kernels: backend {wanted!r} cannot run {op} ({reason}); using 'torch'"
+    msg = f"mrtpo_kernels: backend {wanted!r} cannot run {op} ({reason}); falling back"
     if _strict():
         raise RuntimeError(msg + " [MRTPO_STRICT_BACKEND is set]")
     key = (wanted, op)
@@ -59,11 +59,13 @@ def _resolve(op: str, device: torch.device, backend: str | None) -> str:
         )
     if wanted == "auto":
         order = _AUTO_ORDER.get(device.type, ("torch",))
+        if backends.load(order[0]) is None:  # the fast path for this device is missing
+            _fallback(order[0], "any op", backends.load_error(order[0]) or "not available")
         for name in order:
             mod = backends.load(name)
             if mod is not None and hasattr(mod, op):
                 return name
-        return _fallback(order[0], op, backends.load_error(order[0]) or "op not implemented")
+        return "torch"
     if wanted == "cpu" and device.type != "cpu":
         raise ValueError(f"backend: 'cpu' needs CPU tensors, got tensors on {device}")
     if wanted == "cuda" and device.type != "cuda":

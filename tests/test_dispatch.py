@@ -70,3 +70,14 @@ def test_compile_fullgraph_traces_the_public_api():
 
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     assert torch.allclose(compiled(h, w), step(h, w))
+
+
+def test_missing_extension_warns_once_then_runs_on_torch(monkeypatch):
+    monkeypatch.setitem(backends._errors, "cpu", "ImportError: pretend the build failed")
+    monkeypatch.delitem(backends._loaded, "cpu", raising=False)
+    _dispatch._warned.discard(("cpu", "any op"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        names = {_dispatch.resolve(op, torch.device("cpu")) for op in ("linear_js", "linear_logprobs_fwd")}
+    assert names == {"torch"}
+    assert sum("pretend the build failed" in str(w.message) for w in caught) == 1
