@@ -50,7 +50,11 @@ def extensions():
         import torch
 
         have_nvcc = cpp_extension.CUDA_HOME is not None
-        if torch.version.cuda and have_nvcc and (torch.cuda.is_available() or _flag("MRTPO_FORCE_CUDA")):
+        if (
+            torch.version.cuda
+            and have_nvcc
+            and (torch.cuda.is_available() or _flag("MRTPO_FORCE_CUDA"))
+        ):
             archs = os.environ.get("MRTPO_CUDA_ARCHS", "90").replace(",", ";").split(";")
             gencode = []
             for a in filter(None, archs):

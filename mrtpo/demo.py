@@ -31,9 +31,7 @@ def build(seed: int = 0, vocab: int = 32000, dim: int = 64):
     hidden_q[:, KEYWORD_POS + 1] += 0.8 * torch.randn(n, dim, generator=g)
     hidden_q += 0.05 * torch.randn(hidden_q.shape, generator=g)
     # rewards: [correct, keyword]; the keyword reward varies within each group
-    rewards = torch.tensor(
-        [[1, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]], dtype=torch.float32
-    )
+    rewards = torch.tensor([[1, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]], dtype=torch.float32)
     group_ids = torch.arange(n_prompts).repeat_interleave(group)
     has_info = torch.tensor([[False, True]] * n)
     return weight, hidden_p, hidden_q, rewards, group_ids, has_info

@@ -7,8 +7,6 @@ public functions resolve before the call, so no op looks at data to decide anyth
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -31,7 +29,7 @@ def _empty_like_rows(t: Tensor, n: int) -> Tensor:
 def linear_logprobs_fwd(
     hidden: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     labels: Tensor,
     temperature: float,
     ignore_index: int,
@@ -56,7 +54,7 @@ def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, bac
 def linear_logprobs_bwd(
     hidden: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     labels: Tensor,
     lse: Tensor,
     entropy: Tensor,
@@ -188,7 +186,7 @@ def linear_js(
     hidden_p: Tensor,
     hidden_q: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     temperature: float,
     backend: str,
 ) -> Tensor:
@@ -217,7 +215,7 @@ def _(logits_p, logits_q, temperature, backend):
 def linear_policy_loss(
     hidden: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor],
+    bias: Tensor | None,
     labels: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -254,7 +252,7 @@ def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need
 
 
 def _policy_setup(ctx, inputs, output):
-    hidden, weight, bias = inputs[0], inputs[1], inputs[2]
+    weight, bias = inputs[1], inputs[2]
     _, _, _, dh, dw, db = output
     ctx.save_for_backward(dh, dw, db)
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)

@@ -110,6 +110,5 @@ def labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None
     if bool(bad.any()):
         first = labels[bad][0].item()
         raise ValueError(
-            f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index}, "
-            f"found {first}"
+            f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index}, found {first}"
         )

@@ -61,7 +61,9 @@ def test_gdpo_group_of_one_and_zero_variance_give_zero():
     assert torch.equal(out.per_reward, torch.zeros(4, 1, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("alpha,gamma,clip", [(1.0, 1.0, None), (0.6, 2.0, None), (1.0, 0.5, (0.2, 3.0))])
+@pytest.mark.parametrize(
+    "alpha,gamma,clip", [(1.0, 1.0, None), (0.6, 2.0, None), (1.0, 0.5, (0.2, 3.0))]
+)
 @pytest.mark.parametrize("batch_norm", ["sequence", "token"])
 def test_token_advantages_match_reference(alpha, gamma, clip, batch_norm):
     rewards, gid, rel, cu, has_info = _batch(seed=2)
@@ -133,7 +135,9 @@ def test_relevance_concentrates_advantage():
         cu_seqlens=torch.tensor([0, 3, 6]),
     )  # fmt: skip
     a = out.sequence
-    assert torch.allclose(out.token, torch.stack([3 * a[0], 0 * a[0], 0 * a[0], 3 * a[1], 0 * a[1], 0 * a[1]]))
+    assert torch.allclose(
+        out.token, torch.stack([3 * a[0], 0 * a[0], 0 * a[0], 3 * a[1], 0 * a[1], 0 * a[1]])
+    )
 
 
 def test_uniform_when_relevance_below_delta():

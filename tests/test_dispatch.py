@@ -78,6 +78,9 @@ def test_missing_extension_warns_once_then_runs_on_torch(monkeypatch):
     _dispatch._warned.discard(("cpu", "any op"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        names = {_dispatch.resolve(op, torch.device("cpu")) for op in ("linear_js", "linear_logprobs_fwd")}
+        names = {
+            _dispatch.resolve(op, torch.device("cpu"))
+            for op in ("linear_js", "linear_logprobs_fwd")
+        }
     assert names == {"torch"}
     assert sum("pretend the build failed" in str(w.message) for w in caught) == 1

@@ -125,7 +125,9 @@ def test_js_one_vs_many_from_logits(backend):
     q = torch.randn(3, 2, 5, 5003, generator=g)
     d = mk.js_distance(p, q, temperature=0.7, backend=backend)
     assert d.shape == (3, 2, 5)
-    ref = R.js_distance_ref(p.reshape(10, -1).double(), q.reshape(3, 10, -1).double(), temperature=0.7)
+    ref = R.js_distance_ref(
+        p.reshape(10, -1).double(), q.reshape(3, 10, -1).double(), temperature=0.7
+    )
     assert max_err(d.reshape(3, 10), ref) < 1e-6
     one = mk.js_distance(p[0, 0], q[:, 0, 0], temperature=0.7, backend=backend)
     assert one.shape == (3,) and max_err(one, d[:, 0, 0]) < 1e-7

@@ -94,7 +94,9 @@ def test_policy_loss_gradient_computed_in_forward_matches_logprob_path(backend):
     (2.5 * loss).backward()  # a non-unit upstream gradient scales the saved gradient
     h2 = h.clone().requires_grad_()
     logp = mk.linear_logprobs(h2, w, lab, bias=bias, backend=backend)
-    l2, _ = R.policy_loss_ref(logp.reshape(-1), old.reshape(-1), adv.reshape(-1), lab.reshape(-1) != -100)
+    l2, _ = R.policy_loss_ref(
+        logp.reshape(-1), old.reshape(-1), adv.reshape(-1), lab.reshape(-1) != -100
+    )
     (2.5 * l2).backward()
     assert max_err(h1.grad, h2.grad) < 1e-6
 

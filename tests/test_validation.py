@@ -123,9 +123,7 @@ def test_advantages_bad_input():
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[2] = False
     with pytest.raises(ValueError, match="no valid token"):
-        mk.mrtpo_token_advantages(
-            rewards, gid, rel.view(2, 4, 5), has_info=hi, response_mask=mask
-        )
+        mk.mrtpo_token_advantages(rewards, gid, rel.view(2, 4, 5), has_info=hi, response_mask=mask)
     with pytest.raises(ValueError, match="alpha"):
         mk.mrtpo_token_advantages(rewards, gid, rel, has_info=hi, cu_seqlens=cu, alpha=1.5)
     with pytest.raises(ValueError, match="gamma"):

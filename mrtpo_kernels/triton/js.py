@@ -22,31 +22,44 @@ TFLOP/s dense bf16):
   (a) two passes, logits recomputed: 2 x 102 TFLOP, >= 260 ms, at most ~390 TFLOP/s counted
       as (1 + K) 2 N d V: below the 500 TFLOP/s target before any other cost. Rejected.
   (b) chosen: one GEMM pass that keeps each chunk's fp32 logits in a device scratch between
-      their two uses. Per chunk of C tokens, the GEMM kernel (_js_logits_kernel) writes the
-      (1 + K) x C x V fp32 logits / tau and, from the accumulator tile, a partial
-      log-sum-exp per (row, vocabulary tile); a tiny kernel combines the partials into
-      lse; _js_sum_kernel then reads the scratch once and sums the terms. Extra bytes:
-      (1 + K) N V 4 written + the same read = 2 x 49.8 GB = 100 GB, ~21 ms at 4.8 TB/s, most
-      of the writes overlapped with the tensor cores; the weight is re-read once per chunk,
-      (N / C) V d 2 = 80 GB at C = 256, overlapped (the chunk GEMM does 1280 FLOP per weight
-      byte, far above the ~165 FLOP/B balance point). Estimate: ~165-175 ms, ~600 TFLOP/s
-      counted. C is sized so the scratch stays within MRTPO_JS_SCRATCH_BYTES (default
-      768 MiB: C = 256 for K = 4, V = 151936), inside the 1 GB extra-memory budget.
-      P's logits are computed once per chunk and shared by the K streams.
+      their two uses. Per chunk of C tokens the hidden rows of the 1 + K streams are stacked
+      into one (1 + K) C x d operand (P first: its logits are computed once per chunk and
+      shared by the K streams); the GEMM kernel (_js_logits_kernel) writes the fp32 logits
+      / tau and, from the accumulator tile, a log-sum-exp per (row, vocabulary tile);
+      _row_lse_kernel combines those into each row's lse; _js_sum_kernel reads the scratch
+      once and sums the terms over vocabulary splits; _js_finish_kernel adds the splits
+      and takes the square root.
+      Bytes beyond the GEMM operands: (1 + K) N V 4 written + the same read = 2 x 49.8 GB
+      = 100 GB, ~21 ms at 4.8 TB/s (the writes mostly overlapped with the tensor cores,
+      the ~10 ms read not). The weight is re-read once per chunk, (N / C) V d 2 = 80 GB at
+      C = 256, hidden under the math: the chunk GEMM does 1280 FLOP per weight byte, far
+      above the ~165 FLOP/B balance point. Estimate, if the GEMM with its epilogue
+      sustains ~650 TFLOP/s: 157 + ~10 ms = ~167 ms, ~610 TFLOP/s counted.
+      Transcendentals per (token, vocabulary entry): 1 + K exp in the epilogue, 1 + 3 K in
+      the sum: 4.5e10 at K = 4, ~11 ms of the SFUs (16 per clock per SM); the sum's share,
+      ~8 ms, runs under its ~10 ms of reads.
+      C is sized so the scratch stays within MRTPO_JS_SCRATCH_BYTES (default 768 MiB:
+      C = 256 for K = 4, V = 151936), inside the 1 GB extra-memory budget.
+      Built for sm_90 by Triton 3.9 (tests/test_triton_js.py compiles it without a GPU),
+      the 16-bit GEMM at 128 x 256 x 64, 8 warps, 3 stages is a cp.async-pipelined wgmma
+      loop, 178 registers, no spills, 144 KiB shared memory. Unmeasured on the H200 so far.
   From existing logits (logits_js) there is no GEMM: pass 1 (_row_lse_kernel) reads every
   row for its lse, pass 2 (_js_sum_kernel) reads them again, 2 (1 + K) N V b bytes (b the
   logits' element size); memory-bound.
 
 Shapes, strides, dtypes:
   linear_js(hidden_p (N, d), hidden_q (K, N, d), weight (V, d), bias (V,) | None, tau)
-      -> (K, N) fp32; inputs contiguous, same dtype (bf16, fp16 or fp32; fp32 uses IEEE fp32
-      dots, not tf32). Scratch: logits (1 + K, C, V) fp32, partial lse (1 + K, C, V / BN),
-      lse (1 + K, C), split sums (S, K, C).
-  logits_js(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous.
-  float64 inputs go to the chunked "torch" backend (float64 throughout, no tensor cores to
-  gain from), so results stay float64-exact for gradcheck-style references.
-  N, V, d, K are run-time kernel arguments (RL batches vary); offsets are int64; tails are
-  masked; the max identity is -inf and guarded; all accumulation is fp32.
+      -> (K, N) fp32; inputs contiguous, same dtype (bf16, fp16 or fp32; fp32 dots are IEEE
+      fp32 unless torch's matmul precision allows tf32). Scratch per chunk: stacked hidden
+      (1 + K, C, d), logits (1 + K, C, V) fp32, tile lse (1 + K, C, ceil(V / BLOCK_N)), lse
+      (1 + K, C), split sums (S, K, C).
+  logits_js(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous;
+      scratch lse (1 + K, N), split sums (S, K, N).
+  float64 inputs go to the chunked "torch" backend (float64 throughout; no tensor cores to
+  gain from), so float64 results stay float64.
+  N, V, d, K are run-time kernel arguments (RL batches vary); only tile sizes and flags are
+  constexpr; offsets are int64; tails are masked; the max identity is -inf and guarded;
+  all accumulation is fp32. No host synchronization.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ._common import check_device, dot_precision, interpreting, num_sms
 
@@ -265,19 +279,47 @@ class _GemmConfig(NamedTuple):
     num_stages: int
 
 
-def _gemm_config(dtype: torch.dtype) -> _GemmConfig:
-    """Tile sizes for _js_logits_kernel. MRTPO_JS_GEMM="BM,BN,BK,warps,stages" overrides
-    (for tuning on a GPU). Hopper, 16-bit: 128 x 256 x 64 tiles, 8 warps (two warpgroups
-    of wgmma), 3 stages of (128 + 256) x 64 x 2 B = 48 KiB shared memory each. fp32 runs
-    IEEE dots (no tf32) on smaller tiles."""
+def _gemm_configs(dtype: torch.dtype) -> list[_GemmConfig]:
+    """Tile sizes for _js_logits_kernel, best first; the later ones (same BLOCK_N, less
+    shared memory) are used where the first does not fit the device.
+    MRTPO_JS_GEMM="BM,BN,BK,warps,stages" overrides (for tuning on a GPU).
+    Hopper, 16-bit: 128 x 256 x 64 tiles, 8 warps (two warpgroups of wgmma), 3 stages of
+    (128 + 256) x 64 x 2 B = 48 KiB of shared memory each. fp32 (IEEE dots unless torch
+    allows tf32) on smaller tiles. Not yet tuned on the H200 (no measurement so far)."""
     env = os.environ.get("MRTPO_JS_GEMM")
     if env:
-        return _GemmConfig(*(int(x) for x in env.split(",")))
+        return [_GemmConfig(*(int(x) for x in env.split(",")))]
     if interpreting():
-        return _GemmConfig(64, 256, 64, 4, 1)  # few, large programs: the interpreter is numpy
+        return [_GemmConfig(64, 256, 64, 4, 1)]  # few, large programs: the interpreter is numpy
     if dtype == torch.float32:
-        return _GemmConfig(64, 128, 32, 4, 3)
-    return _GemmConfig(128, 256, 64, 8, 3)
+        return [_GemmConfig(64, 128, 32, 4, 3), _GemmConfig(64, 128, 16, 4, 2)]
+    return [
+        _GemmConfig(128, 256, 64, 8, 3),
+        _GemmConfig(128, 256, 64, 8, 2),
+        _GemmConfig(64, 256, 32, 4, 2),
+    ]
+
+
+_GEMM_FIRST_OK: dict[tuple, int] = {}
+
+
+def _launch_logits_gemm(dtype, device, grid_for, args, flags):
+    """Launch _js_logits_kernel with the first config of _gemm_configs that fits."""
+    configs = _gemm_configs(dtype)
+    key = (dtype, str(device), configs[0])
+    for i in range(_GEMM_FIRST_OK.get(key, 0), len(configs)):
+        cfg = configs[i]
+        try:
+            _js_logits_kernel[grid_for(cfg.block_m)](
+                *args, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+        except OutOfResources:
+            if i + 1 == len(configs):
+                raise
+            continue
+        _GEMM_FIRST_OK[key] = i
+        return
 
 
 def _scratch_bytes() -> int:
@@ -342,7 +384,10 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
     v = weight.shape[0]
     streams = 1 + k
     dev = hidden_p.device
-    cfg = _gemm_config(hidden_p.dtype)
+    out = torch.empty((k, n), dtype=torch.float32, device=dev)
+    if n == 0 or k == 0:
+        return out
+    cfg = _gemm_configs(hidden_p.dtype)[0]
     c = _chunk_rows(n, v, streams, cfg.block_m)
     n_vt = triton.cdiv(v, cfg.block_n)
     # Per-chunk buffers, viewed densely as (streams, rows, .) for the last, shorter chunk.
@@ -350,11 +395,11 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
     z_buf = torch.empty(streams * c * v, dtype=torch.float32, device=dev)
     part_buf = torch.empty(streams * c * n_vt, dtype=torch.float32, device=dev)
     lse_buf = torch.empty(streams * c, dtype=torch.float32, device=dev)
-    out = torch.empty((k, n), dtype=torch.float32, device=dev)
     precision = dot_precision(hidden_p.dtype) if hidden_p.dtype == torch.float32 else "tf32"
     dot_in_fp32 = interpreting() and hidden_p.dtype == torch.bfloat16
     if dot_in_fp32:
         precision = "ieee"
+    flags = dict(HAS_BIAS=bias is not None, DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32)
     b_arg = bias if bias is not None else weight
     for row0 in range(0, n, c):
         rows = min(c, n - row0)
@@ -365,13 +410,10 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
         z = z_buf[: m * v].view(streams, rows, v)
         part = part_buf[: m * n_vt]
         lse = lse_buf[:m]
-        grid = (triton.cdiv(m, cfg.block_m) * n_vt,)
-        _js_logits_kernel[grid](
-            a, weight, b_arg, z, part, m, d, v, n_vt, 1.0 / temperature, d, weight.stride(0),
-            HAS_BIAS=bias is not None, DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        args = (a, weight, b_arg, z, part, m, d, v, n_vt, 1.0 / temperature, d, weight.stride(0))
+        _launch_logits_gemm(
+            hidden_p.dtype, dev, lambda bm, m=m: (triton.cdiv(m, bm) * n_vt,), args, flags
+        )
         _row_lse_kernel[(m, 1)](part, lse, n_vt, 0, n_vt, 0, 1.0, BLOCK=_lse_block(n_vt))
         _js_sum_and_finish(z[0], z[1:], lse.view(streams, rows), out, row0, 1.0)
     return out
@@ -391,6 +433,8 @@ def logits_js(logits_p, logits_q, temperature):
     inv_t = 1.0 / temperature
     lse = torch.empty((1 + k, n), dtype=torch.float32, device=dev)
     out = torch.empty((k, n), dtype=torch.float32, device=dev)
+    if n == 0 or k == 0:
+        return out
     block = _lse_block(v)
     warps = 8 if block >= 2048 else 4
     _row_lse_kernel[(n, 1)](logits_p, lse, v, 0, v, 0, inv_t, BLOCK=block, num_warps=warps)
