@@ -155,3 +155,17 @@ def test_js_upper_bound_is_one():
     assert math.isclose(
         R.js_distance_ref(torch.tensor([[0.0, -1e4]]), torch.tensor([[-1e4, 0.0]])).item(), 1.0
     )
+
+
+def test_js_with_masked_vocabulary_entries(backend):
+    # -inf logits (a masked vocabulary) contribute nothing, as in the reference
+    g = torch.Generator().manual_seed(9)
+    p = torch.randn(6, 500, generator=g)
+    q = torch.randn(6, 500, generator=g)
+    p[:, :100] = float("-inf")
+    q[:, 50:120] = float("-inf")
+    d = mk.js_distance(p, q, backend=backend)
+    ref = R.js_distance_ref(p.double(), q.double())
+    assert torch.isfinite(d).all()
+    assert max_err(d, ref) < 1e-6
+    assert torch.equal(mk.js_distance(p, p, backend=backend), torch.zeros(6))

@@ -187,3 +187,21 @@ def test_opcheck_linear_logprobs(backend):
     torch.library.opcheck(
         torch.ops.mrtpo.logits_logprobs_fwd.default, (z, lab, 1.0, -100, False, backend)
     )
+
+
+def test_masked_vocabulary_entries(backend):
+    # -inf logits (a masked vocabulary): finite entropy and gradients, as in the reference
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 300, generator=g)
+    logits[:, 200:] = float("-inf")
+    lab = torch.randint(0, 200, (5,), generator=g)
+    x = logits.clone().requires_grad_()
+    lp, ent = mk.logprobs_from_logits(x, lab, return_entropy=True, backend=backend)
+    (lp.sum() + ent.sum()).backward()
+    # the same distribution over the unmasked entries; masked entries get no gradient
+    r = logits[:, :200].double().requires_grad_()
+    rlp, rent = R.logprobs_from_logits_ref(r, lab, return_entropy=True)
+    (rlp.sum() + rent.sum()).backward()
+    assert max_err(lp, rlp) < 1e-5 and max_err(ent, rent) < 1e-5
+    assert max_err(x.grad[:, :200], r.grad) < 1e-5
+    assert torch.equal(x.grad[:, 200:], torch.zeros(5, 100))

@@ -51,7 +51,7 @@ MRTPO_INLINE T row_sum_exp(const T* z, int64_t V, T inv_t, T m, T* u, bool want_
       const T x = z[v] * inv_t - m;
       const T e = vexp(x);
       s += e;
-      t += e * x;
+      t += e > T(0) ? e * x : T(0);  // masked (-inf) logits: 0, not 0 * inf
     }
   } else {
 #pragma omp simd reduction(+ : s)
@@ -93,7 +93,7 @@ MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T lse, T ent
     for (int64_t v = 0; v < V; ++v) {
       const T lp = z[v] * inv_t - lse;
       const T p = vexp(lp);
-      z[v] = -p * (c_lp + c_ent * (lp + ent));
+      z[v] = p > T(0) ? -p * (c_lp + c_ent * (lp + ent)) : T(0);
     }
   } else {
 #pragma omp simd
@@ -135,7 +135,9 @@ MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T lse_p, T l
     h = h * t2 + T(1);
     const T series = T(0.5) * s * t2 * h;
     const T log_s = vlog(s_safe);
-    const T direct = p * (ln2 + a - log_s) + q * (ln2 + b - log_s);
+    // p = 0 (a logit of -inf, or an underflow) contributes 0, not 0 * inf
+    const T direct = (p > T(0) ? p * (ln2 + a - log_s) : T(0)) +
+                     (q > T(0) ? q * (ln2 + b - log_s) : T(0));
     const T term = t2 < T(0.0625) ? series : direct;
     acc += s > tiny ? term : T(0);
   }

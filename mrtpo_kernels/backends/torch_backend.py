@@ -28,7 +28,7 @@ class _TorchChunkKernel:
         ent = None
         if with_ent:
             logp_all = zt - lse.unsqueeze(-1)
-            ent = -(torch.exp(logp_all) * logp_all).sum(-1)
+            ent = -(torch.exp(logp_all) * logp_all).nan_to_num(0.0).sum(-1)
             ent = torch.where(valid, ent, torch.zeros_like(ent))
         return logp, ent, lse
 
@@ -43,7 +43,7 @@ class _TorchChunkKernel:
         grad = -p * g
         if ent is not None and g_ent is not None:
             ge = torch.where(valid, g_ent, torch.zeros_like(g_ent)).unsqueeze(-1)
-            grad -= ge * p * (logp_all + ent.unsqueeze(-1))
+            grad -= (ge * p * (logp_all + ent.unsqueeze(-1))).nan_to_num(0.0)
         safe = torch.where(valid, labels, torch.zeros_like(labels))
         grad.scatter_add_(-1, safe.unsqueeze(-1), g)
         z.copy_(grad.mul_(inv_t))
@@ -68,7 +68,10 @@ class _TorchChunkKernel:
             h = h * t2 + c
         series = 0.5 * s * t2 * h
         log_s = torch.log(s_safe)
-        direct = p * (LN2 + a - log_s) + q * (LN2 + b - log_s)
+        zero = torch.zeros_like(p)  # p = 0 (a logit of -inf) contributes 0, not 0 * inf
+        direct = torch.where(p > 0, p * (LN2 + a - log_s), zero) + torch.where(
+            q > 0, q * (LN2 + b - log_s), zero
+        )
         term = torch.where(t2 < 0.0625, series, direct)
         jsd = 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
         return torch.sqrt(jsd.clamp(min=0.0) / LN2).clamp(max=1.0), lse_p
