@@ -264,6 +264,11 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     # are not supported (they are metrics).
     dh, dw, db = ctx.saved_tensors
     w_dtype, b_dtype = ctx.dtypes
+    if dw.numel() == 0:
+        raise RuntimeError(
+            "mrtpo::linear_policy_loss ran with need_grad=False, so it computed no gradient; "
+            "call it with need_grad=True (linear_policy_loss does this when inputs need grad)"
+        )
     gh = gw = gb = None
     if ctx.needs_input_grad[0]:
         gh = dh * g_loss.to(dh.dtype)

@@ -51,8 +51,9 @@ Costs (2 N d V = 2.0e13 FLOPs per GEMM at N = 16384, d = 4096, V = 151936):
     forward   1 GEMM + ~8 N V fp32 epilogue ops; HBM: hidden (N d e) and weight (V d e)
               once each in the ideal, ~S and ~N / (BLOCK_N GROUP) times through L2 in
               practice; writes 12 N bytes.
-    backward  3 GEMMs; HBM beyond the inputs: G written and read 2 x (N V e) bytes
-              (10 GB bf16), dh32 traffic as above, dW written once (4 V d bytes).
+    backward  3 GEMMs; HBM beyond the inputs: G written once and read by both GEMMs,
+              >= 3 N V e bytes (15 GB in bf16), dh32 traffic as above, dW written once
+              (4 V d bytes).
     logits    (N V e) bytes read forward; read + (N V e) written backward; ~10 flops/elem.
 Extra device memory: G (<= MRTPO_CHUNK_BYTES), dh32 (4 N d bytes, none for fp32 hidden),
 the (4, S, N) fp32 partials.
@@ -61,7 +62,9 @@ Tiles (fixed, not autotuned: no GPU was available when this was written): bf16/f
 BLOCK_N = BLOCK_V = 128, BLOCK_D = 64, 8 warps, 3 stages; fp32 dots 64/64/32, 4 warps,
 2 stages; the GEMMs 128 x 128 x 64 (fp32: 64 x 64 x 32), GROUP_M = 8. Under the
 interpreter the tiles are chosen for few program launches. fp32 dots use IEEE fp32 unless
-torch's float32 matmul precision allows TF32 (then TF32, as torch would).
+torch's float32 matmul precision allows TF32 (then TF32, as torch would). G is stored in
+hidden's dtype: in fp16 entries below ~6e-8 flush to zero (bf16 keeps fp32's range).
+UPCAST_DOT is an interpreter-only workaround (its bf16 tl.dot is wrong; see _common).
 """
 
 from __future__ import annotations
@@ -103,7 +106,6 @@ def _logits_tile(
     D,
     stride_src,
     stride_w,
-    inv_t,
     FROM_LOGITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -112,8 +114,8 @@ def _logits_tile(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """z = (h W^T + b) / tau for a (BLOCK_N, BLOCK_V) tile, in fp32; -inf outside the
-    vocabulary. With FROM_LOGITS, src is the (N, V) logits and z = logits / tau."""
+    """Raw logits h W^T + b of a (BLOCK_N, BLOCK_V) tile in fp32 (fp32 accumulator of the
+    dot), or the tile of the (N, V) logits src upcast to fp32 with FROM_LOGITS."""
     cols64 = cols.to(tl.int64)
     if FROM_LOGITS:
         ptrs = src_ptr + rows64[:, None] * stride_src + cols64[None, :]
@@ -140,8 +142,7 @@ def _logits_tile(
             z = tl.dot(h, w, z, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             z += tl.load(b_ptr + cols64, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    z = z * inv_t
-    return tl.where(col_mask[None, :], z, float("-inf"))
+    return z
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -151,14 +152,17 @@ def _stats_partial_kernel(
     b_ptr,
     labels_ptr,
     part_ptr,  # (4, S, N) fp32: running max m, s, t, target logit
+    store_ptr,  # (N, V) fp32 raw logits, written with STORE_LOGITS
     N,
     V,
     D,
     stride_src,
     stride_w,
+    stride_store,
     inv_t,
     num_splits,
     blocks_per_split,
+    STORE_LOGITS: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WITH_ENT: tl.constexpr,
@@ -185,11 +189,15 @@ def _stats_partial_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
-        z = _logits_tile(
+        raw = _logits_tile(
             src_ptr, w_ptr, b_ptr, rows64, row_mask, cols, col_mask, D, stride_src,
-            stride_w, inv_t, FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
+            stride_w, FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION,
             UPCAST_DOT,
         )  # fmt: skip
+        if STORE_LOGITS:  # keep the raw fp32 logits for a second use (policy loss, (a))
+            keep = store_ptr + rows64[:, None] * stride_store + cols.to(tl.int64)[None, :]
+            tl.store(keep, raw, mask=row_mask[:, None] & col_mask[None, :])
+        z = tl.where(col_mask[None, :], raw * inv_t, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp against 0 while all -inf
         alpha = tl.exp(m - base)
@@ -300,10 +308,11 @@ def _dlogits_kernel(
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v_lo + local
     col_mask = cols < v_hi
-    z = _logits_tile(
+    raw = _logits_tile(
         src_ptr, w_ptr, b_ptr, rows64, row_mask, cols, col_mask, D, stride_src, stride_w,
-        inv_t, FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, UPCAST_DOT,
+        FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
+    z = tl.where(col_mask[None, :], raw * inv_t, float("-inf"))
     y = tl.load(labels_ptr + rows64, mask=row_mask, other=ignore_index)
     valid = (y != ignore_index) & row_mask
     lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
@@ -380,7 +389,7 @@ def _matmul_kernel(
 # --------------------------------------------------------------------------- launch config
 
 
-def _tiles(dtype: torch.dtype, from_logits: bool = False) -> dict:
+def tiles(dtype: torch.dtype, from_logits: bool = False) -> dict:
     """Fixed tile sizes (see the header); small-launch-count tiles under the interpreter."""
     if interpreting():
         if from_logits:
@@ -404,13 +413,17 @@ def _gemm_tiles(dtype: torch.dtype) -> dict:
 _GROUP = 8
 
 
-def _num_splits(num_tiles: int, num_vblocks: int, device: torch.device, gemm: bool) -> int:
+_PARTIALS_BYTES = 64 << 20
+
+
+def _num_splits(n: int, num_tiles: int, num_vblocks: int, device: torch.device, gemm: bool):
     """Vocabulary splits per token tile: enough programs for two waves and, for the fused
     GEMM, up to 32 splits of >= 8 blocks each so that the tiles running together (grouped
-    order) share their hidden and weight tiles in L2."""
+    order) share their hidden and weight tiles in L2; the L2 splits stop where the (4, S, N)
+    fp32 partials would pass 64 MiB (very large N, where the waves are full anyway)."""
     want = cdiv(2 * _num_sms(device), num_tiles)
     if gemm:
-        want = max(want, min(32, num_vblocks // 8))
+        want = max(want, min(32, num_vblocks // 8, _PARTIALS_BYTES // (16 * n)))
     return max(1, min(num_vblocks, want))
 
 
@@ -423,21 +436,25 @@ def _torch_backend():
 # --------------------------------------------------------------------------- launchers
 
 
-def lse_stats(src, weight, bias, labels, v, temperature, ignore_index, with_ent, from_logits):
-    """logp, entropy (or (0,)), lse for every row of src (hidden, or logits)."""
+def lse_stats(
+    src, weight, bias, labels, v, temperature, ignore_index, with_ent, from_logits, store=None
+):
+    """logp, entropy (or (0,)), lse for every row of src (hidden, or logits); with
+    ``store`` ((N, V) fp32, unit column stride) the raw logits are also written there."""
     n = src.shape[0]
     d = 0 if from_logits else src.shape[1]
-    cfg = _tiles(src.dtype, from_logits)
+    cfg = tiles(src.dtype, from_logits)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     num_tiles, num_vblocks = cdiv(n, bn), cdiv(v, bv)
-    splits = _num_splits(num_tiles, num_vblocks, src.device, gemm=not from_logits)
+    splits = _num_splits(n, num_tiles, num_vblocks, src.device, gemm=not from_logits)
     per_split = cdiv(num_vblocks, splits)
     splits = cdiv(num_vblocks, per_split)  # every split non-empty
     part = torch.empty((4, splits, n), dtype=torch.float32, device=src.device)
     w = src if weight is None else weight
     _stats_partial_kernel[(num_tiles * splits,)](
-        src, w, w if bias is None else bias, labels, part, n, v, d, src.stride(0),
-        w.stride(0), 1.0 / temperature, splits, per_split,
+        src, w, w if bias is None else bias, labels, part, part if store is None else store,
+        n, v, d, src.stride(0), w.stride(0), 0 if store is None else store.stride(0),
+        1.0 / temperature, splits, per_split, STORE_LOGITS=store is not None,
         FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, WITH_ENT=with_ent,
         GROUP=_GROUP, DOT_PRECISION=dot_precision(src.dtype),
         UPCAST_DOT=interpreter_upcast(src.dtype), **cfg,
@@ -453,7 +470,7 @@ def lse_stats(src, weight, bias, labels, v, temperature, ignore_index, with_ent,
     return logp, ent, lse
 
 
-def _matmul(a, b, c, accumulate: bool):
+def matmul(a, b, c, accumulate: bool):
     """c (+)= a @ b; a (M, K), b (K, N), c (M, N) strided views (fp32 accumulation)."""
     m, k = a.shape
     n = b.shape[1]
@@ -471,35 +488,52 @@ def _vocab_chunk(n: int, v: int, elem_bytes: int, block: int) -> int:
     return min(v, max(block, cols // block * block))
 
 
+def dlogits(
+    src, weight, bias, labels, lse, ent, g_logp, g_ent, out, db, v_lo, v_hi, temperature,
+    ignore_index,
+):  # fmt: skip
+    """out[:, :v_hi - v_lo] = dlogits of vocabulary columns [v_lo, v_hi), out's dtype.
+
+    weight None: src is (N, V) logits (read, may be ``out`` itself: each element is read
+    and written by the same program); else src is hidden and the logits are recomputed.
+    ent/g_ent (N,) or None (no entropy gradient); db (V,) fp32 accumulated, or None."""
+    from_logits = weight is None
+    n = src.shape[0]
+    cfg = tiles(src.dtype, from_logits)
+    has_ent = ent is not None and g_ent is not None
+    w = src if from_logits else weight
+    grid = (cdiv(n, cfg["BLOCK_N"]) * cdiv(v_hi - v_lo, cfg["BLOCK_V"]),)
+    _dlogits_kernel[grid](
+        src, w, w if bias is None else bias, labels, lse, ent if has_ent else lse, g_logp,
+        g_ent if has_ent else g_logp, out, lse if db is None else db, n, v_lo, v_hi,
+        0 if from_logits else src.shape[1], src.stride(0), w.stride(0), out.stride(0),
+        1.0 / temperature, ignore_index,
+        FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, HAS_ENT_GRAD=has_ent,
+        BIAS_GRAD=db is not None, GROUP=_GROUP, DOT_PRECISION=dot_precision(src.dtype),
+        UPCAST_DOT=interpreter_upcast(src.dtype), **cfg,
+    )  # fmt: skip
+
+
 def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index):
     """(dh, dW fp32, db fp32 or (0,)) for upstream g_logp (N,) and optional entropy terms
     (ent and g_ent both (N,), or None): the three-GEMM vocabulary-chunked backward."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    cfg = _tiles(hidden.dtype)
-    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
-    has_ent = ent is not None and g_ent is not None
     dw = torch.empty((v, d), dtype=torch.float32, device=dev)
     db = torch.zeros(v if bias is not None else 0, dtype=torch.float32, device=dev)
     dh32 = torch.empty((n, d), dtype=torch.float32, device=dev)
-    cv = _vocab_chunk(n, v, hidden.element_size(), bv)
+    cv = _vocab_chunk(n, v, hidden.element_size(), tiles(hidden.dtype)["BLOCK_V"])
     g_buf = torch.empty((n, cv), dtype=hidden.dtype, device=dev)
-    prec = dot_precision(hidden.dtype)
     for i, v_lo in enumerate(range(0, v, cv)):
         v_hi = min(v, v_lo + cv)
         g = g_buf[:, : v_hi - v_lo]
-        _dlogits_kernel[(cdiv(n, bn) * cdiv(v_hi - v_lo, bv),)](
-            hidden, weight, weight if bias is None else bias, labels, lse,
-            ent if has_ent else lse, g_logp, g_ent if has_ent else g_logp, g,
-            db if bias is not None else lse, n, v_lo, v_hi, d, hidden.stride(0),
-            weight.stride(0), g.stride(0), 1.0 / temperature, ignore_index,
-            FROM_LOGITS=False, HAS_BIAS=bias is not None, HAS_ENT_GRAD=has_ent,
-            BIAS_GRAD=bias is not None, GROUP=_GROUP, DOT_PRECISION=prec,
-            UPCAST_DOT=interpreter_upcast(hidden.dtype), **cfg,
+        dlogits(
+            hidden, weight, bias, labels, lse, ent, g_logp, g_ent, g,
+            db if bias is not None else None, v_lo, v_hi, temperature, ignore_index,
         )  # fmt: skip
-        _matmul(g.t(), hidden, dw[v_lo:v_hi], accumulate=False)
-        _matmul(g, weight[v_lo:v_hi], dh32, accumulate=i > 0)
+        matmul(g.t(), hidden, dw[v_lo:v_hi], accumulate=False)
+        matmul(g, weight[v_lo:v_hi], dh32, accumulate=i > 0)
     dh = dh32 if hidden.dtype == torch.float32 else dh32.to(hidden.dtype)
     return dh, dw, db
 
@@ -556,15 +590,11 @@ def logits_logprobs_bwd(
             logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
         )
     check_device("logits", logits)
-    n, v = logits.shape
-    cfg = _tiles(logits.dtype, from_logits=True)
     has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
     out = torch.empty_like(logits)
-    _dlogits_kernel[(cdiv(n, cfg["BLOCK_N"]) * cdiv(v, cfg["BLOCK_V"]),)](
-        logits, logits, logits, labels, lse, entropy if has_ent else lse, grad_logp,
-        grad_entropy if has_ent else grad_logp, out, lse, n, 0, v, 0, logits.stride(0), 0,
-        out.stride(0), 1.0 / temperature, ignore_index,
-        FROM_LOGITS=True, HAS_BIAS=False, HAS_ENT_GRAD=has_ent, BIAS_GRAD=False, GROUP=_GROUP,
-        DOT_PRECISION="ieee", UPCAST_DOT=False, **cfg,
+    dlogits(
+        logits, None, None, labels, lse, entropy if has_ent else None, grad_logp,
+        grad_entropy if has_ent else None, out, None, 0, logits.shape[1], temperature,
+        ignore_index,
     )  # fmt: skip
     return out

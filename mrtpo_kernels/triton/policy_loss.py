@@ -28,23 +28,31 @@ GEMM count (each 2 N d V FLOPs = 2.0e13 at N = 16384, d = 4096, V = 151936) and 
       operands ~15 GB (G in hidden's dtype, the fp32 dh accumulator), ~3 ms.
   At d = 4096 one GEMM is ~29 ms at 700 TFLOP/s: (a) ~ 3 x 29 + 25 = 112 ms, (b) ~ 4 x 29 +
   3 = 119 ms, within the error of this estimate; at d = 896 a GEMM is ~6 ms and (a)'s
-  traffic (dW 16 x 1.1 GB + 40 GB) ~12 ms, so (b) wins there. This file implements (b): it
-  shares the log-prob backward (``logprobs.linear_grad``), needs the least memory, and
-  never re-reads dW. Measuring (a) on an H200 is left open (see the note in the report).
+  traffic (dW 16 x 1.1 GB + 40 GB) ~12 ms, so (b) wins there. Counting does not separate
+  them at d = 4096, so both are here: (b) is the default (it shares the log-prob backward
+  ``logprobs.linear_grad``, needs the least memory and never re-reads dW); (a) runs with
+  MRTPO_POLICY_KEEP_LOGITS=1 (its token chunk holds MRTPO_CHUNK_BYTES of fp32 logits: give
+  it ~768 MiB at V = 151936 so that dW is re-read fewer times). Flip the default by what an
+  H200 measures; neither has been timed yet.
 
-Kernels: ``lse_stats`` (forward log-sum-exp, 1 GEMM), ``_policy_token_kernel`` (per-token
-surrogate, KL, clip flag and g; O(N)), ``linear_grad`` (3 GEMMs). Bytes and FLOPs: the
-sum of the log-prob forward and backward costs in ``logprobs.py``: 4 x 2 N d V FLOPs.
+Kernels: (b) ``lse_stats`` (forward log-sum-exp, 1 GEMM), ``_policy_token_kernel``
+(per-token surrogate, KL, clip flag and g; O(N)), ``linear_grad`` (3 GEMMs): 4 x 2 N d V
+FLOPs, the bytes of the log-prob forward plus backward in ``logprobs.py``. (a) per token
+chunk: ``lse_stats`` with STORE_LOGITS (1 GEMM, writes 4 C V bytes), the token kernel,
+``dlogits`` in place over the kept logits (reads and writes 4 C V bytes), dh = G W and
+dW += G^T h (2 GEMMs, dW read and written in fp32 once per chunk): 3 x 2 N d V FLOPs.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_device, interpreting
-from .logprobs import linear_grad, lse_stats
+from ._common import cdiv, check_device, chunk_bytes, interpreting
+from .logprobs import dlogits, linear_grad, lse_stats, matmul, tiles
 
 __all__ = ["linear_policy_loss"]
 
@@ -93,6 +101,58 @@ def _policy_token_kernel(
     tl.store(g_ptr + rows, tl.where(valid, dlogp * w, 0.0), mask=mask)
 
 
+def _token_terms(logp, labels, old, adv, tw, ref, wloss, clipped, g, cl, ch, beta, ii):
+    """Launch _policy_token_kernel on (n,) views; ref None means no KL term."""
+    n = logp.shape[0]
+    block = 256 if interpreting() else 1024
+    _policy_token_kernel[(cdiv(n, block),)](
+        logp, labels, old, adv, tw, logp if ref is None else ref, wloss, clipped, g, n,
+        float(cl), float(ch), float(beta), int(ii), HAS_REF=ref is not None, BLOCK=block,
+    )  # fmt: skip
+
+
+def keep_logits() -> bool:
+    """Variant (a) of the header (3 GEMMs, token chunks of kept fp32 logits) when
+    MRTPO_POLICY_KEEP_LOGITS=1; (b) (4 GEMMs) otherwise."""
+    return os.environ.get("MRTPO_POLICY_KEEP_LOGITS", "0") not in ("", "0")
+
+
+def _policy_keep_logits(hidden, weight, bias, labels, old, adv, tw, ref, temp, cl, ch, beta, ii):
+    """Variant (a): per token chunk, one GEMM writes the raw fp32 logits while the online
+    lse runs, the token terms give g, dlogits overwrite the kept logits in place, then
+    dh[chunk] = G W (written once) and dW += G^T h[chunk] (fp32 read-modify-write)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    bn = tiles(hidden.dtype)["BLOCK_N"]
+    rows = min(n, max(bn, chunk_bytes() // (4 * v) // bn * bn))
+    z_buf = torch.empty((rows, v), **f32)
+    logp, wloss, clipped, g = (torch.empty(n, **f32) for _ in range(4))
+    dh = torch.empty_like(hidden)
+    dw = torch.empty((v, d), **f32)
+    db = torch.zeros(v if bias is not None else 0, **f32)
+    for i, s in enumerate(range(0, n, rows)):
+        e = min(n, s + rows)
+        z = z_buf[: e - s]
+        lab = labels[s:e]
+        lp, _, lse = lse_stats(
+            hidden[s:e], weight, bias, lab, v, temp, ii, False, from_logits=False, store=z
+        )
+        logp[s:e] = lp
+        _token_terms(
+            lp, lab, old[s:e], adv[s:e], tw[s:e], None if ref is None else ref[s:e],
+            wloss[s:e], clipped[s:e], g[s:e], cl, ch, beta, ii,
+        )  # fmt: skip
+        dlogits(
+            z, None, None, lab, lse, None, g[s:e], None, z, db if bias is not None else None,
+            0, v, temp, ii,
+        )  # fmt: skip
+        matmul(z, weight, dh[s:e], accumulate=False)
+        matmul(z.t(), hidden[s:e], dw, accumulate=i > 0)
+    return wloss.sum(), logp, clipped, dh, dw, db
+
+
 def linear_policy_loss(
     hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
     clip_low, clip_high, beta, ignore_index, need_grad,
@@ -105,22 +165,22 @@ def linear_policy_loss(
             temperature, clip_low, clip_high, beta, ignore_index, need_grad,
         )  # fmt: skip
     check_device("hidden", hidden)
+    ref = ref_logp if ref_logp.numel() > 0 and beta != 0.0 else None
+    if need_grad and keep_logits():
+        return _policy_keep_logits(
+            hidden, weight, bias, labels, old_logp, advantages, token_weight, ref,
+            temperature, clip_low, clip_high, beta, ignore_index,
+        )  # fmt: skip
     n = hidden.shape[0]
-    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=hidden.device)
     logp, _, lse = lse_stats(
         hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index, False,
         from_logits=False,
     )  # fmt: skip
-    has_ref = ref_logp.numel() > 0 and beta != 0.0
-    f32 = dict(dtype=torch.float32, device=dev)
-    wloss = torch.empty(n, **f32)
-    clipped = torch.empty(n, **f32)
-    g = torch.empty(n, **f32)
-    block = 256 if interpreting() else 1024
-    _policy_token_kernel[(cdiv(n, block),)](
-        logp, labels, old_logp, advantages, token_weight, ref_logp if has_ref else logp,
-        wloss, clipped, g, n, float(clip_low), float(clip_high), float(beta),
-        int(ignore_index), HAS_REF=has_ref, BLOCK=block,
+    wloss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
+    _token_terms(
+        logp, labels, old_logp, advantages, token_weight, ref, wloss, clipped, g, clip_low,
+        clip_high, beta, ignore_index,
     )  # fmt: skip
     loss = wloss.sum()
     if not need_grad:
