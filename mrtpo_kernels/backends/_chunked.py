@@ -46,11 +46,20 @@ def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _logits(h: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None) -> torch.Tensor:
+def _logits(
+    h: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None, buf: torch.Tensor
+) -> torch.Tensor:
+    """fp32 logits of the rows h into buf[:rows] (one buffer reused by every chunk: a fresh
+    [C, V] allocation per chunk would page-fault and zero a few hundred MB each time)."""
     h32 = _upcast(h)
+    out = buf[: h.shape[0]]
     if b32 is None:
-        return h32 @ w32.t()
-    return torch.addmm(b32, h32, w32.t())
+        return torch.mm(h32, w32.t(), out=out)
+    return torch.addmm(b32, h32, w32.t(), out=out)
+
+
+def _buffer(rows: int, n: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((min(rows, n), v), dtype=dtype, device=like.device)
 
 
 def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,15 +75,15 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     lse = hidden.new_empty(n, dtype=acc)
     ent = hidden.new_empty(n if with_ent else 0, dtype=acc)
     c = chunk_rows(v)
+    buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        z = _logits(hidden[s:e], w32, b32)
+        z = _logits(hidden[s:e], w32, b32, buf)
         lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
         logp[s:e] = lp
         lse[s:e] = ls
         if with_ent:
             ent[s:e] = en
-        del z
     return logp, ent, lse
 
 
@@ -90,10 +99,11 @@ def linear_logprobs_bwd(
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     db = torch.zeros(v if bias is not None else 0, dtype=acc, device=weight.device)
     c = chunk_rows(v)
+    buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
         h32 = _upcast(hidden[s:e])
-        z = _logits(h32, w32, b32)
+        z = _logits(h32, w32, b32, buf)
         kern.grad_(
             z,
             labels[s:e],
@@ -108,7 +118,6 @@ def linear_logprobs_bwd(
         dw.addmm_(z.t(), h32)
         if bias is not None:
             db += z.sum(0)
-        del z
     return dh, dw, db
 
 
@@ -120,16 +129,16 @@ def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
     inv_t = 1.0 / temperature
     out = hidden_p.new_empty((k, n), dtype=acc)
     c = chunk_rows(v, streams=2)
+    buf_p = _buffer(c, n, v, hidden_p, acc)
+    buf_q = _buffer(c, n, v, hidden_p, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        zp = _logits(hidden_p[s:e], w32, b32)  # P's logits: once per chunk, shared by all K
+        zp = _logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
         lse_p = None
         for j in range(k):
-            zq = _logits(hidden_q[j, s:e], w32, b32)
+            zq = _logits(hidden_q[j, s:e], w32, b32, buf_q)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
-            del zq
-        del zp
     return out
 
 
@@ -227,10 +236,11 @@ def linear_policy_loss(
         dw = hidden.new_empty(0, dtype=acc)
         db = hidden.new_empty(0, dtype=acc)
     c = chunk_rows(v)
+    buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
         h32 = _upcast(hidden[s:e])
-        z = _logits(h32, w32, b32)
+        z = _logits(h32, w32, b32, buf)
         per_tok, lp, cl = kern.policy_(
             z,
             labels[s:e],
@@ -253,5 +263,4 @@ def linear_policy_loss(
             dw.addmm_(z.t(), h32)
             if bias is not None:
                 db += z.sum(0)
-        del z
     return loss, logp, clipped, dh, dw, db
