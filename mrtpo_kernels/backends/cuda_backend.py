@@ -70,6 +70,9 @@ def logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, t
             logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
         )
     f32 = torch.float32
+    if entropy.numel() == 0 or grad_entropy.numel() == 0:
+        # No entropy term: entropy not computed, or no gradient flows into it.
+        entropy = grad_entropy = lse.new_empty(0, dtype=f32)
     return _cuda.logits_logprobs_bwd(
         logits, labels, lse.to(f32).contiguous(), entropy.to(f32).contiguous(),
         grad_logp.to(f32).contiguous(), grad_entropy.to(f32).contiguous(), float(temperature),

@@ -1,0 +1,113 @@
+"""OpenRLHF adapter: MRTPO token advantages from the experience tensors.
+
+OpenRLHF's experience maker samples ``n_samples_per_prompt`` consecutive responses per
+prompt, keeps an ``action_mask`` (B, T) over the response tokens and a sequence-level
+reward per sample; its group estimators ("group_norm", "dr_grpo", ...) normalize rewards
+within each run of ``n_samples_per_prompt`` samples and then spread the result over the
+action tokens. MRTPO takes the K verifier rewards (B, K) instead of the single reward, and
+returns the (B, T) token advantages to store as ``experience.advantages`` (and as the
+returns, for an outcome-only estimator). Concatenate the rewards of every experience of a
+step first (``torch.cat`` over the micro-batches) so that whole groups are normalized
+together, then split the result back. Nothing here imports OpenRLHF.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_shape, check_tensor, consecutive_group_ids, padded_token_advantages
+
+__all__ = ["mrtpo_token_advantages_for_experiences", "mrtpo_token_advantages_from_experience"]
+
+
+@torch.no_grad()
+def mrtpo_token_advantages_from_experience(
+    rewards: torch.Tensor,
+    n_samples_per_prompt: int,
+    action_mask: torch.Tensor,
+    relevance: torch.Tensor,
+    has_info: torch.Tensor,
+    *,
+    reward_weights: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+    eps_batch: float | None = None,
+    batch_norm: str = "sequence",
+    delta: float = 1e-8,
+    clip: tuple[float, float] | None = None,
+    nan: str = "error",
+) -> torch.Tensor:
+    """(B, T) MRTPO token advantages for OpenRLHF experiences.
+
+    Args:
+        rewards: (B, K) sequence-level rewards, one column per verifier.
+        n_samples_per_prompt: G; samples g*G .. g*G+G-1 answer the same prompt.
+        action_mask: (B, T), 1 on response (action) tokens.
+        relevance: (K, B, T) per-token relevance (``relevance_from_hidden``).
+        has_info: (B, K) bool, whether reward k's verifier names spans of sample i's prompt.
+        reward_weights, alpha, gamma, eps, eps_batch, batch_norm, delta, clip, nan: as in
+            ``mrtpo_token_advantages``.
+
+    Returns:
+        (B, T) token advantages (float32, float64 for float64 rewards), 0 where
+        ``action_mask`` is 0.
+    """
+    check_tensor("rewards", rewards, ndim=2, floating=True)
+    group_ids = consecutive_group_ids(rewards.shape[0], n_samples_per_prompt, rewards.device)
+    return padded_token_advantages(
+        rewards, group_ids, action_mask, relevance, has_info,
+        mask_name="action_mask", weights=reward_weights, alpha=alpha, gamma=gamma, eps=eps,
+        eps_batch=eps_batch, batch_norm=batch_norm, delta=delta, clip=clip, nan=nan,
+    ).token  # fmt: skip
+
+
+@torch.no_grad()
+def mrtpo_token_advantages_for_experiences(
+    rewards: list[torch.Tensor],
+    n_samples_per_prompt: int,
+    action_masks: list[torch.Tensor],
+    relevance: list[torch.Tensor],
+    has_info: list[torch.Tensor],
+    **options,
+) -> list[torch.Tensor]:
+    """The same over a step's micro-batch experiences, whose action widths A_j may differ.
+
+    Each list holds one entry per experience, in sampling order: rewards (B_j, K),
+    action_masks (B_j, A_j), relevance (K, B_j, A_j), has_info (B_j, K). The experiences are
+    padded to the widest A, normalized together (groups may span experiences, as OpenRLHF
+    concatenates their rewards) and split back. ``options`` as in
+    ``mrtpo_token_advantages_from_experience``.
+
+    Returns one (B_j, A_j) tensor per experience.
+    """
+    n = len(rewards)
+    if not (len(action_masks) == len(relevance) == len(has_info) == n) or n == 0:
+        raise ValueError(
+            f"rewards, action_masks, relevance, has_info: expected one entry per experience "
+            f"in each (>= 1), got {len(rewards)}, {len(action_masks)}, {len(relevance)}, "
+            f"{len(has_info)}"
+        )
+    for j in range(n):
+        check_tensor(f"action_masks[{j}]", action_masks[j], ndim=2)
+        check_tensor(f"relevance[{j}]", relevance[j], ndim=3, floating=True)
+        _, b, a = relevance[j].shape
+        check_shape(f"action_masks[{j}]", action_masks[j], (b, a), "(B_j, A_j) from relevance")
+    width = max(m.shape[1] for m in action_masks)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+    adv = mrtpo_token_advantages_from_experience(
+        torch.cat(rewards),
+        n_samples_per_prompt,
+        torch.cat([pad(m.long()) for m in action_masks]),
+        torch.cat([pad(r) for r in relevance], dim=1),
+        torch.cat(has_info),
+        **options,
+    )
+    out, start = [], 0
+    for m in action_masks:
+        out.append(adv[start : start + m.shape[0], : m.shape[1]])
+        start += m.shape[0]
+    return out

@@ -1,0 +1,254 @@
+"""verl adapter: MRTPO as an outcome advantage estimator, and fused log-probs for rmpad.
+
+verl's advantage estimators take ``token_level_rewards`` (bs, response_length),
+``response_mask`` (bs, response_length) and ``index`` (a numpy array of per-sample uid
+strings; samples with the same uid answer the same prompt) and return
+``(advantages, returns)``, both (bs, response_length); outcome estimators return the
+advantages twice. MRTPO needs more than one scalar reward per sample: the K rewards, the
+per-token relevance from the contrastive replay and which rewards have verifier spans.
+verl's generic estimator call passes only its standard arguments, so those three travel in
+the batch under the keys below (batch dimension first, as a DataProto batch requires):
+
+    data.batch["mrtpo_rewards"]    (bs, K) or (bs, K, response_length)
+    data.batch["mrtpo_relevance"]  (bs, K, response_length)
+    data.batch["mrtpo_has_info"]   (bs, K) bool
+
+``compute_mrtpo_advantage_for_batch(data)`` reads them (and ``data.non_tensor_batch["uid"]``)
+and writes ``advantages`` and ``returns``; ``register_with_verl()`` registers an estimator
+named "mrtpo" that finds them when verl hands it the batch. verl is imported only there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrtpo_kernels import linear_logprobs
+
+from .common import check_tensor, group_ids_from_index, padded_token_advantages, require
+
+__all__ = [
+    "HAS_INFO_KEY",
+    "RELEVANCE_KEY",
+    "REWARDS_KEY",
+    "compute_mrtpo_advantage_for_batch",
+    "compute_mrtpo_outcome_advantage",
+    "logprobs_from_hidden",
+    "register_with_verl",
+]
+
+REWARDS_KEY = "mrtpo_rewards"
+RELEVANCE_KEY = "mrtpo_relevance"
+HAS_INFO_KEY = "mrtpo_has_info"
+ESTIMATOR_NAME = "mrtpo"
+
+
+def _sequence_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """(B, K) rewards from (B, K) or per-token (B, K, T) rewards (summed over T)."""
+    check_tensor("token_level_rewards", rewards, ndim=(2, 3), floating=True)
+    return rewards.sum(dim=-1) if rewards.dim() == 3 else rewards
+
+
+@torch.no_grad()
+def compute_mrtpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    relevance: torch.Tensor,
+    has_info: torch.Tensor,
+    *,
+    reward_weights: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    epsilon: float = 1e-6,
+    epsilon_batch: float | None = None,
+    batch_norm: str = "sequence",
+    delta: float = 1e-8,
+    clip: tuple[float, float] | None = None,
+    nan: str = "error",
+    config=None,
+    **unused,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRTPO token advantages in verl's estimator shapes.
+
+    Args:
+        token_level_rewards: (bs, K) sequence rewards, one column per verifier, or
+            (bs, K, response_length) per-token rewards (summed over tokens, as verl's
+            outcome estimators do with their single reward).
+        response_mask: (bs, response_length), 1 on response tokens.
+        index: (bs,) group keys, e.g. verl's ``non_tensor_batch["uid"]`` (numpy strings).
+        relevance: (K, bs, response_length) JS relevance (e.g. ``relevance_from_hidden``).
+        has_info: (bs, K) bool, whether reward k's verifier names prompt spans for sample i.
+        reward_weights: optional (K,) lambda_k.
+        alpha, gamma, delta, clip, batch_norm, nan: as in ``mrtpo_token_advantages``
+            (batch_norm="token" is the counterpart of verl's masked whitening).
+        epsilon: added to each group's std (verl's name); epsilon_batch: for the batch std.
+        config, unused: accepted and ignored, so verl's keyword call fits.
+
+    Returns:
+        (advantages, returns), both (bs, response_length) float32 (float64 for float64
+        rewards), 0 where ``response_mask`` is 0; returns is the same tensor as advantages.
+    """
+    rewards = _sequence_rewards(token_level_rewards)
+    check_tensor("response_mask", response_mask, ndim=2)
+    group_ids = group_ids_from_index(index, device=rewards.device)
+    if group_ids.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"index: expected {rewards.shape[0]} group keys (one per sample), "
+            f"got {group_ids.shape[0]}"
+        )
+    out = padded_token_advantages(
+        rewards, group_ids, response_mask, relevance, has_info,
+        mask_name="response_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
+        eps=epsilon, eps_batch=epsilon_batch, batch_norm=batch_norm, delta=delta, clip=clip,
+        nan=nan,
+    )  # fmt: skip
+    return out.token, out.token
+
+
+def _batch_inputs(batch, where: str):
+    keys = set(batch.keys())  # a TensorDict refuses `in` on itself but not on its keys
+    missing = [k for k in (REWARDS_KEY, RELEVANCE_KEY, HAS_INFO_KEY) if k not in keys]
+    if missing:
+        raise ValueError(
+            f"{where}: the batch lacks {missing}. Put the K rewards (bs, K), the relevance "
+            f"(bs, K, response_length) and has_info (bs, K) in data.batch under "
+            f"{REWARDS_KEY!r}, {RELEVANCE_KEY!r}, {HAS_INFO_KEY!r} before computing advantages"
+        )
+    relevance = batch[RELEVANCE_KEY]
+    check_tensor(RELEVANCE_KEY, relevance, ndim=3, floating=True)
+    return batch[REWARDS_KEY], relevance.transpose(0, 1), batch[HAS_INFO_KEY]
+
+
+def compute_mrtpo_advantage_for_batch(data, **options):
+    """Fill ``data.batch["advantages"]`` and ``data.batch["returns"]`` of a verl DataProto.
+
+    Reads ``response_mask`` (or, in older verl, the last response_length columns of
+    ``attention_mask``), ``non_tensor_batch["uid"]`` and the three MRTPO keys of this module;
+    ``options`` go to ``compute_mrtpo_outcome_advantage``. Works with any object having
+    ``batch`` (a mapping of tensors) and ``non_tensor_batch`` (a mapping); returns ``data``.
+    """
+    batch = data.batch
+    rewards, relevance, has_info = _batch_inputs(batch, "data.batch")
+    if "response_mask" in set(batch.keys()):
+        mask = batch["response_mask"]
+    else:
+        mask = batch["attention_mask"][:, -relevance.shape[-1] :]
+    if "uid" not in data.non_tensor_batch:
+        raise ValueError('data.non_tensor_batch: expected "uid" (the group key of each sample)')
+    adv, ret = compute_mrtpo_outcome_advantage(
+        rewards, mask, data.non_tensor_batch["uid"], relevance, has_info, **options
+    )
+    batch["advantages"] = adv
+    batch["returns"] = ret
+    return data
+
+
+def _make_estimator(options: dict):
+    def compute_mrtpo_estimator(token_level_rewards, response_mask, index=None, **kwargs):
+        # verl passes token_level_rewards (bs, T) (the sum of all rewards) and, in some
+        # versions, the whole batch; the MRTPO inputs come from kwargs or that batch.
+        batch = kwargs.pop("batch", None)
+        kwargs.pop("config", None)
+        kwargs.pop("non_tensor_batch", None)
+        if all(k in kwargs for k in (REWARDS_KEY, RELEVANCE_KEY, HAS_INFO_KEY)):
+            rewards = kwargs.pop(REWARDS_KEY)
+            relevance = kwargs.pop(RELEVANCE_KEY).transpose(0, 1)
+            has_info = kwargs.pop(HAS_INFO_KEY)
+        elif batch is not None:
+            rewards, relevance, has_info = _batch_inputs(batch, "the batch verl passed")
+        else:
+            raise ValueError(
+                "mrtpo estimator: verl called it without the MRTPO inputs (this verl passes "
+                "only token_level_rewards, response_mask and index to estimators). Call "
+                "mrtpo.integrations.verl.compute_mrtpo_advantage_for_batch(data) in your "
+                "compute_advantage step instead; see docs/integrations.md"
+            )
+        if index is None:
+            raise ValueError("index: the mrtpo estimator needs the uid of every sample")
+        kwargs = {k: v for k, v in kwargs.items() if k in _OPTION_NAMES}
+        return compute_mrtpo_outcome_advantage(
+            rewards, response_mask, index, relevance, has_info, **{**options, **kwargs}
+        )
+
+    compute_mrtpo_estimator.mrtpo_options = dict(options)
+    return compute_mrtpo_estimator
+
+
+_OPTION_NAMES = frozenset(
+    ("reward_weights", "alpha", "gamma", "epsilon", "epsilon_batch", "batch_norm", "delta",
+     "clip", "nan")
+)  # fmt: skip
+
+
+def register_with_verl(name: str = ESTIMATOR_NAME, **options):
+    """Register MRTPO in verl's advantage-estimator registry under ``name`` ("mrtpo").
+
+    Uses ``verl.trainer.ppo.core_algos.register_adv_est`` (verl's decorator; its registry is
+    ``ADV_ESTIMATOR_REGISTRY``). ``options`` (alpha, gamma, epsilon, reward_weights, ...)
+    are bound to the registered function. Calling it again replaces an earlier MRTPO
+    registration. Run it in the process that computes advantages (verl's driver).
+
+    Returns the registered function. Raises ImportError naming verl when it is missing.
+    """
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise ValueError(
+            f"options: unknown {sorted(unknown)}; expected some of {sorted(_OPTION_NAMES)}"
+        )
+    core_algos = require("verl.trainer.ppo.core_algos", "register_with_verl")
+    register = getattr(core_algos, "register_adv_est", None)
+    if register is None:
+        raise ImportError(
+            "register_with_verl: this verl has no verl.trainer.ppo.core_algos.register_adv_est "
+            "(older versions lack the estimator registry); call "
+            "compute_mrtpo_advantage_for_batch(data) from your compute_advantage instead"
+        )
+    fn = _make_estimator(options)
+    registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", None)
+    previous = registry.get(name) if isinstance(registry, dict) else None
+    if previous is not None and hasattr(previous, "mrtpo_options"):
+        registry[name] = fn  # replace our own earlier registration
+        return fn
+    return register(name)(fn)
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    lm_head_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+):
+    """Per-token log-probs (and entropy) for verl's rmpad layout, never forming logits.
+
+    Args:
+        hidden: (N, d) or (1, N, d) last hidden states of the packed (padding-removed)
+            sequences, as verl's rmpad forward gives them.
+        lm_head_weight: (V, d) (the unsharded head; a vocabulary-parallel head is not
+            supported here); lm_head_bias: optional (V,).
+        labels: (N,) or (1, N) next tokens (verl's ``input_ids_rmpad_rolled``).
+        temperature: the rollout temperature (verl divides the logits by it).
+
+    Returns:
+        log_probs of labels' shape in float32 (and entropy of that shape when asked),
+        differentiable with respect to hidden, weight and bias.
+    """
+    check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
+    check_tensor("labels", labels, ndim=(1, 2))
+    if hidden.dim() == 3 and hidden.shape[0] != 1:
+        raise ValueError(
+            f"hidden: expected (N, d) or (1, N, d) packed hidden states, got "
+            f"{tuple(hidden.shape)}; for padded (B, T, d) input call linear_logprobs"
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden without d), "
+            f"got {tuple(labels.shape)}"
+        )
+    return linear_logprobs(
+        hidden, lm_head_weight, labels, bias=lm_head_bias, temperature=temperature,
+        ignore_index=ignore_index, return_entropy=return_entropy,
+    )  # fmt: skip
