@@ -27,7 +27,7 @@ setup: $(BUILT)
 build: $(BUILT)
 
 run: $(BUILT)
-	$(PY) -m mrtpo demo
+	$(PY) -m mrtpo train --task constraints --algo mrtpo --steps 40 --device cpu --threads 1 --out runs/train
 
 test: $(BUILT)
 	$(PY) -m pytest -q -ra

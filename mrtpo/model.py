@@ -1,0 +1,446 @@
+"""Models and tokenizers for the trainer: the built-in tiny causal LM, chat templating with
+character offsets, span removal for contrastive replay, and the supervised warm start.
+
+The built-in default needs no download: a byte-level BPE tokenizer is trained in code on the
+task's own text (exact round trip, character offsets, a chat template), and a small Qwen2
+causal LM is built from a config and warm-started on the task's gold references so that
+reinforcement learning starts with some signal. Any local Hugging Face causal LM works in
+its place (``load_model(path)``); the trainer only needs the decoder's last hidden states
+(after the final norm) and the LM head weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mrtpo_kernels import linear_logprobs
+
+Span = tuple[int, int]
+
+PAD, USER, ASSISTANT, SYSTEM, END = "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, USER, ASSISTANT, SYSTEM, END]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(texts: Iterable[str], *, vocab_size: int = 768):
+    """A byte-level BPE tokenizer trained on ``texts``, wrapped for transformers.
+
+    Byte-level: every string round-trips exactly and no token is unknown. The tokenizer has
+    pad/end/role special tokens and a chat template; ``<|end|>`` is the end of a turn (EOS).
+    Deterministic for the same texts.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(
+            f"vocab_size: expected at least {256 + len(SPECIAL_TOKENS)} (bytes + specials), "
+            f"got {vocab_size}"
+        )
+    texts = list(texts)
+    if not texts:
+        raise ValueError("texts: expected at least one text to train the tokenizer on")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=END,
+        additional_special_tokens=[USER, ASSISTANT, SYSTEM],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+# --------------------------------------------------------------------------------------------
+# Chat templating, offsets and spans
+
+
+def merge_spans(spans: Iterable[Span]) -> list[Span]:
+    """Sorted, non-overlapping union of [start, end) spans (empty spans dropped)."""
+    out: list[list[int]] = []
+    for s, e in sorted((int(s), int(e)) for s, e in spans):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def remove_spans(text: str, spans: Iterable[Span]) -> str:
+    """``text`` without the characters in ``spans`` (the prompt without a verifier's info)."""
+    pieces, pos = [], 0
+    for s, e in merge_spans(spans):
+        if e > len(text):
+            raise ValueError(f"spans: span ({s}, {e}) ends past the text (length {len(text)})")
+        pieces.append(text[pos:s])
+        pos = e
+    pieces.append(text[pos:])
+    return "".join(pieces)
+
+
+def spans_to_token_mask(offsets: Sequence[Span], spans: Iterable[Span]) -> torch.Tensor:
+    """Bool mask over tokens: True where a token's character range [a, b) overlaps a span.
+
+    ``offsets`` are the tokens' character offsets (as from ``return_offsets_mapping``) in the
+    same coordinates as ``spans``. Zero-width tokens (special tokens) are never marked.
+    """
+    mask = torch.zeros(len(offsets), dtype=torch.bool)
+    merged = merge_spans(spans)
+    if not merged:
+        return mask
+    for t, (a, b) in enumerate(offsets):
+        if b <= a:
+            continue
+        for s, e in merged:
+            if a < e and s < b:
+                mask[t] = True
+                break
+    return mask
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A chat-templated prompt: its token ids, each token's character offsets in ``text``
+    (the rendered template), and where the user content starts in ``text``."""
+
+    ids: list[int]
+    offsets: list[Span]
+    text: str
+    content_start: int
+
+    def token_mask(self, spans: Iterable[Span]) -> torch.Tensor:
+        """Tokens overlapping ``spans`` given in coordinates of the raw prompt content."""
+        shifted = [(s + self.content_start, e + self.content_start) for s, e in spans]
+        return spans_to_token_mask(self.offsets, shifted)
+
+
+class ChatPrompter:
+    """Renders prompts through the tokenizer's chat template (one user turn plus the
+    generation prompt) and tokenizes them with character offsets.
+
+    The template is rendered once around a marker to learn its prefix and suffix, so that
+    the prompt with some spans removed gets exactly the same template around it.
+    """
+
+    _MARK = "\u2063MRTPO\u2063"
+
+    def __init__(self, tokenizer, *, system: str | None = None):
+        self.tokenizer = tokenizer
+        self.system = system
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "tokenizer: it has no chat template; set tokenizer.chat_template (a Jinja "
+                "string) before training"
+            )
+        rendered = self._render(self._MARK)
+        if rendered.count(self._MARK) != 1:
+            raise ValueError("tokenizer: its chat template does not render the content once")
+        self.prefix, self.suffix = rendered.split(self._MARK)
+
+    def _render(self, content: str) -> str:
+        messages = [{"role": "user", "content": content}]
+        if self.system is not None:
+            messages.insert(0, {"role": "system", "content": self.system})
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def render(self, prompt: str) -> str:
+        return self.prefix + prompt + self.suffix
+
+    def encode(self, prompt: str, remove: Iterable[Span] = ()) -> EncodedPrompt:
+        """Template and tokenize ``prompt`` (minus the character spans ``remove``)."""
+        content = remove_spans(prompt, remove)
+        text = self.render(content)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+        return EncodedPrompt(list(enc["input_ids"]), offsets, text, len(self.prefix))
+
+
+def response_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, list[Span]]:
+    """Decode generated token ids to text and each token's character range in that text.
+
+    The offsets come from decoding growing prefixes, so they are exact for any tokenizer
+    whose decoding of a prefix is a prefix of the full decoding (true for byte-level BPE on
+    whole characters). Special tokens decode to nothing and get zero-width ranges.
+    """
+    text = ""
+    offsets: list[Span] = []
+    prev = 0
+    for t in range(len(ids)):
+        text = tokenizer.decode(list(ids[: t + 1]), skip_special_tokens=True)
+        cur = len(text)
+        offsets.append((min(prev, cur), cur))
+        prev = max(prev, cur)
+    return text, offsets
+
+
+# --------------------------------------------------------------------------------------------
+# Model access: the decoder's last hidden states and the LM head
+
+
+def decoder(model):
+    """The decoder stack whose ``last_hidden_state`` (after the final norm) feeds the LM head."""
+    base = getattr(model, model.base_model_prefix, None)
+    if base is None:
+        raise ValueError(
+            f"model: {type(model).__name__} has no base model attribute "
+            f"{model.base_model_prefix!r}; expected a Hugging Face *ForCausalLM model"
+        )
+    return base
+
+
+def lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's weight (V, d) (the tied embedding where tied) and bias or None."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"model: {type(model).__name__} has no output embeddings (LM head)")
+    return head.weight, getattr(head, "bias", None)
+
+
+def last_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+    """(B, L, d) last hidden states for left/right-padded input; positions count only the
+    tokens the attention mask keeps, so padding does not shift them."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = decoder(model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in tiny model
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shape of the built-in model and its warm start."""
+
+    vocab_size: int = 768
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 1024
+    warm_steps: int = 350
+    warm_batch: int = 16
+    warm_lr: float = 3e-3
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def build_tiny_model(tokenizer, cfg: TinyConfig = TinyConfig(), *, seed: int = 0):
+    """A small Qwen2 causal LM (tied embeddings) sized for ``tokenizer``; seeded init."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    _plain_sampling(model, tokenizer)
+    return model
+
+
+def _plain_sampling(model, tokenizer):
+    gc = model.generation_config
+    gc.pad_token_id = tokenizer.pad_token_id
+    gc.eos_token_id = tokenizer.eos_token_id
+    gc.top_k = None
+    gc.top_p = None
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def save_model(model, tokenizer, path: str | Path) -> Path:
+    _quiet_transformers()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu"):
+    """Load a local Hugging Face causal LM and its tokenizer from ``path``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model: {str(path)!r} is not a folder with a saved causal LM")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# Supervised warm start
+
+
+def _reference_of(example) -> str:
+    ref = getattr(example, "reference", None)
+    if ref is None:
+        raise ValueError(f"task: example {example.id!r} has no gold reference to warm-start on")
+    return ref
+
+
+def supervised_batch(prompter: ChatPrompter, examples, *, device="cpu"):
+    """Right-padded (prompt + reference + EOS) ids, mask and labels (-100 off the response)."""
+    tok = prompter.tokenizer
+    rows, labels = [], []
+    for ex in examples:
+        p = prompter.encode(ex.prompt).ids
+        r = tok(_reference_of(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(p + r)
+        labels.append([-100] * len(p) + r)
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (row, lr) in enumerate(zip(rows, labels)):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+        lab[i, : len(row)] = torch.tensor(lr)
+    # hidden at position t predicts token t + 1
+    return ids.to(device), mask.to(device), lab[:, 1:].to(device)
+
+
+def warm_start(model, prompter: ChatPrompter, examples, *, steps, batch, lr, seed=0, log=None):
+    """A short supervised pass (cross-entropy on the gold responses) with AdamW and a
+    cosine schedule. Returns the mean loss of the last 10 steps."""
+    if not examples:
+        raise ValueError("examples: the task has no training examples")
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    weight_fn = lambda: lm_head(model)
+    model.train()
+    losses = []
+    order: list[int] = []
+    for step in range(steps):
+        if len(order) < batch:
+            perm = list(range(len(examples)))
+            rng.shuffle(perm)
+            order.extend(perm)
+        idx, order = order[:batch], order[batch:]
+        ids, mask, labels = supervised_batch(
+            prompter, [examples[i] for i in idx], device=next(model.parameters()).device
+        )
+        h = last_hidden(model, ids, mask)[:, :-1]
+        w, b = weight_fn()
+        keep = labels != -100
+        logp = linear_logprobs(h[keep], w, labels[keep], bias=b)
+        loss = -logp.mean()
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / max(steps, 1)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log is not None and (step % 25 == 0 or step == steps - 1):
+            log(f"warm start {step + 1}/{steps}: loss {losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-10:]
+    return sum(tail) / max(len(tail), 1)
+
+
+def task_texts(task) -> list[str]:
+    """All prompt and reference texts of a task (the tokenizer's training corpus)."""
+    texts = []
+    for ex in list(task.train) + list(task.eval):
+        texts.append(ex.prompt)
+        if ex.reference:
+            texts.append(ex.reference)
+    return texts
+
+
+def default_model(
+    task,
+    *,
+    seed: int = 0,
+    cache_dir: str | Path = "runs/cache",
+    cfg: TinyConfig = TinyConfig(),
+    log=None,
+):
+    """The built-in tiny model for ``task``, warm-started, cached under ``cache_dir`` keyed by
+    task, seed and config (later runs, e.g. every algorithm of a comparison, reuse it)."""
+    path = Path(cache_dir) / f"{task.name}-seed{seed}-{cfg.key()}"
+    if (path / "config.json").exists() and (path / "warm_start.json").exists():
+        return load_model(path)
+    tokenizer = build_tokenizer(task_texts(task), vocab_size=cfg.vocab_size)
+    model = build_tiny_model(tokenizer, cfg, seed=seed)
+    prompter = ChatPrompter(tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss = warm_start(
+            model,
+            prompter,
+            list(task.train),
+            steps=cfg.warm_steps,
+            batch=cfg.warm_batch,
+            lr=cfg.warm_lr,
+            seed=seed,
+            log=log,
+        )
+    save_model(model, tokenizer, path)
+    info = {"task": task.name, "seed": seed, "final_loss": loss, "config": asdict(cfg)}
+    (path / "warm_start.json").write_text(json.dumps(info, indent=1))
+    return load_model(path)
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

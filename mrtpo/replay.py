@@ -1,0 +1,165 @@
+"""Contrastive replay (METHOD.md section 2): how much each response token depends on the
+prompt spans a verifier checks.
+
+For response i and reward k whose verdict names prompt spans, the prompt x^{-k} is the
+prompt text with those spans removed, rendered through the same chat template and
+re-tokenized. The response tokens y_i are teacher-forced after x (once, shared by all K and
+by the old log-probs) and after every x^{-k}, in batched forwards without gradient. The
+last hidden states at the response positions and the LM head go to ``linear_js_distance``
+one-vs-many: hidden_p (N, d) against hidden_q (K, N, d). Rewards without spans need no
+replay: their hidden_q rows are hidden_p itself (distance 0) and has_info is False.
+
+Layout of a teacher-forced batch: prompts left-padded to a common width P, responses
+right-padded to R, position ids counted over the attention mask, so the hidden state that
+predicts response token t of every row sits at column P - 1 + t whatever the prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mrtpo_kernels import linear_js_distance, linear_logprobs
+
+from .model import ChatPrompter, last_hidden, lm_head
+
+
+@dataclass
+class TeacherBatch:
+    """Padded prompt + response rows; ``response_mask`` (B, R) marks real response tokens."""
+
+    input_ids: torch.Tensor  # (B, P + R)
+    attention_mask: torch.Tensor  # (B, P + R)
+    response_mask: torch.Tensor  # (B, R) bool
+    labels: torch.Tensor  # (N,) packed response tokens, row by row
+    prompt_width: int
+
+
+def teacher_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, device
+) -> TeacherBatch:
+    if len(prompts) != len(responses):
+        raise ValueError(
+            f"responses: expected one per prompt ({len(prompts)}), got {len(responses)}"
+        )
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("responses: every response needs at least one token")
+    b = len(prompts)
+    p_width = max(len(p) for p in prompts)
+    r_width = max(len(r) for r in responses)
+    ids = torch.full((b, p_width + r_width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, p_width + r_width), dtype=torch.long)
+    rmask = torch.zeros((b, r_width), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, p_width - len(p) : p_width] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[i, p_width : p_width + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, p_width - len(p) : p_width + len(r)] = 1
+        rmask[i, : len(r)] = True
+    labels = torch.cat([torch.as_tensor(list(r), dtype=torch.long) for r in responses])
+    return TeacherBatch(
+        ids.to(device), mask.to(device), rmask.to(device), labels.to(device), p_width
+    )
+
+
+def response_hidden(model, batch: TeacherBatch) -> torch.Tensor:
+    """(N, d) packed last hidden states that predict each response token (with whatever
+    grad mode is active)."""
+    r_width = batch.response_mask.shape[1]
+    h = last_hidden(model, batch.input_ids, batch.attention_mask)
+    h = h[:, batch.prompt_width - 1 : batch.prompt_width - 1 + r_width]
+    return h[batch.response_mask]
+
+
+@torch.no_grad()
+def forward_responses(model, prompts, responses, pad_id, *, micro_batch: int, device):
+    """Teacher-forced (N, d) response hidden states of many rows, ``micro_batch`` rows per
+    forward, without gradient."""
+    out = []
+    for s in range(0, len(prompts), micro_batch):
+        tb = teacher_batch(
+            prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id, device
+        )
+        out.append(response_hidden(model, tb))
+    return torch.cat(out)
+
+
+@dataclass
+class ReplayResult:
+    hidden_p: torch.Tensor  # (N, d) with-information hidden states
+    old_logprobs: torch.Tensor  # (N,) log-probs of the response tokens at the temperature
+    relevance: torch.Tensor | None  # (K, N) JS distances, or None when replay was skipped
+    replayed: int  # number of (response, reward) replays run
+
+
+def prompt_without(prompter: ChatPrompter, prompt: str, spans, cache: dict) -> list[int]:
+    """Token ids of the templated prompt with ``spans`` removed (memoized per batch)."""
+    key = (prompt, tuple(sorted(tuple(s) for s in spans)))
+    if key not in cache:
+        cache[key] = prompter.encode(prompt, remove=spans).ids
+    return cache[key]
+
+
+@torch.no_grad()
+def contrastive_replay(
+    model,
+    prompter: ChatPrompter,
+    prompt_texts: Sequence[str],
+    prompt_ids: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    spans: Sequence[Sequence[Sequence[tuple[int, int]]]],
+    *,
+    temperature: float,
+    micro_batch: int = 32,
+    replay: bool = True,
+) -> ReplayResult:
+    """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans.
+
+    Args:
+        prompt_texts: (n,) raw prompt contents (the coordinates of ``spans``).
+        prompt_ids: (n,) templated prompt token ids (with all information).
+        responses: (n,) response token ids (T_i >= 1 each).
+        spans: (n, K) per response and reward, the prompt spans its verdict names.
+    """
+    n = len(responses)
+    if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
+        raise ValueError("prompt_texts, prompt_ids, spans: expected one entry per response")
+    k = len(spans[0]) if n else 0
+    device = next(model.parameters()).device
+    pad_id = prompter.tokenizer.pad_token_id
+    weight, bias = lm_head(model)
+    hidden_p = forward_responses(
+        model, prompt_ids, responses, pad_id, micro_batch=micro_batch, device=device
+    )
+    labels = torch.cat([torch.as_tensor(list(r), dtype=torch.long) for r in responses]).to(device)
+    old = linear_logprobs(hidden_p, weight, labels, bias=bias, temperature=temperature)
+    if not replay or k == 0:
+        return ReplayResult(hidden_p, old, None, 0)
+
+    lengths = [len(r) for r in responses]
+    starts = [0]
+    for t in lengths:
+        starts.append(starts[-1] + t)
+    hidden_q = hidden_p.unsqueeze(0).repeat(k, 1, 1)
+    jobs, cache = [], {}
+    for i in range(n):
+        for j in range(k):
+            if spans[i][j]:
+                jobs.append((i, j, prompt_without(prompter, prompt_texts[i], spans[i][j], cache)))
+    for s in range(0, len(jobs), micro_batch):
+        chunk = jobs[s : s + micro_batch]
+        h = forward_responses(
+            model,
+            [c[2] for c in chunk],
+            [responses[c[0]] for c in chunk],
+            pad_id,
+            micro_batch=micro_batch,
+            device=device,
+        )
+        pos = 0
+        for i, j, _ in chunk:
+            hidden_q[j, starts[i] : starts[i + 1]] = h[pos : pos + lengths[i]]
+            pos += lengths[i]
+    relevance = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
+    return ReplayResult(hidden_p, old, relevance, len(jobs))

@@ -1,0 +1,145 @@
+"""The built-in tokenizer and model: round trip, offsets, span-to-token mapping, chat
+template, the hidden states that feed the LM head, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrtpo.model import (
+    ChatPrompter,
+    TinyConfig,
+    build_tiny_model,
+    build_tokenizer,
+    last_hidden,
+    lm_head,
+    load_model,
+    merge_spans,
+    remove_spans,
+    response_offsets,
+    save_model,
+    spans_to_token_mask,
+)
+
+CORPUS = [
+    'Write a short note about a garden. Start your answer with "to begin". '
+    'Include the word "happy". End your answer with "see you soon".',
+    "to begin. bees visit every flower. roses grow by the wall. i think of happy. see you soon",
+    "SELECT COUNT(*) FROM orders WHERE year = 2024",
+    '{"name": "send_message", "arguments": {"to": "Cleo", "text": "good morning"}}',
+] * 5
+
+TINY = TinyConfig(
+    vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(CORPUS, vocab_size=320)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain words here",
+        "  leading and trailing  ",
+        "tabs\tand\nnew lines\n\n***\n",
+        "unicode: caf\u00e9 \u00fc\u00df \u4e2d\u6587 \U0001f600",
+        "",
+        '"quotes", commas; <<t>>',
+    ],
+)
+def test_round_trip_and_offsets(tok, text):
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert tok.decode(enc["input_ids"]) == text
+    offsets = enc["offset_mapping"]
+    # offsets tile the text left to right without gaps
+    pos = 0
+    for a, b in offsets:
+        assert a <= pos <= b or a == pos
+        pos = max(pos, b)
+    assert pos == len(text)
+
+
+def test_response_offsets_tile_the_text(tok):
+    text = "to begin. i think of happy. see you soon"
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    decoded, offsets = response_offsets(tok, ids)
+    assert decoded == text
+    assert "".join(decoded[a:b] for a, b in offsets) == text
+    assert offsets[-1][0] == offsets[-1][1] == len(text)  # the end-of-turn token is empty
+
+
+def test_spans_to_token_mask_covers_exactly_the_span(tok):
+    text = CORPUS[0]
+    span = (text.index("Include"), text.index("End"))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    mask = spans_to_token_mask(offsets, [span])
+    covered = set()
+    for (a, b), m in zip(offsets, mask.tolist()):
+        overlaps = a < span[1] and span[0] < b
+        assert m == overlaps
+        if m:
+            covered.update(range(a, b))
+    assert set(range(*span)) <= covered
+    assert not spans_to_token_mask(offsets, []).any()
+
+
+def test_merge_and_remove_spans():
+    assert merge_spans([(5, 8), (0, 2), (7, 10), (3, 3)]) == [(0, 2), (5, 10)]
+    assert remove_spans("abcdefghij", [(5, 8), (0, 2), (7, 10)]) == "cde"
+    with pytest.raises(ValueError, match="spans"):
+        remove_spans("abc", [(1, 9)])
+
+
+def test_chat_template_and_prompt_token_mask(tok):
+    pr = ChatPrompter(tok)
+    prompt = CORPUS[0]
+    enc = pr.encode(prompt)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    assert enc.text == rendered == pr.prefix + prompt + pr.suffix
+    assert enc.ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert enc.ids[0] == tok.convert_tokens_to_ids("<|user|>")
+    span = (prompt.index("Include"), prompt.index("End"))
+    mask = enc.token_mask([span])
+    chosen = "".join(enc.text[a:b] for (a, b), m in zip(enc.offsets, mask.tolist()) if m)
+    assert prompt[span[0] : span[1]] in chosen
+    assert len(chosen) < len(prompt[span[0] : span[1]]) + 10
+
+
+def test_last_hidden_feeds_the_lm_head_with_left_padding(tok):
+    model = build_tiny_model(tok, TINY, seed=1).eval()
+    w, b = lm_head(model)
+    assert b is None and w is model.get_input_embeddings().weight  # tied
+    ids = torch.tensor([[tok.pad_token_id] * 3 + [5, 9, 11, 40], [7, 8, 9, 10, 11, 12, 13]])
+    mask = (ids != tok.pad_token_id).long()
+    with torch.no_grad():
+        h = last_hidden(model, ids, mask)
+        ref = model(input_ids=ids[1:], attention_mask=mask[1:]).logits
+        torch.testing.assert_close(h[1:] @ w.T, ref, rtol=1e-5, atol=1e-5)
+        alone = last_hidden(model, ids[:1, 3:], mask[:1, 3:])
+        torch.testing.assert_close(h[0, 3:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_round_trip(tok, tmp_path):
+    model = build_tiny_model(tok, TINY, seed=2).eval()
+    save_model(model, tok, tmp_path / "m")
+    model2, tok2 = load_model(tmp_path / "m")
+    ids = torch.tensor([tok(CORPUS[1], add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, model2(ids).logits)
+    assert tok2.decode(ids[0]) == CORPUS[1]
+    assert tok2.chat_template == tok.chat_template
+    with pytest.raises(ValueError, match="model"):
+        load_model(tmp_path / "missing")
+
+
+def test_tokenizer_arguments_are_checked():
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(CORPUS, vocab_size=100)
+    with pytest.raises(ValueError, match="texts"):
+        build_tokenizer([], vocab_size=320)

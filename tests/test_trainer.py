@@ -1,0 +1,237 @@
+"""Trainer tests on a small stand-in task (three verifiers, one without prompt spans)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from mrtpo.model import TinyConfig
+from mrtpo.trainer import TrainConfig, Trainer, compute_advantages, credit_precision, train
+from mrtpo.verifiers.base import Example, Task, Verdict
+
+TOPICS = ["cats", "the sea", "red trains", "old maps", "rain", "bread", "owls", "stone walls"]
+KEYWORDS = ["blue", "quiet", "seven", "gold", "warm", "late"]
+ENDINGS = ["the end", "thank you", "so it goes"]
+
+
+class IncludeVerifier:
+    name = "include"
+
+    def __call__(self, ex, response):
+        span = tuple(ex.fields["include_span"])
+        ok = re.search(rf"\b{ex.fields['keyword']}\b", response) is not None
+        return Verdict(1.0 if ok else 0.0, (span,), None if ok else "keyword missing")
+
+    def relevant_chars(self, ex, response):
+        return [m.span() for m in re.finditer(rf"\b{ex.fields['keyword']}\b", response)]
+
+
+class EndVerifier:
+    name = "ending"
+
+    def __call__(self, ex, response):
+        span = tuple(ex.fields["end_span"])
+        ok = response.strip().endswith(ex.fields["ending"])
+        return Verdict(1.0 if ok else 0.0, (span,), None if ok else "wrong ending")
+
+    def relevant_chars(self, ex, response):
+        end = len(response.rstrip())
+        return [(max(0, end - len(ex.fields["ending"])), end)]
+
+
+class ShortVerifier:
+    """Reads no specific prompt span: has_info is False for it."""
+
+    name = "short"
+
+    def __call__(self, ex, response):
+        ok = len(response.split()) <= 8
+        return Verdict(1.0 if ok else 0.0, (), None if ok else "too long")
+
+
+def make_example(i: int) -> Example:
+    topic = TOPICS[i % len(TOPICS)]
+    kw = KEYWORDS[(i * 5) % len(KEYWORDS)]
+    end = ENDINGS[(i * 7) % len(ENDINGS)]
+    first = f"Write about {topic}. "
+    inc = f"Include the word {kw}. "
+    fin = f"End with {end}."
+    prompt = first + inc + fin
+    fields = {
+        "keyword": kw,
+        "ending": end,
+        "include_span": [len(first), len(first) + len(inc)],
+        "end_span": [len(first) + len(inc), len(prompt)],
+    }
+    return Example(f"ex{i}", prompt, fields, f"{topic} is {kw} {end}")
+
+
+def standin_task() -> Task:
+    examples = [make_example(i) for i in range(24)]
+    return Task(
+        "standin", [IncludeVerifier(), EndVerifier(), ShortVerifier()], examples[:20], examples[20:]
+    )
+
+
+TINY = TinyConfig(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    warm_steps=30,
+    warm_batch=8,
+    warm_lr=3e-3,
+)
+
+
+def tiny_config(tmp_path, **kw) -> TrainConfig:
+    base = dict(
+        task="standin",
+        algo="mrtpo",
+        steps=2,
+        seed=0,
+        out=str(tmp_path / "run"),
+        prompts_per_step=2,
+        group_size=3,
+        max_new_tokens=10,
+        micro_batch=4,
+        minibatches=2,
+        checkpoint_every=1,
+        device="cpu",
+        cache_dir=str(tmp_path / "cache"),
+        tiny=TINY,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+
+
+def test_two_step_train_writes_outputs(tmp_path):
+    res = train(tiny_config(tmp_path), task=standin_task(), progress=False)
+    assert [r["step"] for r in res.metrics] == [1, 2]
+    lines = res.metrics_path.read_text().splitlines()
+    assert len(lines) == 2
+    row = json.loads(lines[-1])
+    for name in ("include", "ending", "short"):
+        assert 0.0 <= row[f"pass/{name}"] <= 1.0
+    assert row["relevance/short"] is None  # no spans: no replay
+    assert row["relevance/include"] is not None and 0.0 <= row["relevance/include"] <= 1.0
+    assert res.curves_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = res.html_path.read_text()
+    assert "<span class='tok'" in page and "include" in page
+    assert (res.checkpoint / "state.pt").exists()
+
+
+def test_same_seed_same_metrics(tmp_path):
+    a = train(tiny_config(tmp_path / "a"), task=standin_task(), progress=False)
+    b = train(tiny_config(tmp_path / "b"), task=standin_task(), progress=False)
+    assert _comparable(a.metrics) == _comparable(b.metrics)
+    c = train(tiny_config(tmp_path / "c", seed=1), task=standin_task(), progress=False)
+    assert _comparable(a.metrics) != _comparable(c.metrics)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full = Trainer(tiny_config(tmp_path / "full", steps=3), task=standin_task())
+    full.run(progress=False)
+    part = tiny_config(tmp_path / "part", steps=2)
+    train(part, task=standin_task(), progress=False)
+    resumed = Trainer(tiny_config(tmp_path / "part", steps=3, resume=True), task=standin_task())
+    assert resumed.step == 2
+    resumed.run(progress=False)
+    assert _comparable(resumed.metrics) == _comparable(full.metrics)
+    for (na, pa), (nb, pb) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    sa, sb = full.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key]["exp_avg"], sb[key]["exp_avg"])
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gdpo"])
+def test_baseline_algorithms_run(tmp_path, algo):
+    res = train(
+        tiny_config(tmp_path, algo=algo, steps=1, replay_for_baselines=False),
+        task=standin_task(),
+        progress=False,
+    )
+    row = res.metrics[0]
+    assert row["algo"] == algo and row["relevance/include"] is None
+    assert row["time"]["replays"] == 0
+
+
+def _toy_batch():
+    torch.manual_seed(3)
+    n, k = 6, 3
+    rewards = torch.randint(0, 2, (n, k)).float()
+    groups = torch.arange(2).repeat_interleave(3)
+    lengths = torch.tensor([3, 5, 2, 4, 4, 1])
+    rel = torch.rand(k, int(lengths.sum()))
+    has_info = torch.tensor([[True, True, False]] * n)
+    return rewards, groups, rel, has_info, lengths
+
+
+def test_alpha_zero_is_gdpo():
+    rewards, groups, rel, has_info, lengths = _toy_batch()
+    cfg0 = TrainConfig(alpha=0.0)
+    tok_m, _ = compute_advantages("mrtpo", rewards, groups, rel, has_info, lengths, cfg0)
+    tok_g, alloc_g = compute_advantages("gdpo", rewards, groups, rel, has_info, lengths, cfg0)
+    torch.testing.assert_close(tok_m, tok_g, rtol=1e-6, atol=1e-6)
+    assert torch.all(alloc_g == 1)
+    tok_m1, _ = compute_advantages("mrtpo", rewards, groups, rel, has_info, lengths, TrainConfig())
+    assert not torch.allclose(tok_m1, tok_g)
+
+
+def test_credit_precision_against_hand_count():
+    alloc = torch.tensor([[1.0, 3.0, 0.0, 2.0]])
+    masks = [[torch.tensor([False, True, False])], [torch.tensor([True])]]
+    has_info = torch.tensor([[True], [True]])
+    prec, unif, cnt = credit_precision(alloc, masks, has_info, torch.tensor([3, 1]))
+    assert prec[0] == pytest.approx(3.0 / 4.0) and unif[0] == pytest.approx(1.0 / 3.0)
+    assert cnt == [1]  # the one-token response (all tokens relevant) is skipped
+
+
+def test_config_validation_names_the_argument():
+    with pytest.raises(ValueError, match="algo"):
+        TrainConfig(algo="ppo").validate()
+    with pytest.raises(ValueError, match="group_size"):
+        TrainConfig(group_size=1).validate()
+    with pytest.raises(ValueError, match="alpha"):
+        TrainConfig(alpha=2.0).validate()
+
+
+def test_any_local_causal_lm_untied_head(tmp_path):
+    """--model PATH: a Llama with an untied LM head and no pad token trains and resumes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mrtpo.model import build_tokenizer, save_model, task_texts
+
+    task = standin_task()
+    tok = build_tokenizer(task_texts(task), vocab_size=300)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    save_model(model, tok, tmp_path / "llama")
+    res = train(
+        tiny_config(tmp_path, model=str(tmp_path / "llama"), steps=1), task=task, progress=False
+    )
+    assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
+    trained = res.checkpoint / "model"
+    assert (trained / "config.json").exists()
