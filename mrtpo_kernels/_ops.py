@@ -260,8 +260,8 @@ def _policy_setup(ctx, inputs, output):
 
 def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     # The gradient was computed in the forward pass (no recompute): scale it by the
-    # upstream gradient of the scalar loss. Gradients through the returned log-probs
-    # are not supported (they are metrics).
+    # upstream gradient of the scalar loss. Gradients through the returned log-probs are
+    # not supported (they are metrics).
     dh, dw, db = ctx.saved_tensors
     w_dtype, b_dtype = ctx.dtypes
     if dw.numel() == 0:

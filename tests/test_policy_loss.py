@@ -152,3 +152,14 @@ def test_opcheck_policy_loss(backend):
         0.2, 0.1, -100, True, backend,
     )  # fmt: skip
     torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
+
+
+
+def test_policy_loss_repeated_backward_and_scaled_upstream(backend):
+    h, w, bias, lab, old, adv, _ = _case(1, 4, 30, 4, seed=7)
+    hh = h.clone().requires_grad_()
+    loss, _ = mk.linear_policy_loss(hh, w, lab, old, adv, backend=backend)
+    loss.backward(retain_graph=True)
+    first = hh.grad.clone()
+    (0.5 * loss).backward()  # a second pass through the same graph, upstream 0.5
+    assert torch.allclose(hh.grad, 1.5 * first, atol=1e-7)
