@@ -26,20 +26,20 @@ def test_env_override(monkeypatch):
 
 def test_missing_op_falls_back_with_one_warning(monkeypatch):
     monkeypatch.delenv("MRTPO_STRICT_BACKEND", raising=False)
-    # the cpu backend has no reallocate_packed: an explicit request falls back to torch
-    if backends.load("cpu") is None:
+    cpu = backends.load("cpu")
+    if cpu is None:
         pytest.skip("the C++ extension is not built")
-    _dispatch._warned.discard(("cpu", "reallocate_packed"))
+    monkeypatch.delattr(cpu, "logits_js")  # a backend without one op
+    _dispatch._warned.discard(("cpu", "logits_js"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = _dispatch.resolve("reallocate_packed", torch.device("cpu"), "cpu")
-        b = _dispatch.resolve("reallocate_packed", torch.device("cpu"), "cpu")
+        a = _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
+        b = _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
     assert a == b == "torch"
-    assert sum("cannot run reallocate_packed" in str(w.message) for w in caught) == 1
+    assert sum("cannot run logits_js" in str(w.message) for w in caught) == 1
     monkeypatch.setenv("MRTPO_STRICT_BACKEND", "1")
     with pytest.raises(RuntimeError, match="MRTPO_STRICT_BACKEND"):
-        _dispatch.resolve("reallocate_packed", torch.device("cpu"), "cpu")
-
+        _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
 
 def test_backends_agree():
     g = torch.Generator().manual_seed(0)

@@ -80,3 +80,7 @@ if _C is not None:
     logits_logprobs_bwd = functools.partial(_chunked.logits_logprobs_bwd, _K)
     logits_js = functools.partial(_chunked.logits_js, _K)
     linear_policy_loss = functools.partial(_chunked.linear_policy_loss, _K)
+
+# The advantage stage is O(K x N) elementwise work with segment sums: the vectorized
+# PyTorch version is already bandwidth-bound on the CPU, so the cpu backend uses it as is.
+from .torch_backend import reallocate_packed  # noqa: E402,F401
