@@ -85,6 +85,7 @@ def _logprobs_setup(ctx, inputs, output):
     logp, entropy, lse = output
     ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
     ctx.cfg = (temperature, ignore_index, with_entropy, backend, bias is not None)
+    ctx.set_materialize_grads(False)  # lse gets no gradient; unused ones stay None
 
 
 def _logprobs_backward(ctx, g_logp, g_entropy, g_lse):
@@ -159,6 +160,7 @@ def _logits_setup(ctx, inputs, output):
     logp, entropy, lse = output
     ctx.save_for_backward(logits, labels, lse, entropy)
     ctx.cfg = (temperature, ignore_index, with_entropy, backend)
+    ctx.set_materialize_grads(False)
 
 
 def _logits_backward(ctx, g_logp, g_entropy, g_lse):
@@ -254,28 +256,50 @@ def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need
 def _policy_setup(ctx, inputs, output):
     weight, bias = inputs[1], inputs[2]
     _, _, _, dh, dw, db = output
-    ctx.save_for_backward(dh, dw, db)
+    # Kept as detached attributes, not saved tensors: _policy_backward does its own
+    # version check (see there) so that it can hand these buffers to autograd.
+    ctx.grads = tuple(t.detach() for t in (dh, dw, db))
+    # no upstream gradient reaches the gradient outputs: without this, autograd would
+    # materialize a zero tensor of the weight's size for each of them in backward
+    ctx.set_materialize_grads(False)
+    ctx.handed_versions = None
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
 
 
 def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     # The gradient was computed in the forward pass (no recompute): scale it by the
-    # upstream gradient of the scalar loss. Gradients through the returned log-probs are
-    # not supported (they are metrics).
-    dh, dw, db = ctx.saved_tensors
+    # upstream gradient of the scalar loss. For loss.backward() (upstream exactly 1, eager
+    # mode) the buffers themselves are handed to autograd, which adopts them as .grad
+    # without a copy: the peak then holds one weight gradient, not two. A later backward
+    # through the same graph still works while those buffers are unmodified, and raises
+    # once something (an accumulation into .grad) has written to them.
+    # Gradients through the returned log-probs are not supported (they are metrics).
+    dh, dw, db = ctx.grads
     w_dtype, b_dtype = ctx.dtypes
+    if g_loss is None:  # nothing flowed into the loss (only into the metrics outputs)
+        return (None,) * 15
     if dw.numel() == 0:
         raise RuntimeError(
             "mrtpo::linear_policy_loss ran with need_grad=False, so it computed no gradient; "
             "call it with need_grad=True (linear_policy_loss does this when inputs need grad)"
         )
-    gh = gw = gb = None
-    if ctx.needs_input_grad[0]:
-        gh = dh * g_loss.to(dh.dtype)
-    if ctx.needs_input_grad[1]:
-        gw = (dw * g_loss).to(w_dtype)
-    if b_dtype is not None and ctx.needs_input_grad[2]:
-        gb = (db * g_loss).to(b_dtype)
+    if ctx.handed_versions is not None and ctx.handed_versions != tuple(
+        t._version for t in ctx.grads
+    ):
+        raise RuntimeError(
+            "linear_policy_loss: its gradient buffers, handed to autograd by the first "
+            "backward, were modified since (e.g. accumulated into .grad); run the loss again "
+            "for another backward"
+        )
+    eager = type(g_loss) is torch.Tensor and not torch.compiler.is_compiling()  # not traced
+    if eager and ctx.handed_versions is None and bool(g_loss == 1):
+        out = tuple(t.detach() for t in ctx.grads)  # new aliases: stealable by autograd
+        ctx.handed_versions = tuple(t._version for t in ctx.grads)
+    else:
+        out = tuple(t * g_loss.to(t.dtype) for t in ctx.grads)
+    gh = out[0] if ctx.needs_input_grad[0] else None
+    gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
+    gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
     return (gh, gw, gb) + (None,) * 12
 
 

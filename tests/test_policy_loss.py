@@ -154,7 +154,6 @@ def test_opcheck_policy_loss(backend):
     torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
 
 
-
 def test_policy_loss_repeated_backward_and_scaled_upstream(backend):
     h, w, bias, lab, old, adv, _ = _case(1, 4, 30, 4, seed=7)
     hh = h.clone().requires_grad_()
@@ -163,3 +162,18 @@ def test_policy_loss_repeated_backward_and_scaled_upstream(backend):
     first = hh.grad.clone()
     (0.5 * loss).backward()  # a second pass through the same graph, upstream 0.5
     assert torch.allclose(hh.grad, 1.5 * first, atol=1e-7)
+
+
+def test_policy_loss_hands_its_gradient_buffer_to_autograd(backend):
+    # loss.backward(): the weight gradient computed in the forward becomes weight.grad
+    # without a copy; a later backward still adds correctly, and one after .grad was
+    # written into the shared buffer is refused rather than silently wrong.
+    h, w, bias, lab, old, adv, _ = _case(1, 5, 40, 4, seed=8)
+    ww = w.clone().requires_grad_()
+    loss, _ = mk.linear_policy_loss(h, ww, lab, old, adv, backend=backend)
+    loss.backward(retain_graph=True)
+    g1 = ww.grad.clone()
+    loss.backward(retain_graph=True)  # accumulates in place into the adopted buffer
+    assert torch.allclose(ww.grad, 2 * g1, atol=1e-7)
+    with pytest.raises(RuntimeError, match="modified"):
+        loss.backward()
