@@ -1,0 +1,71 @@
+"""Result rows: the CSV columns, appending rows, reading them back."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+COLUMNS = (
+    "date",
+    "commit",
+    "device",
+    "torch",
+    "triton",
+    "op",
+    "provider",
+    "N",
+    "d",
+    "V",
+    "K",
+    "responses",
+    "dtype",
+    "repeats",
+    "ms_p20",
+    "ms_p50",
+    "ms_p80",
+    "tflops",
+    "gb_per_s",
+    "peak_mem_mb",
+    "extra_mem_mb",
+    "status",
+    "note",
+)
+
+# status values: ok (measured), estimated (would not fit: memory columns hold the estimate),
+# unavailable (provider not installed / backend not built), unsupported (provider has no
+# such op or device), oom, error, timeout
+STATUSES = ("ok", "estimated", "unavailable", "unsupported", "oom", "error", "timeout")
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append rows to the CSV at ``path``, writing the header if the file is new."""
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({c: _fmt(r.get(c, "")) for c in COLUMNS})
+
+
+def _fmt(x):
+    if isinstance(x, float):
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.1f}"
+    return "" if x is None else x
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def num(row: dict, key: str) -> float | None:
+    """A numeric field of a row read back from CSV (None when empty)."""
+    v = row.get(key, "")
+    if v in ("", None):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None

@@ -1,0 +1,264 @@
+"""The Markdown summary of a run: the results table, the ratios of ours to every other
+provider measured in the same run, and the PASS/FAIL lines of the issue targets."""
+
+from __future__ import annotations
+
+from .ops import OPS
+from .providers import OURS
+from .results import num
+
+GB = 1e9
+MIB = float(1 << 20)
+
+
+def _shape_key(r: dict) -> tuple:
+    return (r["op"], str(r["d"]), str(r["N"]), str(r["K"]), r["dtype"])
+
+
+def _f(x, digits=3) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _by_shape(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Rows grouped by shape, ordered by op, d, N, K; the latest row of a provider wins."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(_shape_key(r), {})[r["provider"]] = r
+
+    def order(key):
+        op, d, n, k, dtype = key
+        rank = OPS.index(op) if op in OPS else len(OPS)
+        return (rank, dtype, int(d or 0), int(n or 0), int(k or 0))
+
+    return {key: out[key] for key in sorted(out, key=order)}
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    """a[key] / b[key] when both rows carry the figure (memory may be an estimate)."""
+    if a is None or b is None:
+        return None
+    ok = ("ok",) if key.startswith("ms") else ("ok", "estimated")
+    if a.get("status") not in ok or b.get("status") not in ok:
+        return None
+    x, y = num(a, key), num(b, key)
+    if x is None or y is None or y <= 0:
+        return None
+    return x / y
+
+
+def results_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| op | d | N | K | provider | ms p50 (p20-p80) | TFLOP/s | peak MiB | extra MiB "
+        "| time / pytorch | extra / pytorch | status | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    shapes = _by_shape(rows)
+    for _key, provs in shapes.items():
+        base = provs.get("pytorch")
+        for prov, r in provs.items():
+            ms = num(r, "ms_p50")
+            timing = (
+                "-" if ms is None else (f"{_f(ms)} ({_f(num(r, 'ms_p20'))}-{_f(num(r, 'ms_p80'))})")
+            )
+            rate = num(r, "tflops")
+            rate_s = (
+                _f(rate)
+                if rate is not None
+                else (f"{_f(num(r, 'gb_per_s'))} GB/s" if num(r, "gb_per_s") else "-")
+            )
+            est = " (est.)" if r["status"] == "estimated" else ""
+            t_ratio = ratio(r, base, "ms_p50") if prov != "pytorch" else None
+            m_ratio = ratio(r, base, "extra_mem_mb") if prov != "pytorch" else None
+            lines.append(
+                f"| {r['op']} | {r['d']} | {r['N']} | {r['K']} | {prov} | {timing} | {rate_s} "
+                f"| {_f(num(r, 'peak_mem_mb'), 4)}{est} | {_f(num(r, 'extra_mem_mb'), 4)}{est} "
+                f"| {_f(t_ratio)} | {_f(m_ratio)} | {r['status']} | {r.get('note', '')} |"
+            )
+    return lines
+
+
+def ratio_table(rows: list[dict]) -> list[str]:
+    """Ours / other, for time and extra memory, every pair measured in this run."""
+    lines = [
+        "| op | d | N | K | ours | other | time ours/other | extra memory ours/other |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    n = 0
+    for (op, d, nn, k, _), provs in _by_shape(rows).items():
+        for ours, r in provs.items():
+            if ours not in OURS or r["status"] != "ok":
+                continue
+            for other, o in provs.items():
+                if other == ours or o["status"] not in ("ok", "estimated"):
+                    continue
+                t, m = ratio(r, o, "ms_p50"), ratio(r, o, "extra_mem_mb")
+                est = " (vs estimate)" if o["status"] == "estimated" else ""
+                lines.append(
+                    f"| {op} | {d} | {nn} | {k} | {ours} | {other} | {_f(t)} | {_f(m)}{est} |"
+                )
+                n += 1
+    return lines if n else ["(no pair of measured rows)"]
+
+
+def _find(rows, op, provider, n, k=None, d=None):
+    """The latest row of (op, provider, N[, K][, d])."""
+    for r in reversed(rows):
+        if (
+            r["op"] == op
+            and r["provider"] == provider
+            and int(r["N"]) == n
+            and (k is None or int(r["K"]) == k)
+            and (d is None or int(r["d"]) == d)
+        ):
+            return r
+    return None
+
+
+def cpu_targets(rows: list[dict], fused: str = "mrtpo-cpu") -> list[str]:
+    """Issue 2's CPU targets at d = 896: PASS / FAIL / NOT MEASURED lines."""
+    out = []
+    specs = [
+        ("linear_logprobs_fwd_bwd", 0, 1.3),
+        ("linear_policy_loss_fwd_bwd", 0, 1.0),
+        ("linear_js_distance", 1, 1.0),
+        ("linear_js_distance", 4, 1.0),
+    ]
+    for op, k, tmax in specs:
+        kk = k if op == "linear_js_distance" else None
+        a = _find(rows, op, fused, 4096, kk, 896)
+        b = _find(rows, op, "pytorch", 4096, kk, 896)
+        name = op + (f" K={k}" if op == "linear_js_distance" else "")
+        m = ratio(a, b, "extra_mem_mb")
+        out.append(
+            _verdict(
+                f"N=4096 {name}: extra memory {fused} / pytorch <= 1/8",
+                m,
+                lambda x: x <= 0.125,
+                f"{_f(m)}",
+            )
+        )
+        t = ratio(a, b, "ms_p50")
+        out.append(
+            _verdict(
+                f"N=4096 {name}: time {fused} / pytorch <= {tmax}",
+                t,
+                lambda x, tmax=tmax: x <= tmax,
+                f"{_f(t)}x",
+            )
+        )
+    for op, k, _ in specs:
+        kk = k if op == "linear_js_distance" else None
+        name = op + (f" K={k}" if op == "linear_js_distance" else "")
+        r = _find(rows, op, fused, 16384, kk, 896)
+        peak = num(r, "peak_mem_mb") if r is not None and r["status"] == "ok" else None
+        gb = None if peak is None else peak * MIB / GB
+        out.append(
+            _verdict(
+                f"N=16384 {name}: {fused} peak RSS <= 4 GB", gb, lambda x: x <= 4.0, f"{_f(gb)} GB"
+            )
+        )
+        p = _find(rows, op, "pytorch", 16384, kk, 896)
+        if p is not None and p["status"] in ("ok", "estimated"):
+            pk = num(p, "peak_mem_mb") * MIB / GB
+            how = "estimated, not run" if p["status"] == "estimated" else "measured"
+            out.append(f"- INFO N=16384 {name}: pytorch peak {_f(pk)} GB ({how})")
+    return out
+
+
+def gpu_targets(rows: list[dict]) -> list[str]:
+    """Issue 3's H200 targets (bf16, V = 151936, d = 4096, N = 16384), best of ours."""
+    out = []
+    for op, k in (("linear_policy_loss_fwd_bwd", None), ("linear_js_distance", 4)):
+        cands = [
+            r
+            for r in (_find(rows, op, p, 16384, k, 4096) for p in OURS)
+            if r is not None and r["status"] == "ok"
+        ]
+        best = max(cands, key=lambda r: num(r, "tflops") or 0.0, default=None)
+        tf = num(best, "tflops") if best else None
+        who = best["provider"] if best else "none measured"
+        name = op + (f" K={k}" if k else "")
+        out.append(
+            _verdict(
+                f"{name}: >= 500 TFLOP/s ({who})", tf, lambda x: x >= 500.0, f"{_f(tf)} TFLOP/s"
+            )
+        )
+        ex = num(best, "extra_mem_mb") if best else None
+        gb = None if ex is None else ex * MIB / GB
+        out.append(
+            _verdict(
+                f"{name}: extra device memory <= 1 GB ({who})",
+                gb,
+                lambda x: x <= 1.0,
+                f"{_f(gb)} GB",
+            )
+        )
+    return out
+
+
+def _verdict(what: str, value, ok, shown: str) -> str:
+    if value is None:
+        return f"- NOT MEASURED {what}"
+    return f"- {'PASS' if ok(value) else 'FAIL'} {what}: {shown}"
+
+
+def markdown(rows: list[dict], title: str, command: str, extra: list[str] = ()) -> str:
+    if not rows:
+        return f"# {title}\n\nNo rows.\n"
+    r0 = rows[0]
+    parts = [
+        f"# {title}",
+        "",
+        f"- date {r0['date']}, commit {r0['commit']}",
+        f"- device {r0['device']}; torch {r0['torch']}, triton {r0['triton']}",
+        f"- reproduce: `{command}`",
+        "- time: median (p20-p80) over the repeats after warm-up; TFLOP/s from the GEMM "
+        "FLOPs (2NdV forward, 6NdV forward+backward, (1+K)2NdV JS one-vs-K); extra = peak "
+        "less the inputs held before the call and less the returned tensors and gradients. "
+        "Ratios below 1 favour the first provider.",
+        *extra,
+        "",
+        "## Results",
+        "",
+        *results_table(rows),
+        "",
+        "## Ours against every other provider (same run)",
+        "",
+        *ratio_table(rows),
+        "",
+    ]
+    devs = {r["device"] for r in rows}
+    if any(r["dtype"] == "float32" and int(r["d"] or 0) == 896 for r in rows):
+        parts += ["## Targets (issue 2, CPU)", "", *cpu_targets(rows), ""]
+    if any(r["dtype"] == "bfloat16" and int(r["d"] or 0) == 4096 for r in rows) and devs:
+        parts += ["## Targets (issue 3, H200)", "", *gpu_targets(rows), ""]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    """python -m bench.summary --csv PATH [--out MD]: the summary of every row of a CSV
+    (e.g. one built by several ``python -m bench --csv PATH`` runs)."""
+    import argparse
+
+    from .results import read_rows
+
+    ap = argparse.ArgumentParser(prog="python -m bench.summary", description=main.__doc__)
+    ap.add_argument("--csv", required=True)
+    ap.add_argument("--out", help="Markdown file (default: the CSV path with .md)")
+    ap.add_argument("--title", default="Benchmark")
+    ap.add_argument("--command", default="", help="the commands that produced the CSV")
+    args = ap.parse_args(argv)
+    rows = read_rows(args.csv)
+    out = args.out or args.csv.rsplit(".", 1)[0] + ".md"
+    with open(out, "w") as f:
+        f.write(markdown(rows, args.title, args.command or f"(rows of {args.csv})"))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""The benchmark suite: FLOP formulas, memory estimates, the baselines' math against the
+float64 reference, a smoke run writing CSV + Markdown + PNG, the per-cell child process,
+the target verdicts, and the dry run of bench/gpu_check.sh (so that it cannot rot)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import formulas, summary
+from bench.__main__ import main as bench_main
+from bench.__main__ import run_group
+from bench.measure import percentile, summarize
+from bench.plot import main as plot_main
+from bench.results import COLUMNS
+from bench.torch_impls import ChunkedTorch, plain_js_distance, plain_logprobs, plain_policy_loss
+from mrtpo_kernels import reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V, D = 151936, 896
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def test_flop_formulas():
+    n, d, v = 16384, 4096, 151936
+    assert formulas.flops("linear_logprobs_fwd", n, d, v) == 2 * n * d * v
+    assert formulas.flops("linear_logprobs_entropy", n, d, v) == 2 * n * d * v
+    assert formulas.flops("linear_logprobs_fwd_bwd", n, d, v) == 6 * n * d * v
+    assert formulas.flops("linear_policy_loss_fwd_bwd", n, d, v) == 6 * n * d * v
+    assert formulas.flops("linear_js_distance", n, d, v, 1) == 2 * 2 * n * d * v
+    assert formulas.flops("linear_js_distance", n, d, v, 4) == 5 * 2 * n * d * v
+    assert formulas.flops("credit_assignment_step", n, d, v, 4) == (10 + 6) * n * d * v
+    assert formulas.flops("advantages", n, 0, 0, 4) == 0
+    # issue 3's target: 500 TFLOP/s of policy loss at this shape is 122 ms per call
+    assert formulas.flops("linear_policy_loss_fwd_bwd", n, d, v) / 500e12 == pytest.approx(
+        0.1224, rel=1e-3
+    )
+    with pytest.raises(ValueError, match="op"):
+        formulas.flops("softmax", n, d, v)
+
+
+def test_memory_estimate():
+    plain = formulas.estimate_extra_bytes(
+        "pytorch", "linear_logprobs_fwd_bwd", 16384, D, V, 0, "float32"
+    )
+    assert plain > 20e9  # issue 2: plain PyTorch needs over 20 GB at N = 16384
+    quarter = formulas.estimate_extra_bytes(
+        "pytorch", "linear_logprobs_fwd_bwd", 4096, D, V, 0, "float32"
+    )
+    assert plain / quarter == pytest.approx(4.0)  # O(N V)
+    fused = formulas.estimate_extra_bytes(
+        "mrtpo-cpu", "linear_logprobs_fwd_bwd", 16384, D, V, 0, "float32"
+    )
+    assert fused < 2e9
+    assert fused == formulas.estimate_extra_bytes(
+        "mrtpo-cpu", "linear_logprobs_fwd_bwd", 65536, D, V, 0, "float32"
+    )
+    ram = 24e9
+    assert formulas.fits("mrtpo-cpu", "linear_js_distance", 16384, D, V, 4, "float32", ram)[0]
+    ok, need = formulas.fits("pytorch", "linear_logprobs_fwd_bwd", 16384, D, V, 0, "float32", ram)
+    assert not ok and need > plain
+    # bf16 logits cost their own [N, V] on top of the fp32 ones
+    assert (
+        formulas.estimate_extra_bytes(
+            "pytorch", "linear_logprobs_fwd", 1024, 4096, V, 0, "bfloat16"
+        )
+        == (2 * 4 + 2) * 1024 * V
+    )
+
+
+def test_estimated_row_instead_of_running(monkeypatch):
+    from bench import cell
+
+    monkeypatch.setattr(cell.envinfo, "mem_available_bytes", lambda device: 1 << 20)
+    spec = dict(
+        op="linear_logprobs_fwd_bwd",
+        provider="pytorch",
+        n=4096,
+        d=D,
+        v=V,
+        k=0,
+        dtype="float32",
+        device="cpu",
+        repeats=1,
+    )
+    row = cell.run_cell(spec)
+    assert row["status"] == "estimated"
+    est = formulas.estimate_extra_bytes(
+        "pytorch", "linear_logprobs_fwd_bwd", 4096, D, V, 0, "float32"
+    )
+    assert row["extra_mem_mb"] == pytest.approx(est / 2**20)
+    assert "not run" in row["note"]
+
+
+def test_percentiles():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 20) == pytest.approx(1.8)
+    s = summarize(xs)
+    assert s["ms_p50"] == 3.0 and s["ms_p20"] < s["ms_p50"] < s["ms_p80"]
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+@pytest.fixture
+def small():
+    g = torch.Generator().manual_seed(3)
+    n, d, v, k = 37, 8, 101, 3
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) * 0.5
+    lab = torch.randint(0, v, (n,), generator=g)
+    hq = h + 0.3 * torch.randn(k, n, d, generator=g, dtype=torch.float64)
+    return h, w, lab, hq
+
+
+@pytest.mark.parametrize("impl", ["plain", "chunked"])
+def test_baselines_match_reference(small, impl):
+    """The baselines compute what the ops compute (fp32 against the float64 reference)."""
+    h, w, lab, hq = small
+    chunked = ChunkedTorch(compile=False, budget_bytes=4 * w.shape[0] * 8)  # 8-row chunks
+    logprobs = plain_logprobs if impl == "plain" else chunked.logprobs
+    js = plain_js_distance if impl == "plain" else chunked.js_distance
+    policy = plain_policy_loss if impl == "plain" else chunked.policy_loss
+    h32 = h.float().requires_grad_(True)
+    w32 = w.float().requires_grad_(True)
+    lp, ent = logprobs(h32, w32, lab, return_entropy=True)
+    rlp, rent = ref.linear_logprobs_ref(h, w, lab, return_entropy=True)
+    torch.testing.assert_close(lp.double(), rlp, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, atol=2e-5, rtol=1e-5)
+    g = torch.randn(lab.shape[0], dtype=torch.float64)
+    logprobs(h32, w32, lab).backward(g.float())
+    h64, w64 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref.linear_logprobs_ref(h64, w64, lab).backward(g)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        js(h.float(), hq.float(), w.float()).double(),
+        ref.linear_js_distance_ref(h, hq, w),
+        atol=2e-5,
+        rtol=1e-4,
+    )
+    old = rlp + 0.3 * torch.randn(lab.shape[0], dtype=torch.float64)
+    adv = torch.randn(lab.shape[0], dtype=torch.float64)
+    h32.grad = w32.grad = h64.grad = w64.grad = None
+    loss = policy(h32, w32, lab, old.float(), adv.float())
+    loss.backward()
+    rloss, _ = ref.linear_policy_loss_ref(h64, w64, lab, old, adv)
+    rloss.backward()
+    torch.testing.assert_close(loss.double(), rloss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, atol=1e-6, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_smoke_run_writes_csv_markdown_and_plot(tmp_path):
+    out = tmp_path / "run"
+    ops = ["linear_logprobs_fwd_bwd", "linear_js_distance", "advantages"]
+    rc = bench_main(
+        ["--preset", "smoke", "--ops", *ops, "--N", "64", "--repeats", "2", "--out", str(out)]
+    )
+    assert rc == 0
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        rows = list(reader)
+    # logprobs 1 shape, JS K in {1, 2}, advantages 1 shape; 3 providers each
+    assert len(rows) == (1 + 2 + 1) * 3
+    by = {(r["op"], r["provider"], r["K"]): r for r in rows}
+    for key, r in by.items():
+        if key[1] == "mrtpo-torch" or (key[1] == "pytorch" and key[0] != "advantages"):
+            assert r["status"] == "ok", r
+            assert float(r["ms_p20"]) <= float(r["ms_p50"]) <= float(r["ms_p80"])
+            assert float(r["peak_mem_mb"]) > 0 and float(r["extra_mem_mb"]) >= 0
+            assert r["repeats"] == "2" and r["dtype"] == "float32" and r["commit"]
+        else:  # never dropped silently: a row with the reason
+            assert r["status"] in ("unavailable", "unsupported"), r
+            assert r["note"]
+    assert float(by[("linear_logprobs_fwd_bwd", "mrtpo-torch", "0")]["tflops"]) > 0
+    assert float(by[("advantages", "mrtpo-torch", "2")]["gb_per_s"]) > 0
+    md = (out / "results.md").read_text()
+    assert "## Results" in md and "mrtpo-torch | pytorch" in md
+    assert plot_main(["--csv", str(out / "results.csv"), "--out", str(out / "plots")]) == 0
+    pngs = sorted(p.name for p in (out / "plots").iterdir())
+    assert "linear_js_distance_k2_float32.png" in pngs
+    with open(out / "plots" / pngs[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cell_runs_in_its_own_process():
+    spec = dict(
+        op="linear_policy_loss_fwd_bwd",
+        provider="mrtpo-torch",
+        n=32,
+        d=16,
+        v=300,
+        k=0,
+        dtype="float32",
+        device="cpu",
+        repeats=2,
+        warmup=1,
+    )
+    bad = dict(spec, provider="mrtpo-cuda")
+    rows = run_group([spec, bad], timeout=300)
+    assert rows[0]["status"] == "ok" and float(rows[0]["ms_p50"]) > 0
+    assert rows[1]["status"] in ("unavailable", "unsupported") and "cuda" in rows[1]["note"]
+
+
+def test_bad_arguments():
+    assert bench_main(["--preset", "smoke", "--ops", "softmax", "--dry-run"]) == 2
+    assert bench_main(["--preset", "smoke", "--providers", "numpy", "--dry-run"]) == 2
+
+
+def test_target_verdicts():
+    def row(op, prov, n, k, ms, extra, peak=1000.0, status="ok"):
+        return dict(
+            op=op,
+            provider=prov,
+            N=str(n),
+            K=str(k),
+            d="896",
+            dtype="float32",
+            ms_p50=str(ms),
+            extra_mem_mb=str(extra),
+            peak_mem_mb=str(peak),
+            status=status,
+        )
+
+    rows = [
+        row("linear_logprobs_fwd_bwd", "mrtpo-cpu", 4096, 0, 120.0, 100.0),
+        row("linear_logprobs_fwd_bwd", "pytorch", 4096, 0, 100.0, 1000.0),
+        row("linear_js_distance", "mrtpo-cpu", 4096, 4, 90.0, 500.0),
+        row("linear_js_distance", "pytorch", 4096, 4, 100.0, 1000.0),
+        row("linear_js_distance", "mrtpo-cpu", 16384, 4, 1.0, 1.0, peak=5000.0),
+        row("linear_js_distance", "pytorch", 16384, 4, None, 30000.0, 40000.0, "estimated"),
+    ]
+    lines = summary.cpu_targets(rows)
+    text = "\n".join(lines)
+    assert "- PASS N=4096 linear_logprobs_fwd_bwd: extra memory" in text  # 0.1 <= 1/8
+    assert "- PASS N=4096 linear_logprobs_fwd_bwd: time mrtpo-cpu / pytorch <= 1.3" in text
+    assert "- FAIL N=4096 linear_js_distance K=4: extra memory" in text  # 0.5 > 1/8
+    assert "- PASS N=4096 linear_js_distance K=4: time" in text
+    assert "- NOT MEASURED N=4096 linear_policy_loss_fwd_bwd" in text
+    assert "- PASS N=16384 linear_js_distance K=4: mrtpo-cpu peak RSS <= 4 GB" not in text
+    assert "- FAIL N=16384 linear_js_distance K=4: mrtpo-cpu peak RSS" in text  # 5.2 GB
+    assert "estimated, not run" in text
+
+
+# --------------------------------------------------------------------------- gpu_check.sh
+
+
+def _gpu_check(*args):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_gpu_check_dry_run(tmp_path):
+    proc = _gpu_check("--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    order = [out.index(f"== {s} ") for s in ("env", "wheels", "build", "pytest", "bench", "plot")]
+    assert order == sorted(order)  # the steps run in this order
+    assert "setup.py build_ext --inplace" in out and "-m pytest -q -m gpu" in out
+    assert "preset gpu-target:" in out and "N=16384" in out and "d=4096" in out
+    assert "linear_policy_loss_fwd_bwd   mrtpo-triton" in out
+    assert "all steps and files check out" in out
+
+
+def test_gpu_check_rejects_bad_arguments():
+    assert _gpu_check("--frobnicate").returncode == 2
+    assert _gpu_check().returncode == 2  # no --out and no $OUT outside a dry run
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+def test_gpu_cell_measures_device_memory():
+    """On CUDA the cell times with events and reads max_memory_allocated: plain PyTorch's
+    log-probs forward+backward holds [N, V] fp32 tensors beyond its inputs and outputs."""
+    from bench.cell import run_cell
+
+    n, v = 512, 20000
+    spec = dict(op="linear_logprobs_fwd_bwd", provider="pytorch", n=n, d=64, v=v, k=0,
+                dtype="bfloat16", device="cuda", repeats=3)  # fmt: skip
+    row = run_cell(spec)
+    assert row["status"] == "ok", row
+    assert row["extra_mem_mb"] * 2**20 >= 2 * 4 * n * v  # at least 2 fp32 [N, V] tensors
+    assert row["ms_p20"] <= row["ms_p50"] <= row["ms_p80"]
+
+
+@pytest.mark.gpu
+def test_gpu_ceilings_are_measured():
+    from bench.envinfo import ceilings
+
+    c = ceilings("cuda", seconds=0.2)
+    assert c["bf16_matmul_tflops"] > 10 and c["copy_gb_per_s"] > 100
