@@ -22,8 +22,12 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+    # a CSV that several runs appended to may hold a cell more than once: the latest wins
+    latest: dict[tuple, dict] = {}
     for r in rows:
+        latest[(r["op"], r["provider"], r["N"], r["K"], r["d"], r["dtype"])] = r
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for r in latest.values():
         groups.setdefault((r["op"], r["K"], r["dtype"]), []).append(r)
     paths = []
     for (op, k, dtype), rs in sorted(groups.items()):
