@@ -14,6 +14,32 @@ from typing import Any, Protocol, runtime_checkable
 Span = tuple[int, int]  # [start, end) character offsets into Example.prompt
 
 
+def json_nesting_depth(text: str, limit: int) -> int:
+    """Deepest bracket nesting of a JSON text, ignoring brackets inside strings. Iterative,
+    and it stops as soon as the depth exceeds ``limit`` (so a hostile input costs O(n))."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt of a task: its text and the fields its verifiers read."""

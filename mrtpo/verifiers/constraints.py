@@ -39,7 +39,7 @@ import logging
 import re
 from typing import Any
 
-from .base import Example, Span, Verdict
+from .base import Example, Span, Verdict, json_nesting_depth
 
 logger = logging.getLogger(__name__)
 
@@ -67,28 +67,6 @@ def _stripped_bounds(text: str) -> Span:
     start = len(text) - len(text.lstrip())
     end = len(text.rstrip())
     return (start, max(start, end))
-
-
-def _json_depth_ok(text: str) -> bool:
-    depth = 0
-    in_str = esc = False
-    for ch in text:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                return False
-        elif ch in "]}":
-            depth -= 1
-    return True
 
 
 class Constraint:
@@ -216,7 +194,7 @@ class JsonFormat(Constraint):
         body = (m.group(1) if m and not text.lstrip().startswith(("{", "[")) else text).strip()
         if not body:
             return "empty answer"
-        if not _json_depth_ok(body):
+        if json_nesting_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
         try:
             json.loads(body)

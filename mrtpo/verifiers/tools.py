@@ -31,7 +31,7 @@ from typing import Any
 
 import jsonschema
 
-from .base import Example, Span, Verdict
+from .base import Example, Span, Verdict, json_nesting_depth
 
 logger = logging.getLogger(__name__)
 
@@ -45,35 +45,10 @@ class CallParseError(ValueError):
     """The response is not one well-formed function call."""
 
 
-def _nesting_depth(text: str) -> int:
-    """Deepest bracket nesting of a JSON text, ignoring brackets inside strings (iterative)."""
-    depth = deepest = 0
-    in_str = escaped = False
-    for ch in text:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_DEPTH:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
 def _loads_bounded(text: str) -> Any:
     if len(text) > MAX_CALL_CHARS:
         raise CallParseError(f"call is {len(text)} characters, more than {MAX_CALL_CHARS}")
-    if _nesting_depth(text) > MAX_DEPTH:
+    if json_nesting_depth(text, MAX_DEPTH) > MAX_DEPTH:
         raise CallParseError(f"call is nested deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text)
