@@ -41,6 +41,7 @@ def test_missing_op_falls_back_with_one_warning(monkeypatch):
     with pytest.raises(RuntimeError, match="MRTPO_STRICT_BACKEND"):
         _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
 
+
 def test_backends_agree():
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(9, 8, generator=g), torch.randn(300, 8, generator=g)
