@@ -168,9 +168,13 @@ def logits_logprobs_bwd(kern, logits, labels, lse, ent, g_logp, g_ent, temperatu
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
     out = torch.empty_like(logits)
     c = chunk_rows(v)
+    # fp32/fp64 logits: the gradient is computed in place in the output's rows; other
+    # dtypes go through one reused accumulation-dtype buffer
+    buf = None if logits.dtype == acc else _buffer(c, n, v, logits, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        z = logits[s:e].to(acc, copy=True).contiguous()
+        z = out[s:e] if buf is None else buf[: e - s]
+        z.copy_(logits[s:e])
         kern.grad_(
             z,
             labels[s:e],
@@ -181,7 +185,8 @@ def logits_logprobs_bwd(kern, logits, labels, lse, ent, g_logp, g_ent, temperatu
             inv_t,
             ignore_index,
         )
-        out[s:e] = z
+        if buf is not None:
+            out[s:e] = z
     return out
 
 
