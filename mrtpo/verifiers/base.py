@@ -8,10 +8,63 @@ reward's spans from the prompt to measure which response tokens depend on them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 Span = tuple[int, int]  # [start, end) character offsets into Example.prompt
+
+# A closing fence: three backticks followed by nothing but spaces up to the end of the line.
+# Inside a JSON (or SQL) string, ``` is followed by more of the string, so it never closes.
+_FENCE_CLOSE = re.compile(r"```[ \t]*(?:\r?\n|\Z)")
+_ONE_LINE_LANG = re.compile(r"([A-Za-z][\w.+#-]*)(?=[\s{\[])")
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A fenced code block found by `find_fence`.
+
+    ``lang`` is the info string after the opening backticks, stripped (``""`` if none);
+    ``body`` the text between the fences; ``start``/``end`` the offsets of the opening
+    backticks and just past the closing ones (``len(text)`` when ``closed`` is False).
+    """
+
+    lang: str
+    body: str
+    start: int
+    end: int
+    closed: bool
+
+
+def find_fence(text: str) -> Fence | None:
+    """The first fenced code block of ``text``, or None when it has no ```.
+
+    The block opens at the first ```. If that line ends with ``` after some content, the
+    block is that one line (````json {"a": 1}````; a leading word followed by a space or a
+    bracket is its language). Otherwise the info string runs to the end of the line and the
+    block closes at the first ``` followed only by spaces up to a line end (or the end of
+    the text), so a ``` inside a string of the body does not close it. Unclosed blocks run
+    to the end of the text. Linear time whatever the input.
+    """
+    start = text.find("```")
+    if start < 0:
+        return None
+    nl = text.find("\n", start + 3)
+    line_end = len(text) if nl < 0 else nl
+    line = text[start + 3 : line_end].rstrip()
+    if len(line) >= 3 and line.endswith("```"):  # a one-line block
+        inner = line[:-3]
+        m = _ONE_LINE_LANG.match(inner)
+        lang = m.group(1) if m else ""
+        body = inner[m.end() :] if m else inner
+        return Fence(lang, body, start, start + 3 + len(line), True)
+    lang = line.strip()
+    if nl < 0:
+        return Fence(lang, "", start, len(text), False)
+    m = _FENCE_CLOSE.search(text, nl + 1)
+    if m is None:
+        return Fence(lang, text[nl + 1 :], start, len(text), False)
+    return Fence(lang, text[nl + 1 : m.start()], start, m.start() + 3, True)
 
 
 def json_nesting_depth(text: str, limit: int) -> int:

@@ -2,8 +2,15 @@
 
 A call is a JSON object ``{"name": str, "arguments": {...}}`` (``"arguments"`` may also be
 a JSON string holding the object, as some chat APIs send it), either the whole response or
-inside its first fenced code block. Input longer than `MAX_CALL_CHARS` or nested deeper
-than `MAX_DEPTH` is rejected before it is parsed (score 0 with the reason; no recursion).
+inside its first fenced code block (`base.find_fence`: a ``` inside a JSON string does not
+close the block). Input longer than `MAX_CALL_CHARS` or nested deeper than `MAX_DEPTH` is
+rejected before it is parsed (score 0 with the reason; no recursion).
+
+Arguments are validated with ``jsonschema`` when it is installed (imported on first use,
+so importing this module never needs it) and otherwise with `validate_subset`, a small
+validator of the JSON Schema keywords the built-in tool definitions use (type, enum,
+properties, required, additionalProperties, items, minimum/maximum and their exclusive
+forms, minLength/maxLength, pattern); a schema with any other keyword is refused there.
 
 Rewards (`tool_verifiers()`), reading these `Example.fields`:
 
@@ -25,20 +32,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from functools import lru_cache
 from typing import Any
 
-import jsonschema
-
-from .base import Example, Span, Verdict, json_nesting_depth
+from .base import Example, Span, Verdict, find_fence, json_nesting_depth
 
 logger = logging.getLogger(__name__)
 
 MAX_CALL_CHARS = 64 * 1024
 MAX_DEPTH = 32
-
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
 
 
 class CallParseError(ValueError):
@@ -62,8 +66,8 @@ def parse_call(response: str) -> tuple[str, dict]:
         raise CallParseError(f"response is {type(response).__name__}, not str")
     if len(response) > 4 * MAX_CALL_CHARS:
         raise CallParseError(f"response is {len(response)} characters, too long for a call")
-    m = _FENCE.search(response)
-    text = (m.group(1) if m else response).strip()
+    fence = find_fence(response)
+    text = (fence.body if fence is not None else response).strip()
     if not text:
         raise CallParseError("empty response")
     obj = _loads_bounded(text)
@@ -80,8 +84,126 @@ def parse_call(response: str) -> tuple[str, dict]:
     return name, args
 
 
+# The JSON Schema keywords `validate_subset` understands; annotations are ignored.
+SUBSET_KEYWORDS = frozenset(
+    {
+        "type", "enum", "properties", "required", "additionalProperties", "items",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+        "maxLength", "pattern",
+    }
+)  # fmt: skip
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$schema", "$id"})
+_TYPES = {
+    "object": lambda x: isinstance(x, dict),
+    "array": lambda x: isinstance(x, list),
+    "string": lambda x: isinstance(x, str),
+    "boolean": lambda x: isinstance(x, bool),
+    "null": lambda x: x is None,
+    "number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+    # As in JSON Schema draft 4 and later: 7.0 is an integer.
+    "integer": lambda x: (
+        (isinstance(x, int) and not isinstance(x, bool))
+        or (isinstance(x, float) and math.isfinite(x) and x.is_integer())
+    ),
+}
+
+
+def _check_subset_schema(schema: Any, where: str = "schema") -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}: expected an object, got {type(schema).__name__}")
+    unknown = set(schema) - SUBSET_KEYWORDS - _ANNOTATIONS
+    if unknown:
+        raise ValueError(f"{where}: keywords {sorted(unknown)} are outside the supported subset")
+    types = schema.get("type")
+    for t in [types] if isinstance(types, str) else types or []:
+        if t not in _TYPES:
+            raise ValueError(f"{where}: unknown type {t!r}")
+    for name, sub in (schema.get("properties") or {}).items():
+        _check_subset_schema(sub, f"{where}/properties/{name}")
+    for key in ("additionalProperties", "items"):
+        if key in schema:
+            _check_subset_schema(schema[key], f"{where}/{key}")
+    if "pattern" in schema:
+        re.compile(schema["pattern"])
+
+
+def _subset_error(schema: Any, x: Any, path: tuple) -> tuple[tuple, str] | None:
+    """The first (path, message) where ``x`` breaks ``schema``, else None."""
+    if schema is True:
+        return None
+    if schema is False:
+        return path, "not allowed here"
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else list(types)
+        if not any(_TYPES[t](x) for t in names):
+            return path, f"{json.dumps(x)[:60]} is not of type {' or '.join(names)}"
+    if "enum" in schema and not any(_same(x, v) for v in schema["enum"]):
+        return path, f"{json.dumps(x)[:60]} is not one of {schema['enum']}"
+    if _TYPES["number"](x):
+        for key, bad in (
+            ("minimum", lambda v, b: v < b),
+            ("maximum", lambda v, b: v > b),
+            ("exclusiveMinimum", lambda v, b: v <= b),
+            ("exclusiveMaximum", lambda v, b: v >= b),
+        ):
+            if key in schema and bad(x, schema[key]):
+                return path, f"{x} breaks {key} {schema[key]}"
+    if isinstance(x, str):
+        if "minLength" in schema and len(x) < schema["minLength"]:
+            return path, f"shorter than {schema['minLength']} characters"
+        if "maxLength" in schema and len(x) > schema["maxLength"]:
+            return path, f"longer than {schema['maxLength']} characters"
+        if "pattern" in schema and re.search(schema["pattern"], x) is None:
+            return path, f"does not match {schema['pattern']!r}"
+    if isinstance(x, dict):
+        props = schema.get("properties") or {}
+        for name, sub in props.items():
+            if name in x:
+                err = _subset_error(sub, x[name], (*path, name))
+                if err is not None:
+                    return err
+        missing = [k for k in schema.get("required", ()) if k not in x]
+        if missing:
+            return path, f"{missing[0]!r} is a required property"
+        extra_schema = schema.get("additionalProperties", True)
+        for name in x:
+            if name not in props:
+                if extra_schema is False:
+                    return path, f"additional property {name!r} is not allowed"
+                err = _subset_error(extra_schema, x[name], (*path, name))
+                if err is not None:
+                    return err
+    if isinstance(x, list) and "items" in schema:
+        for i, item in enumerate(x):
+            err = _subset_error(schema["items"], item, (*path, i))
+            if err is not None:
+                return err
+    return None
+
+
+def validate_subset(schema: dict, arguments: Any) -> str | None:
+    """Validate ``arguments`` against ``schema`` using only `SUBSET_KEYWORDS` (no
+    ``jsonschema`` needed). Same verdicts as ``jsonschema`` on that subset; messages differ.
+    Raises ValueError naming the keyword when ``schema`` uses anything else."""
+    _check_subset_schema(schema)
+    err = _subset_error(schema, arguments, ())
+    if err is None:
+        return None
+    path, message = err
+    where = "/".join(str(p) for p in path) or "arguments"
+    return f"{where}: {message[:200]}"
+
+
 @lru_cache(maxsize=256)
-def _validator(schema_json: str) -> jsonschema.protocols.Validator:
+def _validator(schema_json: str):
+    """A ``jsonschema`` validator for the schema, or None when jsonschema is not installed."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
     schema = json.loads(schema_json)
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
@@ -91,6 +213,8 @@ def _validator(schema_json: str) -> jsonschema.protocols.Validator:
 def validate_arguments(schema: dict, arguments: dict) -> str | None:
     """None if ``arguments`` is valid against the JSON ``schema``, else the first error."""
     v = _validator(json.dumps(schema, sort_keys=True))
+    if v is None:
+        return validate_subset(schema, arguments)
     err = next(iter(v.iter_errors(arguments)), None)
     if err is None:
         return None
