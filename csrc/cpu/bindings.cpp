@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <optional>
 #include <tuple>
 
@@ -40,6 +41,14 @@ const T* opt_ptr(const std::optional<Tensor>& t) {
 // Rows are long (V ~ 150k): give each thread whole rows.
 constexpr int64_t kGrain = 1;
 
+// After a pass: the kernels never index with a label outside [0, V) (they give that row a
+// NaN log-prob and a zero gradient), and here the caller gets a ValueError naming labels.
+void raise_bad_labels(int64_t bad, int64_t V, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(bad == 0, "labels: ", bad, " label(s) outside [0, ", V,
+                    ") that are not ignore_index=", ignore_index,
+                    " (found by the kernel: value checks were off)");
+}
+
 std::tuple<Tensor, Tensor, Tensor> stats(const Tensor& z, const Tensor& labels, double inv_t,
                                          int64_t ignore_index, bool with_ent) {
   check_chunk(z, "z");
@@ -49,21 +58,23 @@ std::tuple<Tensor, Tensor, Tensor> stats(const Tensor& z, const Tensor& labels, 
   Tensor ent = at::empty({with_ent ? C : 0}, z.options());
   Tensor lse = at::empty({C}, z.options());
   const int64_t* lab = labels.data_ptr<int64_t>();
+  std::atomic<int64_t> bad{0};
   if (z.scalar_type() == at::kFloat) {
     const float* zp = z.data_ptr<float>();
     float *lp = logp.data_ptr<float>(), *en = ent.data_ptr<float>(), *ls = lse.data_ptr<float>();
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::stats_rows_f32(zp, V, static_cast<float>(inv_t), lab, ignore_index, with_ent, lp, en,
-                            ls, b, e);
+      bad += mrtpo::stats_rows_f32(zp, V, static_cast<float>(inv_t), lab, ignore_index, with_ent,
+                                   lp, en, ls, b, e);
     });
   } else {
     const double* zp = z.data_ptr<double>();
     double *lp = logp.data_ptr<double>(), *en = ent.data_ptr<double>(),
            *ls = lse.data_ptr<double>();
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::stats_rows<double>(zp, V, inv_t, lab, ignore_index, with_ent, lp, en, ls, b, e);
+      bad += mrtpo::stats_rows<double>(zp, V, inv_t, lab, ignore_index, with_ent, lp, en, ls, b, e);
     });
   }
+  raise_bad_labels(bad.load(), V, ignore_index);
   return {logp, ent, lse};
 }
 
@@ -81,25 +92,30 @@ void grad_(Tensor& z, const Tensor& labels, const Tensor& lse, const std::option
   }
   const int64_t C = z.size(0), V = z.size(1);
   const int64_t* lab = labels.data_ptr<int64_t>();
+  // lse is not read: the kernel recomputes each row's max and sum (see row_kernels.h)
+  std::atomic<int64_t> bad{0};
   if (z.scalar_type() == at::kFloat) {
     float* zp = z.data_ptr<float>();
     const float* en = use_ent ? ent->data_ptr<float>() : nullptr;
     const float* ge = use_ent ? g_ent->data_ptr<float>() : nullptr;
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::grad_rows_f32(zp, V, static_cast<float>(inv_t), lab, ignore_index,
-                           lse.data_ptr<float>(), en, g_lp.data_ptr<float>(), ge, b, e);
+      bad += mrtpo::grad_rows_f32(zp, V, static_cast<float>(inv_t), lab, ignore_index, en,
+                                  g_lp.data_ptr<float>(), ge, b, e);
     });
   } else {
     double* zp = z.data_ptr<double>();
     const double* en = use_ent ? ent->data_ptr<double>() : nullptr;
     const double* ge = use_ent ? g_ent->data_ptr<double>() : nullptr;
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::grad_rows<double>(zp, V, inv_t, lab, ignore_index, lse.data_ptr<double>(), en,
-                               g_lp.data_ptr<double>(), ge, b, e);
+      bad += mrtpo::grad_rows<double>(zp, V, inv_t, lab, ignore_index, en,
+                                      g_lp.data_ptr<double>(), ge, b, e);
     });
   }
+  raise_bad_labels(bad.load(), V, ignore_index);
 }
 
+// lse_p: opaque per-row statistics of zp ([rows, 2]: raw max, log s), returned by a first
+// call and passed back for the next q against the same p.
 std::tuple<Tensor, Tensor> js(const Tensor& zp, const Tensor& zq, double inv_t,
                               const std::optional<Tensor>& lse_p_in) {
   check_chunk(zp, "zp");
@@ -109,8 +125,12 @@ std::tuple<Tensor, Tensor> js(const Tensor& zp, const Tensor& zq, double inv_t,
   TORCH_CHECK(zp.scalar_type() == zq.scalar_type(), "zq: expected the dtype of zp");
   const int64_t C = zp.size(0), V = zp.size(1);
   const bool have = lse_p_in.has_value() && lse_p_in->numel() > 0;
-  Tensor lse_p = have ? *lse_p_in : at::empty({C}, zp.options());
-  if (have) check_rows(lse_p, zp, "lse_p");
+  Tensor lse_p = have ? *lse_p_in : at::empty({C, 2}, zp.options());
+  if (have) {
+    TORCH_CHECK(lse_p.dim() == 2 && lse_p.size(0) == C && lse_p.size(1) == 2 &&
+                    lse_p.is_contiguous() && lse_p.scalar_type() == zp.scalar_type(),
+                "lse_p: expected the [rows, 2] statistics returned by js for this zp");
+  }
   Tensor out = at::empty({C}, zp.options());
   if (zp.scalar_type() == at::kFloat) {
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
@@ -143,9 +163,10 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
   Tensor logp = at::empty({C}, z.options());
   Tensor clipped = at::empty({C}, z.options());
   const int64_t* lab = labels.data_ptr<int64_t>();
+  std::atomic<int64_t> bad{0};
   if (z.scalar_type() == at::kFloat) {
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::policy_rows_f32(z.data_ptr<float>(), V, static_cast<float>(inv_t), lab, ignore_index,
+      bad += mrtpo::policy_rows_f32(z.data_ptr<float>(), V, static_cast<float>(inv_t), lab, ignore_index,
                              old_lp.data_ptr<float>(), adv.data_ptr<float>(),
                              weight.data_ptr<float>(), opt_ptr<float>(ref_lp),
                              static_cast<float>(clip_low), static_cast<float>(clip_high),
@@ -154,13 +175,14 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
     });
   } else {
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
-      mrtpo::policy_rows<double>(z.data_ptr<double>(), V, inv_t, lab, ignore_index,
+      bad += mrtpo::policy_rows<double>(z.data_ptr<double>(), V, inv_t, lab, ignore_index,
                                  old_lp.data_ptr<double>(), adv.data_ptr<double>(),
                                  weight.data_ptr<double>(), opt_ptr<double>(ref_lp), clip_low,
                                  clip_high, beta, need_grad, loss.data_ptr<double>(),
                                  logp.data_ptr<double>(), clipped.data_ptr<double>(), b, e);
     });
   }
+  raise_bad_labels(bad.load(), V, ignore_index);
   return {loss, logp, clipped};
 }
 

@@ -3,31 +3,31 @@
 
 namespace mrtpo {
 
-MRTPO_CLONES void stats_rows_f32(const float* z, int64_t V, float inv_t, const int64_t* labels,
-                                 int64_t ignore_index, bool with_ent, float* logp, float* ent,
-                                 float* lse, int64_t begin, int64_t end) {
-  stats_rows<float>(z, V, inv_t, labels, ignore_index, with_ent, logp, ent, lse, begin, end);
+MRTPO_CLONES int64_t stats_rows_f32(const float* z, int64_t V, float inv_t,
+                                    const int64_t* labels, int64_t ignore_index, bool with_ent,
+                                    float* logp, float* ent, float* lse, int64_t begin,
+                                    int64_t end) {
+  return stats_rows<float>(z, V, inv_t, labels, ignore_index, with_ent, logp, ent, lse, begin, end);
 }
 
-MRTPO_CLONES void grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
-                                int64_t ignore_index, const float* lse, const float* ent,
-                                const float* g_lp, const float* g_ent, int64_t begin,
-                                int64_t end) {
-  grad_rows<float>(z, V, inv_t, labels, ignore_index, lse, ent, g_lp, g_ent, begin, end);
+MRTPO_CLONES int64_t grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
+                                   int64_t ignore_index, const float* ent, const float* g_lp,
+                                   const float* g_ent, int64_t begin, int64_t end) {
+  return grad_rows<float>(z, V, inv_t, labels, ignore_index, ent, g_lp, g_ent, begin, end);
 }
 
 MRTPO_CLONES void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t,
-                              float* lse_p, bool have_lse_p, float* out, int64_t begin,
+                              float* stat_p, bool have_stat_p, float* out, int64_t begin,
                               int64_t end) {
-  js_rows<float>(zp, zq, V, inv_t, lse_p, have_lse_p, out, begin, end);
+  js_rows<float>(zp, zq, V, inv_t, stat_p, have_stat_p, out, begin, end);
 }
 
-MRTPO_CLONES void policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
-                                  int64_t ignore_index, const float* old_lp, const float* adv,
-                                  const float* weight, const float* ref_lp, float clip_low,
-                                  float clip_high, float beta, bool need_grad, float* loss,
-                                  float* logp, float* clipped, int64_t begin, int64_t end) {
-  policy_rows<float>(z, V, inv_t, labels, ignore_index, old_lp, adv, weight, ref_lp, clip_low,
+MRTPO_CLONES int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
+                                     int64_t ignore_index, const float* old_lp, const float* adv,
+                                     const float* weight, const float* ref_lp, float clip_low,
+                                     float clip_high, float beta, bool need_grad, float* loss,
+                                     float* logp, float* clipped, int64_t begin, int64_t end) {
+  return policy_rows<float>(z, V, inv_t, labels, ignore_index, old_lp, adv, weight, ref_lp, clip_low,
                      clip_high, beta, need_grad, loss, logp, clipped, begin, end);
 }
 

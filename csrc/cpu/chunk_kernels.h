@@ -15,57 +15,67 @@
 
 namespace mrtpo {
 
-// Row label, or -1 for an ignored row.
-static inline int64_t row_label(const int64_t* labels, int64_t r, int64_t ignore_index) {
-  const int64_t y = labels[r];
-  return y == ignore_index ? -1 : y;
-}
+// Each driver returns the number of rows whose label is outside [0, V) and not
+// ignore_index (such a label is never used as an index; see row_kernels.h).
 
 template <typename T>
-MRTPO_INLINE void stats_rows(const T* z, int64_t V, T inv_t, const int64_t* labels,
-                             int64_t ignore_index, bool with_ent, T* logp, T* ent, T* lse,
-                             int64_t begin, int64_t end) {
+MRTPO_INLINE int64_t stats_rows(const T* z, int64_t V, T inv_t, const int64_t* labels,
+                                int64_t ignore_index, bool with_ent, T* logp, T* ent, T* lse,
+                                int64_t begin, int64_t end) {
+  int64_t bad = 0;
   for (int64_t r = begin; r < end; ++r) {
-    const int64_t y = row_label(labels, r, ignore_index);
+    const int64_t y = classify_label(labels[r], V, ignore_index);
+    bad += y == kBadLabel;
     const RowStats st = row_stats(z + r * V, V, inv_t, y, with_ent);
     lse[r] = static_cast<T>(st.lse);
     logp[r] = static_cast<T>(st.logp);
-    if (with_ent) ent[r] = y < 0 ? T(0) : static_cast<T>(st.entropy);
+    if (with_ent) ent[r] = y == kIgnoredRow ? T(0) : static_cast<T>(st.entropy);
   }
+  return bad;
 }
 
 template <typename T>
-MRTPO_INLINE void grad_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
-                            int64_t ignore_index, const T* lse, const T* ent, const T* g_lp,
-                            const T* g_ent, int64_t begin, int64_t end) {
+MRTPO_INLINE int64_t grad_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
+                               int64_t ignore_index, const T* ent, const T* g_lp, const T* g_ent,
+                               int64_t begin, int64_t end) {
+  int64_t bad = 0;
   for (int64_t r = begin; r < end; ++r) {
-    const int64_t y = row_label(labels, r, ignore_index);
-    row_grad(z + r * V, V, inv_t, y, lse[r], ent ? ent[r] : T(0), g_lp[r],
-             g_ent ? g_ent[r] : T(0));
+    const int64_t y = classify_label(labels[r], V, ignore_index);
+    bad += y == kBadLabel;
+    row_grad(z + r * V, V, inv_t, y, ent ? ent[r] : T(0), g_lp[r], g_ent ? g_ent[r] : T(0));
   }
+  return bad;
 }
 
-// lse_p is read when have_lse_p, else computed and written.
+// stat_p ([rows, 2]: raw max M, log s of each P row) is read when have_stat_p, else
+// computed and written.
 template <typename T>
-MRTPO_INLINE void js_rows(const T* zp, const T* zq, int64_t V, T inv_t, T* lse_p,
-                          bool have_lse_p, T* out, int64_t begin, int64_t end) {
+MRTPO_INLINE void js_rows(const T* zp, const T* zq, int64_t V, T inv_t, T* stat_p,
+                          bool have_stat_p, T* out, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const T* p = zp + r * V;
     const T* q = zq + r * V;
-    if (!have_lse_p) lse_p[r] = row_lse(p, V, inv_t);
-    const T lse_q = row_lse(q, V, inv_t);
-    out[r] = row_js(p, q, V, inv_t, lse_p[r], lse_q);
+    if (!have_stat_p) {
+      const RowShift<T> sp = row_shift(p, V, inv_t, false);
+      stat_p[2 * r] = sp.m;
+      stat_p[2 * r + 1] = static_cast<T>(sp.log_s);
+    }
+    const RowShift<T> sq = row_shift(q, V, inv_t, false);
+    out[r] = row_js(p, q, V, inv_t, stat_p[2 * r], stat_p[2 * r + 1], sq.m,
+                    static_cast<T>(sq.log_s));
   }
 }
 
 template <typename T>
-MRTPO_INLINE void policy_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
-                              int64_t ignore_index, const T* old_lp, const T* adv,
-                              const T* weight, const T* ref_lp, T clip_low, T clip_high, T beta,
-                              bool need_grad, T* loss, T* logp, T* clipped, int64_t begin,
-                              int64_t end) {
+MRTPO_INLINE int64_t policy_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
+                                 int64_t ignore_index, const T* old_lp, const T* adv,
+                                 const T* weight, const T* ref_lp, T clip_low, T clip_high,
+                                 T beta, bool need_grad, T* loss, T* logp, T* clipped,
+                                 int64_t begin, int64_t end) {
+  int64_t bad = 0;
   for (int64_t r = begin; r < end; ++r) {
-    const int64_t y = row_label(labels, r, ignore_index);
+    const int64_t y = classify_label(labels[r], V, ignore_index);
+    bad += y == kBadLabel;
     const PolicyOut o = row_policy(z + r * V, V, inv_t, y, old_lp[r], adv[r], weight[r],
                                    ref_lp != nullptr, ref_lp ? ref_lp[r] : T(0), clip_low,
                                    clip_high, beta, need_grad);
@@ -73,18 +83,19 @@ MRTPO_INLINE void policy_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
     logp[r] = static_cast<T>(o.logp);
     clipped[r] = static_cast<T>(o.clipped);
   }
+  return bad;
 }
 
 // fp32 entry points, one clone per ISA level (defined in chunk_kernels.cpp).
-void stats_rows_f32(const float* z, int64_t V, float inv_t, const int64_t* labels,
-                    int64_t ignore_index, bool with_ent, float* logp, float* ent, float* lse,
-                    int64_t begin, int64_t end);
-void grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels, int64_t ignore_index,
-                   const float* lse, const float* ent, const float* g_lp, const float* g_ent,
-                   int64_t begin, int64_t end);
-void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t, float* lse_p,
-                 bool have_lse_p, float* out, int64_t begin, int64_t end);
-void policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
+int64_t stats_rows_f32(const float* z, int64_t V, float inv_t, const int64_t* labels,
+                       int64_t ignore_index, bool with_ent, float* logp, float* ent, float* lse,
+                       int64_t begin, int64_t end);
+int64_t grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
+                      int64_t ignore_index, const float* ent, const float* g_lp,
+                      const float* g_ent, int64_t begin, int64_t end);
+void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t, float* stat_p,
+                 bool have_stat_p, float* out, int64_t begin, int64_t end);
+int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                      int64_t ignore_index, const float* old_lp, const float* adv,
                      const float* weight, const float* ref_lp, float clip_low, float clip_high,
                      float beta, bool need_grad, float* loss, float* logp, float* clipped,

@@ -4,10 +4,21 @@
 // that a BLAS GEMM just wrote, in fp32 (or fp64 for gradcheck), and streams over it 1-3
 // times while it sits in L2 (a 151936-entry fp32 row is 594 KiB). No temporaries.
 //
-//   stats:   m = max a, s = sum exp(a - m), u = sum exp(a - m)(a - m)
-//            lse = m + log s, logp = a_y - lse, H = log s - u / s            (2 passes)
-//   grad:    dz_v = (g_lp ([v == y] - p_v) - g_H p_v (log p_v + H)) / tau      (1 pass)
-//   js:      with a = log p, b = log q (both lse known), per element
+// Scaling: with M = max z (raw), x_v = (z_v - M) / tau = a_v - max a is formed as one
+// rounded difference times 1/tau (an operation pair that cannot be contracted into an FMA,
+// and the max entry gives exactly 0). z_v - M <= 0 only overflows towards -inf (p_v = 0),
+// so finite logits whose z / tau exceeds the float range still give exact log-probs (a row
+// of equal values near float max at tau < 1: -log V); only lse = M / tau + log s may be inf.
+// Non-finite rows (README "Numerics"): a NaN or a +inf anywhere, or every entry -inf, makes
+// the row's outputs NaN (gradient rows too); -inf entries alone are masked (p = 0).
+// Labels: y outside [0, V) (value checks off) is never used as an index: the row's log-prob
+// is NaN, its gradient 0, and the drivers count such rows so the caller can raise.
+//
+//   stats:   x = (z - M) / tau, s = sum exp(x), u = sum exp(x) x
+//            lse = M / tau + log s, logp = x_y - log s, H = log s - u / s     (2 passes)
+//   grad:    recomputes M and s (the saved fp32 lse is rounded at large |M / tau|), then
+//            dz_v = (g_lp ([v == y] - p_v) - g_H p_v (log p_v + H)) / tau      (3 passes)
+//   js:      with a = log p, b = log q (both rows' M, log s known), per element
 //              p log(p/M) + q log(q/M) = M h(t),  M = (p + q) / 2, t = (p - q) / (p + q),
 //              h(t) = (1+t) log(1+t) + (1-t) log(1-t) = sum_k t^(2k) / (k (2k - 1)),
 //            the series for |t| < 1/4 (no cancellation: every term >= 0, t = 0 gives
@@ -33,93 +44,151 @@ namespace mrtpo {
 
 constexpr double kLn2 = 0.69314718055994530942;
 
+// Raw row max M (NaN entries are skipped by the comparison) and whether the row holds NaN.
 template <typename T>
-MRTPO_INLINE T row_max(const T* z, int64_t V, T inv_t) {
+MRTPO_INLINE T row_max_raw(const T* z, int64_t V, bool* has_nan) {
   T m = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t v = 0; v < V; ++v) m = z[v] > m ? z[v] : m;
-  return m * inv_t;  // inv_t > 0, so max(z) / tau = max(z / tau)
+  int64_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+  for (int64_t v = 0; v < V; ++v) {
+    m = z[v] > m ? z[v] : m;
+    nans += z[v] != z[v] ? 1 : 0;
+  }
+  *has_nan = nans > 0;
+  return m;
 }
 
-// Returns s = sum exp(a - m) and, through u, sum exp(a - m) (a - m).
+// A row with a NaN, a +inf, or nothing but -inf (M = -inf) has no defined distribution.
+template <typename T>
+MRTPO_INLINE bool row_defined(T m, bool has_nan) {
+  return !has_nan && m > -std::numeric_limits<T>::infinity() &&
+         m < std::numeric_limits<T>::infinity();
+}
+
+// Returns s = sum exp(x) and, through u, sum exp(x) x, with x = (z - m) inv_t.
 template <typename T>
 MRTPO_INLINE T row_sum_exp(const T* z, int64_t V, T inv_t, T m, T* u, bool want_u) {
   T s = 0, t = 0;
   if (want_u) {
 #pragma omp simd reduction(+ : s, t)
     for (int64_t v = 0; v < V; ++v) {
-      const T x = z[v] * inv_t - m;
+      const T x = (z[v] - m) * inv_t;
       const T e = vexp(x);
       s += e;
       t += e > T(0) ? e * x : T(0);  // masked (-inf) logits: 0, not 0 * inf
     }
   } else {
 #pragma omp simd reduction(+ : s)
-    for (int64_t v = 0; v < V; ++v) s += vexp(z[v] * inv_t - m);
+    for (int64_t v = 0; v < V; ++v) s += vexp((z[v] - m) * inv_t);
   }
   *u = t;
   return s;
 }
 
+// Shift statistics of one row: M (raw max) and log s; both NaN when the row is undefined.
+template <typename T>
+struct RowShift {
+  T m;
+  double log_s;
+  double u_over_s;
+  bool ok;
+};
+
+template <typename T>
+MRTPO_INLINE RowShift<T> row_shift(const T* z, int64_t V, T inv_t, bool want_u) {
+  bool has_nan;
+  const T m = row_max_raw(z, V, &has_nan);
+  RowShift<T> r{m, 0.0, 0.0, row_defined(m, has_nan)};
+  if (!r.ok) {
+    r.m = std::numeric_limits<T>::quiet_NaN();
+    r.log_s = r.u_over_s = std::numeric_limits<double>::quiet_NaN();
+    return r;
+  }
+  T u;
+  const T s = row_sum_exp(z, V, inv_t, m, &u, want_u);
+  r.log_s = std::log(static_cast<double>(s));
+  r.u_over_s = static_cast<double>(u) / static_cast<double>(s);
+  return r;
+}
+
+// Row labels as the kernels see them: kIgnoredRow (label == ignore_index), kBadLabel
+// (outside [0, V) and not ignore_index), or the label itself.
+constexpr int64_t kIgnoredRow = -1;
+constexpr int64_t kBadLabel = -2;
+
+static inline int64_t classify_label(int64_t y, int64_t V, int64_t ignore_index) {
+  if (y == ignore_index) return kIgnoredRow;
+  return y >= 0 && y < V ? y : kBadLabel;
+}
+
+static inline bool label_in_row(int64_t label, int64_t V) { return label >= 0 && label < V; }
+
 struct RowStats {
   double lse, logp, entropy;
 };
 
+// label: from classify_label (an ignored row still gets its lse; a bad label's logp is NaN).
 template <typename T>
 MRTPO_INLINE RowStats row_stats(const T* z, int64_t V, T inv_t, int64_t label, bool with_ent) {
-  const T m = row_max(z, V, inv_t);
-  T u;
-  const T s = row_sum_exp(z, V, inv_t, m, &u, with_ent);
-  const double log_s = std::log(static_cast<double>(s));
+  const RowShift<T> sh = row_shift(z, V, inv_t, with_ent);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
   RowStats r;
-  r.lse = static_cast<double>(m) + log_s;
-  r.logp = label >= 0 ? static_cast<double>(z[label] * inv_t) - r.lse : 0.0;
-  r.entropy = with_ent ? log_s - static_cast<double>(u) / static_cast<double>(s) : 0.0;
+  r.lse = sh.ok ? static_cast<double>(sh.m * inv_t) + sh.log_s : nan;
+  if (label == kIgnoredRow) {
+    r.logp = 0.0;
+  } else if (!label_in_row(label, V) || !sh.ok) {
+    r.logp = nan;
+  } else {
+    r.logp = static_cast<double>((z[label] - sh.m) * inv_t) - sh.log_s;
+  }
+  r.entropy = with_ent ? sh.log_s - sh.u_over_s : 0.0;
   return r;
 }
 
-// In place: z <- dL/dz for L = g_lp logp + g_ent H (label < 0: the row is ignored, zeros).
+// In place: z <- dL/dz for L = g_lp logp + g_ent H. An ignored row or a bad label:
+// the row is zeros. An undefined row (NaN / +inf / all -inf) becomes NaN.
 template <typename T>
-MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T lse, T ent, T g_lp,
-                           T g_ent) {
-  if (label < 0) {
+MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_lp, T g_ent) {
+  if (!label_in_row(label, V)) {
     for (int64_t v = 0; v < V; ++v) z[v] = 0;
     return;
   }
+  const RowShift<T> sh = row_shift(z, V, inv_t, false);
+  if (!sh.ok) {
+    for (int64_t v = 0; v < V; ++v) z[v] = std::numeric_limits<T>::quiet_NaN();
+    return;
+  }
+  const T m = sh.m;
+  const T log_s = static_cast<T>(sh.log_s);
   const T c_ent = g_ent * inv_t;
   const T c_lp = g_lp * inv_t;
   if (g_ent != 0) {
 #pragma omp simd
     for (int64_t v = 0; v < V; ++v) {
-      const T lp = z[v] * inv_t - lse;
+      const T lp = (z[v] - m) * inv_t - log_s;
       const T p = vexp(lp);
       z[v] = p > T(0) ? -p * (c_lp + c_ent * (lp + ent)) : T(0);
     }
   } else {
 #pragma omp simd
-    for (int64_t v = 0; v < V; ++v) z[v] = -vexp(z[v] * inv_t - lse) * c_lp;
+    for (int64_t v = 0; v < V; ++v) z[v] = -vexp((z[v] - m) * inv_t - log_s) * c_lp;
   }
   z[label] += c_lp;
 }
 
+// JS distance between the rows zp and zq with shift statistics (mp, lsp), (mq, lsq);
+// NaN when either row is undefined (a NaN shift statistic).
 template <typename T>
-MRTPO_INLINE T row_lse(const T* z, int64_t V, T inv_t) {
-  const T m = row_max(z, V, inv_t);
-  T u;
-  const T s = row_sum_exp(z, V, inv_t, m, &u, false);
-  return m + static_cast<T>(std::log(static_cast<double>(s)));
-}
-
-// JS distance between the rows zp and zq whose log-normalizers are lse_p and lse_q.
-template <typename T>
-MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T lse_p, T lse_q) {
+MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T mp, T lsp, T mq, T lsq) {
+  if (mp != mp || lsp != lsp || mq != mq || lsq != lsq)
+    return std::numeric_limits<T>::quiet_NaN();
   const T ln2 = static_cast<T>(kLn2);
   const T tiny = std::numeric_limits<T>::min();
   T acc = 0;
 #pragma omp simd reduction(+ : acc)
   for (int64_t v = 0; v < V; ++v) {
-    const T a = zp[v] * inv_t - lse_p;
-    const T b = zq[v] * inv_t - lse_q;
+    const T a = (zp[v] - mp) * inv_t - lsp;
+    const T b = (zq[v] - mq) * inv_t - lsq;
     const T p = vexp(a);
     const T q = vexp(b);
     const T s = p + q;
@@ -142,9 +211,9 @@ MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T lse_p, T l
     acc += s > tiny ? term : T(0);
   }
   T jsd = T(0.5) * acc;
-  jsd = jsd > T(0) ? jsd : T(0);
-  T d = std::sqrt(jsd / ln2);
-  return d < T(1) ? d : T(1);
+  jsd = jsd < T(0) ? T(0) : jsd;  // (NaN stays NaN)
+  const T d = std::sqrt(jsd / ln2);
+  return d > T(1) ? T(1) : d;
 }
 
 struct PolicyOut {
@@ -152,24 +221,31 @@ struct PolicyOut {
 };
 
 // Clipped surrogate for one token; with need_grad, z <- token_weight * dL/dz in place.
+// An ignored row or a bad label: gradient 0; a bad label: loss and logp NaN.
 template <typename T>
 MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old_lp, T adv,
                                   T weight, bool has_ref, T ref_lp, T clip_low, T clip_high,
                                   T beta, bool need_grad) {
-  PolicyOut o{0.0, 0.0, 0.0};
-  if (label < 0) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  if (!label_in_row(label, V)) {
     if (need_grad)
       for (int64_t v = 0; v < V; ++v) z[v] = 0;
-    return o;
+    return label == kIgnoredRow ? PolicyOut{0.0, 0.0, 0.0} : PolicyOut{nan, nan, 0.0};
   }
-  const T m = row_max(z, V, inv_t);
+  bool has_nan;
+  const T m = row_max_raw(z, V, &has_nan);
+  if (!row_defined(m, has_nan)) {
+    if (need_grad)
+      for (int64_t v = 0; v < V; ++v) z[v] = std::numeric_limits<T>::quiet_NaN();
+    return PolicyOut{nan, nan, 0.0};
+  }
   T s = 0;
-  const T z_label = z[label];
+  const T x_label = (z[label] - m) * inv_t;
   if (need_grad) {
-    // keep e_v = exp(a_v - m) in the row: the gradient pass needs p_v = e_v / s
+    // keep e_v = exp(x_v) in the row: the gradient pass needs p_v = e_v / s
 #pragma omp simd reduction(+ : s)
     for (int64_t v = 0; v < V; ++v) {
-      const T e = vexp(z[v] * inv_t - m);
+      const T e = vexp((z[v] - m) * inv_t);
       z[v] = e;
       s += e;
     }
@@ -177,8 +253,7 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
     T u;
     s = row_sum_exp(z, V, inv_t, m, &u, false);
   }
-  const double lse = static_cast<double>(m) + std::log(static_cast<double>(s));
-  const double logp = static_cast<double>(z_label * inv_t) - lse;
+  const double logp = static_cast<double>(x_label) - std::log(static_cast<double>(s));
   const double ratio = std::exp(logp - static_cast<double>(old_lp));
   const double a = static_cast<double>(adv);
   const double lo = 1.0 - static_cast<double>(clip_low), hi = 1.0 + static_cast<double>(clip_high);
@@ -191,6 +266,7 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
     loss += static_cast<double>(beta) * (std::exp(diff) - diff - 1.0);
     dlogp += static_cast<double>(beta) * (1.0 - std::exp(diff));
   }
+  PolicyOut o;
   o.loss = loss;
   o.logp = logp;
   o.clipped = unclipped ? 0.0 : 1.0;
