@@ -16,48 +16,89 @@ from . import _chunked
 LN2 = math.log(2.0)
 
 
+def _shift(z, inv_t):
+    """x = (z - M) / tau with M the raw row max (one rounded difference, then the scale: no
+    overflow of z / tau, and the max entry gives exactly 0), log s = logsumexp(x), M, and
+    whether each row is defined (no NaN, no +inf, not all -inf; README "Numerics")."""
+    m = z.amax(-1)  # propagates NaN
+    ok = torch.isfinite(m)
+    m_safe = torch.where(ok, m, torch.zeros_like(m))
+    x = (z - m_safe[:, None]) * inv_t
+    return x, torch.logsumexp(x, -1), m_safe, ok
+
+
+def _label_masks(labels, ignore_index, vocab):
+    """valid (not ignored), use (valid and in [0, V): the only labels used as an index),
+    and a safe index for gather. On CPU a valid label outside [0, V) (value checks off)
+    is a ValueError, as on the "cpu" backend; elsewhere (no sync) its log-prob is NaN and
+    its gradient 0."""
+    valid = labels != ignore_index
+    use = valid & (labels >= 0) & (labels < vocab)
+    if labels.device.type == "cpu" and not bool(torch.equal(use, valid)):
+        bad = valid & ~use
+        raise ValueError(
+            f"labels: {int(bad.sum())} label(s) outside [0, {vocab}) that are not "
+            f"ignore_index={ignore_index} (value checks were off), e.g. "
+            f"{int(labels[bad][0])}"
+        )
+    safe = torch.where(use, labels, torch.zeros_like(labels))
+    return valid, use, safe
+
+
+def _nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
 class _TorchChunkKernel:
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent):
-        zt = z * inv_t
-        lse = torch.logsumexp(zt, dim=-1)
-        valid = labels != ignore_index
-        safe = torch.where(valid, labels, torch.zeros_like(labels))
-        tgt = zt.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-        logp = torch.where(valid, tgt - lse, torch.zeros_like(lse))
+        valid, use, safe = _label_masks(labels, ignore_index, z.shape[-1])
+        x, log_s, m, ok = _shift(z, inv_t)
+        lse = torch.where(ok, m * inv_t + log_s, _nan_like(log_s))
+        tgt = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        logp = torch.where(use & ok, tgt - log_s, _nan_like(log_s))
+        logp = torch.where(valid, logp, torch.zeros_like(logp))
         ent = None
         if with_ent:
-            logp_all = zt - lse.unsqueeze(-1)
-            ent = -(torch.exp(logp_all) * logp_all).nan_to_num(0.0).sum(-1)
+            logp_all = x - log_s.unsqueeze(-1)
+            p = torch.exp(logp_all)
+            # p = 0 (a -inf logit) contributes 0, not 0 * inf; NaN rows stay NaN
+            ent = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
+            ent = torch.where(ok, ent, _nan_like(ent))
             ent = torch.where(valid, ent, torch.zeros_like(ent))
         return logp, ent, lse
 
     @staticmethod
     def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index):
         # dlogp/dz = onehot - p ; dH/dz = -p (log p + H) ; both times 1/tau for the logits.
-        valid = labels != ignore_index
-        zt = z.mul_(inv_t)
-        logp_all = zt - lse.unsqueeze(-1)
+        # The row's max and sum are recomputed (the saved lse is rounded at large |z / tau|).
+        valid, use, safe = _label_masks(labels, ignore_index, z.shape[-1])
+        x, log_s, _, ok = _shift(z, inv_t)
+        logp_all = x - log_s.unsqueeze(-1)
         p = torch.exp(logp_all)
-        g = torch.where(valid, g_logp, torch.zeros_like(g_logp)).unsqueeze(-1)
+        g = torch.where(use, g_logp, torch.zeros_like(g_logp)).unsqueeze(-1)
         grad = -p * g
         if ent is not None and g_ent is not None:
-            ge = torch.where(valid, g_ent, torch.zeros_like(g_ent)).unsqueeze(-1)
-            grad -= (ge * p * (logp_all + ent.unsqueeze(-1))).nan_to_num(0.0)
-        safe = torch.where(valid, labels, torch.zeros_like(labels))
+            ge = torch.where(use, g_ent, torch.zeros_like(g_ent)).unsqueeze(-1)
+            term = ge * p * (logp_all + ent.unsqueeze(-1))
+            grad -= torch.where(p > 0, term, torch.zeros_like(term))
         grad.scatter_add_(-1, safe.unsqueeze(-1), g)
+        grad = torch.where(use[:, None], grad, torch.zeros_like(grad))
+        grad = torch.where((use & ~ok)[:, None], _nan_like(grad), grad)
         z.copy_(grad.mul_(inv_t))
 
     @staticmethod
     def js(zp, zq, inv_t, lse_p):
         # Same per-element form as the C++ kernel: p log(p/M) + q log(q/M) = M h(t) with
         # M = (p+q)/2, t = (p-q)/(p+q); series for small |t| (exactly 0 when p == q).
-        zt = zp * inv_t
+        # lse_p is opaque to the driver: P's (raw max, log s, defined) for the next q.
         if lse_p is None:
-            lse_p = torch.logsumexp(zt, -1)
-        a = zt - lse_p[:, None]
-        zqt = zq * inv_t
-        b = zqt - torch.logsumexp(zqt, -1, keepdim=True)
+            _, lsp, mp, okp = _shift(zp, inv_t)
+            lse_p = (mp, lsp, okp)
+        mp, lsp, okp = lse_p
+        a = (zp - mp[:, None]) * inv_t - lsp[:, None]
+        xq, lsq, _, okq = _shift(zq, inv_t)
+        b = xq - lsq[:, None]
         p, q = a.exp(), b.exp()
         s = p + q
         tiny = torch.finfo(s.dtype).tiny
@@ -74,15 +115,15 @@ class _TorchChunkKernel:
         )
         term = torch.where(t2 < 0.0625, series, direct)
         jsd = 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
+        jsd = torch.where(okp & okq, jsd, _nan_like(jsd))  # a NaN / +inf row: NaN, never 0
         return torch.sqrt(jsd.clamp(min=0.0) / LN2).clamp(max=1.0), lse_p
 
     @staticmethod
     def policy_(z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad):
-        valid = labels != ii
-        zt = z * inv_t
-        lse = torch.logsumexp(zt, -1)
-        safe = torch.where(valid, labels, torch.zeros_like(labels))
-        logp = zt.gather(-1, safe[:, None])[:, 0] - lse
+        valid, use, safe = _label_masks(labels, ii, z.shape[-1])
+        x, log_s, _, ok = _shift(z, inv_t)
+        logp = x.gather(-1, safe[:, None])[:, 0] - log_s
+        logp = torch.where(use & ok, logp, _nan_like(logp))
         logp = torch.where(valid, logp, torch.zeros_like(logp))
         ratio = torch.exp(logp - old)
         cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -94,12 +135,14 @@ class _TorchChunkKernel:
             per_tok = per_tok + beta * (torch.exp(diff) - diff - 1.0)
             dlogp = dlogp + beta * (1.0 - torch.exp(diff))
         per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
-        clipped = torch.where(valid & ~unclipped, 1.0, 0.0)
+        clipped = torch.where(valid & ~unclipped & ~logp.isnan(), 1.0, 0.0)
         if need_grad:
-            g = torch.where(valid, dlogp * tw, torch.zeros_like(dlogp))
-            p = torch.softmax(zt, -1)
+            g = torch.where(use, dlogp * tw, torch.zeros_like(dlogp))
+            p = torch.exp(x - log_s[:, None])
             grad = -p * g[:, None]
             grad.scatter_add_(-1, safe[:, None], g[:, None])
+            grad = torch.where(use[:, None], grad, torch.zeros_like(grad))
+            grad = torch.where((use & ~ok)[:, None], _nan_like(grad), grad)
             z.copy_(grad.mul_(inv_t))
         return per_tok, logp, clipped
 
