@@ -76,19 +76,35 @@ def logprobs_from_logits_ref(
     """log softmax(logits / temperature)[label] per row; 0 where label == ignore_index.
 
     logits: (N, V); labels: (N,). Returns logp (N,) [, entropy (N,)] in logits' dtype.
+    Non-finite inputs follow the README's "Numerics" contract: a row with a NaN or a +inf
+    (or nothing but -inf) gives NaN, -inf entries are masked, a label outside [0, V) that
+    is not ignore_index gives a NaN log-prob; z / temperature never overflows (_scaled).
     """
-    z = logits / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
+    logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     valid = labels != ignore_index
-    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    use = valid & (labels >= 0) & (labels < logits.shape[-1])
+    safe = torch.where(use, labels, torch.zeros_like(labels))
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(use, logp, torch.full_like(logp, float("nan")))
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     if not return_entropy:
         return logp
-    p = logp_all.exp()
-    ent = -(p * logp_all).nan_to_num(0.0).sum(-1)
+    ent = -_plogp(logp_all).sum(-1)
     ent = torch.where(valid, ent, torch.zeros_like(ent))
     return logp, ent
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - max) / temperature per row: equal to logits / temperature up to a per-row
+    constant (which log_softmax drops), but it cannot overflow for finite logits. A row
+    with a NaN or a +inf, or all -inf, becomes NaN (inf - inf, NaN - NaN)."""
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
+
+
+def _plogp(logp: torch.Tensor) -> torch.Tensor:
+    """p log p elementwise, 0 where p = 0 exactly (a -inf log-prob); NaN stays NaN."""
+    out = logp.exp() * logp
+    return torch.where(logp == float("-inf"), torch.zeros_like(out), out)
 
 
 def linear_logprobs_ref(
@@ -124,14 +140,16 @@ def js_distance_ref(
 
     logits_p: (N, V); logits_q: (N, V) or (K, N, V). Returns (N,) or (K, N).
     Uses the stable form log m = logaddexp(log p, log q) - ln 2; terms with p = 0 give 0.
+    A NaN (or +inf, or all -inf) row on either side gives NaN (README "Numerics").
     """
-    lp = torch.log_softmax(logits_p / temperature, dim=-1)
-    lq = torch.log_softmax(logits_q / temperature, dim=-1)
+    lp = torch.log_softmax(_scaled(logits_p, temperature), dim=-1)
+    lq = torch.log_softmax(_scaled(logits_q, temperature), dim=-1)
     if lq.dim() == 3:
         lp = lp.unsqueeze(0)
     lm = torch.logaddexp(lp, lq) - LN2
-    kl_pm = torch.where(lp.exp() > 0, lp.exp() * (lp - lm), torch.zeros_like(lp)).sum(-1)
-    kl_qm = torch.where(lq.exp() > 0, lq.exp() * (lq - lm), torch.zeros_like(lq)).sum(-1)
+    ninf = float("-inf")
+    kl_pm = torch.where(lp == ninf, torch.zeros_like(lp), lp.exp() * (lp - lm)).sum(-1)
+    kl_qm = torch.where(lq == ninf, torch.zeros_like(lq), lq.exp() * (lq - lm)).sum(-1)
     jsd = 0.5 * kl_pm + 0.5 * kl_qm
     return torch.sqrt(torch.clamp(jsd, min=0.0) / LN2).clamp(max=1.0)
 
