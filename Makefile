@@ -27,7 +27,7 @@ setup: $(BUILT)
 build: $(BUILT)
 
 run: $(BUILT)
-	$(PY) -m mrtpo train --task constraints --algo mrtpo --steps 40 --device cpu --threads 1 --out runs/train
+	$(PY) -m mrtpo train --task constraints --algo mrtpo --steps 40 --device cpu --threads 1 --out runs/train --overwrite
 
 test: $(BUILT)
 	$(PY) -m pytest -q -ra

@@ -1,4 +1,4 @@
-"""``mrtpo compare``: the method's claim, measured on the built-in constraints task.
+"""``mrtpo compare``: the method's claim, measured on a built-in task (``--task``).
 
 Every algorithm is trained with every seed, with identical settings, from the same
 warm-started model: by default one model (``--init-seed``, cached) shared by every run, so
@@ -6,9 +6,9 @@ that seeds vary only sampling and data order, as when runs start from one pretra
 Reported per algorithm, over seeds:
 
 - steps to target: the first step at which the moving average (over ``window`` steps) of
-  the training batch's all-constraints pass rate reaches ``target``; a run that never
+  the training batch's all-pass rate reaches ``target``; a run that never
   reaches it counts as ``steps`` (a lower bound, marked with ">").
-- final pass rates: each reward's and all-constraints pass rate, averaged over the last
+- final pass rates: each reward's and the all-pass rate, averaged over the last
   ``window`` steps.
 - credit precision: the share of each reward's allocation-weight mass that lands on the
   response tokens its constraint concerns (``relevant_chars`` of the verifier, mapped to
@@ -28,13 +28,12 @@ import statistics
 import time
 from pathlib import Path
 
-COMPARE_DEFAULTS = {
-    "steps": 50,
-    "target": 0.5,
-    "window": 5,
-    "init_seed": 0,
-    "threads": 1,
-}
+from .config import CompareConfig
+from .model import default_model
+from .report import pyplot
+from .tasks import load_task
+from .trainer import train
+
 CLAIM_RATIO = 0.75
 ALGO_COLORS = {"grpo": "tab:blue", "gdpo": "tab:orange", "mrtpo": "tab:green"}
 
@@ -90,111 +89,103 @@ def _stats(xs):
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def _train_seed(args, seed: int, task=None) -> list[tuple[str, dict, list[str]]]:
+def task_slug(task: str) -> str:
+    """A file-name form of a task name (``constraints:a,b`` -> ``constraints-a-b``)."""
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task)
+
+
+def _train_seed(cfg: CompareConfig, seed: int, task=None) -> list[tuple[str, dict, list[str]]]:
     """Every algorithm of one seed (run in the parent or in a worker process)."""
     import torch
 
-    from .cli import config_from_args
-    from .trainer import train
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     out = []
-    for algo in args.algos:
-        cfg = config_from_args(
-            args,
-            task="constraints",
-            algo=algo,
-            seed=seed,
-            steps=args.steps,
-            out=str(Path(args.out) / f"{algo}-seed{seed}"),
-            resume=False,
-        )
+    for algo in cfg.algos:
         t0 = time.perf_counter()
-        res = train(cfg, task=task, progress=False)
+        res = train(cfg.run_config(algo, seed), task=task, progress=False)
         names = [k[len("pass/") :] for k in res.metrics[0] if k.startswith("pass/")]
-        s = summarize_run(res.metrics, names, args.target, args.window)
+        s = summarize_run(res.metrics, names, cfg.target, cfg.window)
         s["seed"], s["wall_s"] = seed, time.perf_counter() - t0
         out.append((algo, s, names))
     return out
 
 
-def _prepare_models(args, task, log):
+def _prepare_models(cfg: CompareConfig, task, log):
     """Warm-start (or find in the cache) every initial model before any run starts, so
     parallel seeds never build the same cache entry at once."""
-    if args.model is not None:
+    if cfg.train.model is not None:
         return
-    from .model import TinyConfig, default_model
-    from .trainer import _load_task
-
-    seeds = {args.init_seed} if args.init_seed is not None else set(range(args.seeds))
+    seeds = {cfg.init_seed} if cfg.init_seed is not None else set(range(cfg.seeds))
     for s in sorted(seeds):
-        t = task if task is not None else _load_task("constraints", s)
-        default_model(
-            t, seed=s, cache_dir=args.cache_dir, cfg=TinyConfig(warm_steps=args.warm_steps), log=log
-        )
+        t = task if task is not None else load_task(cfg.task, seed=s)
+        default_model(t, seed=s, cache_dir=cfg.train.cache_dir, cfg=cfg.train.tiny, log=log)
 
 
-def run_compare(args, *, task=None, log=print) -> dict:
-    """Train every (algo, seed) and write the table and plot; returns the summary."""
-    out = Path(args.out)
-    results = Path(args.results)
-    runs: dict[str, list[dict]] = {a: [] for a in args.algos}
+def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
+    """Train every (algo, seed) and write the table and plot; returns the summary. ``task``
+    replaces the built-in ``cfg.task`` (tests pass a small one)."""
+    cfg.validate(builtin_task=task is None)
+    out = Path(cfg.out)
+    results = Path(cfg.results)
+    runs: dict[str, list[dict]] = {a: [] for a in cfg.algos}
     names = None
     t_start = time.perf_counter()
-    _prepare_models(args, task, log)
-    seeds = list(range(args.seeds))
-    if args.jobs > 1 and len(seeds) > 1:
+    _prepare_models(cfg, task, log)
+    seeds = list(range(cfg.seeds))
+    if cfg.jobs > 1 and len(seeds) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(min(args.jobs, len(seeds)), mp_context=ctx) as pool:
-            per_seed = list(pool.map(_train_seed, [args] * len(seeds), seeds))
+        with ProcessPoolExecutor(min(cfg.jobs, len(seeds)), mp_context=ctx) as pool:
+            per_seed = list(pool.map(_train_seed, [cfg] * len(seeds), seeds))
     else:
-        per_seed = [_train_seed(args, seed, task) for seed in seeds]
+        per_seed = [_train_seed(cfg, seed, task) for seed in seeds]
     for seed_runs in per_seed:
         for algo, s, run_names in seed_runs:
             names = run_names
             runs[algo].append(s)
-            reached = s["steps_to_target"] or f">{args.steps}"
+            reached = s["steps_to_target"] or f">{cfg.steps}"
             log(
                 f"{algo} seed {s['seed']}: steps to target {reached}, final all-pass "
                 f"{_fmt(s['final_all_pass'])}, credit precision {_fmt(s['credit_precision'])} "
                 f"(uniform {_fmt(s['uniform_share'])}), {s['wall_s']:.0f} s"
             )
     total = time.perf_counter() - t_start
-    summary = {"settings": _settings(args), "reward_names": names, "runs": runs, "wall_s": total}
+    summary = {"settings": _settings(cfg), "reward_names": names, "runs": runs, "wall_s": total}
     results.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    md = write_markdown(summary, results / "compare_constraints.md", args)
-    png = plot_compare(summary, results / "compare_constraints.png", args)
+    stem = f"compare_{task_slug(cfg.task)}"
+    md = write_markdown(summary, results / f"{stem}.md", cfg)
+    png = plot_compare(summary, results / f"{stem}.png", cfg)
     log(f"\nwrote {md} and {png} ({total / 60:.1f} min)")
     return summary
 
 
-def _settings(args) -> dict:
-    keys = (
-        "algos",
-        "seeds",
-        "init_seed",
-        "steps",
-        "target",
-        "window",
-        "prompts_per_step",
-        "group_size",
-        "max_new_tokens",
-        "temperature",
-        "lr",
-        "ppo_epochs",
-        "minibatches",
-        "alpha",
-        "gamma",
-        "warm_steps",
-        "model",
-    )
-    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+def _settings(cfg: CompareConfig) -> dict:
+    t = cfg.train
+    return {
+        "task": cfg.task,
+        "algos": list(cfg.algos),
+        "seeds": cfg.seeds,
+        "init_seed": cfg.init_seed,
+        "steps": cfg.steps,
+        "target": cfg.target,
+        "window": cfg.window,
+        "prompts_per_step": t.prompts_per_step,
+        "group_size": t.group_size,
+        "max_new_tokens": t.max_new_tokens,
+        "temperature": t.temperature,
+        "lr": t.lr,
+        "ppo_epochs": t.ppo_epochs,
+        "minibatches": t.minibatches,
+        "alpha": t.alpha,
+        "gamma": t.gamma,
+        "warm_steps": t.tiny.warm_steps,
+        "model": t.model,
+    }
 
 
 def claim_verdict(summary, steps: int) -> list[str]:
@@ -222,13 +213,13 @@ def claim_verdict(summary, steps: int) -> list[str]:
     return lines
 
 
-def _start(args) -> str:
-    if args.model is not None:
-        return f"the model in `{args.model}`"
+def _start(args: CompareConfig) -> str:
+    if args.train.model is not None:
+        return f"the model in `{args.train.model}`"
     if args.init_seed is not None:
         return (
-            f"the same warm-started tiny model ({args.warm_steps} supervised steps, task data "
-            f"and init of seed {args.init_seed}); the seed varies sampling and data order"
+            f"the same warm-started tiny model ({args.train.tiny.warm_steps} supervised steps, "
+            f"task data and init of seed {args.init_seed}); the seed varies sampling and data order"
         )
     return "the warm-started tiny model of that seed (all algorithms of a seed share it)"
 
@@ -237,13 +228,14 @@ def write_markdown(summary, path: Path, args) -> Path:
     runs, names = summary["runs"], summary["reward_names"] or []
     st = summary["settings"]
     lines = [
-        "# MRTPO vs GDPO vs GRPO on the built-in constraints task",
+        f"# MRTPO vs GDPO vs GRPO on the built-in {args.task} task",
         "",
-        f"Generated by `mrtpo compare --algos {','.join(args.algos)} --seeds {args.seeds}` "
+        f"Generated by `mrtpo compare --task {args.task} --algos {','.join(args.algos)} "
+        f"--seeds {args.seeds}` "
         f"({summary['wall_s'] / 60:.1f} min on CPU). Rewards: {', '.join(names)}. "
         f"Each (algorithm, seed) trains {args.steps} steps from {_start(args)}; "
         f"{st.get('prompts_per_step')} prompts x "
-        f"{st.get('group_size')} responses per step. Target: all-constraints pass rate "
+        f"{st.get('group_size')} responses per step. Target: all-pass rate "
         f">= {args.target} (moving average over {args.window} training steps).",
         "",
         "## The claim",
@@ -298,7 +290,7 @@ def write_markdown(summary, path: Path, args) -> Path:
         "subset), uniform share = the same for uniform weights, relevance precision = the "
         "same share of the JS-distance mass from contrastive replay.",
         "",
-        "![curves](compare_constraints.png)",
+        f"![curves](compare_{task_slug(args.task)}.png)",
         "",
         "Settings: `" + json.dumps(st) + "`",
         "",
@@ -308,9 +300,7 @@ def write_markdown(summary, path: Path, args) -> Path:
 
 
 def plot_compare(summary, path: Path, args) -> Path:
-    from .report import _plt
-
-    plt = _plt()
+    plt = pyplot()
     runs, names = summary["runs"], summary["reward_names"] or []
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     ax = axes[0]
@@ -326,7 +316,7 @@ def plot_compare(summary, path: Path, args) -> Path:
     ax.axhline(args.target, color="k", ls=":", lw=1, label=f"target {args.target}")
     ax.set(
         xlabel="step",
-        ylabel=f"all-constraints pass rate ({args.window}-step mean)",
+        ylabel=f"all-pass rate ({args.window}-step mean)",
         title="learning curves (mean over seeds, band = min-max)",
         ylim=(0, 1),
     )

@@ -23,7 +23,8 @@ import torch
 
 from mrtpo_kernels import linear_js_distance, linear_logprobs
 
-from .model import ChatPrompter, last_hidden, lm_head
+from .model import last_hidden, lm_head
+from .prompting import ChatPrompter
 
 
 @dataclass

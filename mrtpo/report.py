@@ -7,7 +7,8 @@ import html
 from pathlib import Path
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,7 +20,7 @@ def _plt():
 def plot_curves(metrics: list[dict], reward_names, path, *, title: str = "") -> Path:
     """Three panels over steps: per-reward pass rate (and all-pass), per-reward mean
     relevance, and the loss. Writes ``path`` (PNG) and returns it."""
-    plt = _plt()
+    plt = pyplot()
     path = Path(path)
     steps = [m["step"] for m in metrics]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

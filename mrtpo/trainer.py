@@ -21,10 +21,9 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,120 +36,15 @@ from mrtpo_kernels import (
     mrtpo_token_advantages,
 )
 
-from .model import (
-    ChatPrompter,
-    TinyConfig,
-    default_model,
-    lm_head,
-    load_model,
-    response_offsets,
-    save_model,
-    spans_to_token_mask,
-)
+from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
+from .config import TrainConfig
+from .metrics import format_step, step_metrics
+from .model import default_model, lm_head, load_model, save_model
+from .prompting import ChatPrompter
 from .replay import contrastive_replay, forward_responses, response_hidden, teacher_batch
-
-ALGOS = ("grpo", "gdpo", "mrtpo")
-TASKS = ("constraints", "sql", "tools")
-PASS_THRESHOLD = 1.0 - 1e-6
-
-
-@dataclass
-class TrainConfig:
-    """Every knob of a training run (the CLI exposes each as a flag)."""
-
-    task: str = "constraints"
-    algo: str = "mrtpo"
-    model: str | None = None  # a local HF causal LM folder; None: the built-in tiny model
-    steps: int = 30
-    seed: int = 0
-    init_seed: int | None = None  # seed of the task data and built-in warm start (None: seed)
-    out: str = "runs/train"
-    resume: bool = False
-    prompts_per_step: int = 8  # B
-    group_size: int = 8  # G
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    micro_batch: int = 16  # responses per forward (gradient accumulation inside a minibatch)
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    max_grad_norm: float = 1.0
-    alpha: float = 1.0
-    gamma: float = 1.0
-    batch_norm: str = "sequence"
-    kl_beta: float = 0.0
-    replay_for_baselines: bool = True  # also measure relevance under grpo/gdpo (logging only)
-    checkpoint_every: int = 10
-    html_samples: int = 8
-    device: str = "auto"
-    dtype: str = "float32"
-    cache_dir: str = "runs/cache"
-    tiny: TinyConfig = field(default_factory=TinyConfig)
-
-    def validate(self) -> TrainConfig:
-        def bad(name, msg):
-            raise ValueError(f"{name}: {msg}")
-
-        if self.algo not in ALGOS:
-            bad("algo", f"expected one of {', '.join(ALGOS)}, got {self.algo!r}")
-        if self.batch_norm not in ("sequence", "token"):
-            bad("batch_norm", f"expected 'sequence' or 'token', got {self.batch_norm!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            bad("dtype", f"expected float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in (
-            "steps",
-            "prompts_per_step",
-            "max_new_tokens",
-            "ppo_epochs",
-            "minibatches",
-            "micro_batch",
-            "checkpoint_every",
-        ):
-            if int(getattr(self, name)) < 1:
-                bad(name, f"expected a positive integer, got {getattr(self, name)}")
-        if self.group_size < 2:
-            bad("group_size", f"expected at least 2 rollouts per prompt, got {self.group_size}")
-        if self.minibatches > self.prompts_per_step * self.group_size:
-            bad("minibatches", "expected at most one minibatch per response")
-        for name in ("temperature", "lr"):
-            v = float(getattr(self, name))
-            if not (v > 0 and math.isfinite(v)):
-                bad(name, f"expected a positive number, got {v}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"expected a number in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"expected 0 (off) or a positive integer, got {self.top_k}")
-        if not 0.0 <= self.alpha <= 1.0:
-            bad("alpha", f"expected a number in [0, 1], got {self.alpha}")
-        for name in ("gamma",):
-            if not getattr(self, name) > 0:
-                bad(name, f"expected a positive number, got {getattr(self, name)}")
-        for name in ("clip_low", "clip_high", "kl_beta", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                bad(name, f"expected a non-negative number, got {getattr(self, name)}")
-        if self.model is not None and not Path(self.model).is_dir():
-            bad("model", f"{self.model!r} is not a folder with a saved Hugging Face causal LM")
-        return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        d = dict(d)
-        if isinstance(d.get("tiny"), dict):
-            d["tiny"] = TinyConfig(**d["tiny"])
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-# --------------------------------------------------------------------------------------------
-# Seeds and devices
+from .report import plot_curves, write_tokens_html
+from .rollouts import PromptSampler, generate_rollouts
+from .tasks import load_task
 
 
 def seed_everything(seed: int):
@@ -160,164 +54,13 @@ def seed_everything(seed: int):
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+        raise ValueError(f"device: {name!r} was asked for but CUDA is not available")
     return dev
-
-
-# --------------------------------------------------------------------------------------------
-# Rollouts
-
-
-class PromptSampler:
-    """Cycles through the training examples in a seeded shuffled order (picklable state)."""
-
-    def __init__(self, n: int, seed: int):
-        if n == 0:
-            raise ValueError("task: it has no training examples")
-        self.n = n
-        self.rng = random.Random(seed)
-        self.queue: list[int] = []
-
-    def take(self, b: int) -> list[int]:
-        out = []
-        while len(out) < b:
-            if not self.queue:
-                self.queue = list(range(self.n))
-                self.rng.shuffle(self.queue)
-            out.append(self.queue.pop())
-        return out
-
-    def state(self):
-        return {"rng": self.rng.getstate(), "queue": list(self.queue)}
-
-    def load(self, state):
-        self.rng.setstate(state["rng"])
-        self.queue = list(state["queue"])
-
-
-@dataclass
-class Rollouts:
-    examples: list  # (n,) Example of each response
-    group_ids: torch.Tensor  # (n,)
-    prompt_ids: list[list[int]]
-    responses: list[list[int]]  # token ids, end-of-turn included when generated
-    texts: list[str]
-    offsets: list[list[tuple[int, int]]]  # response token character ranges in texts
-    rewards: torch.Tensor  # (n, K) float32
-    spans: list[list[tuple]]  # (n, K) prompt spans per verdict
-    reasons: list[list[str | None]]
-
-
-def _stop_ids(tokenizer, model) -> set[int]:
-    ids = set()
-    for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return ids
-
-
-@torch.no_grad()
-def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device) -> Rollouts:
-    tok = prompter.tokenizer
-    enc = [prompter.encode(ex.prompt) for ex in examples]
-    width = max(len(e.ids) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, width - len(e.ids) :] = torch.tensor(e.ids)
-        mask[i, width - len(e.ids) :] = 1
-    stop = _stop_ids(tok, model)
-    out = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        do_sample=True,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,  # 0 switches the top-k filter off (also a model's default one)
-        top_p=cfg.top_p,  # 1.0 switches nucleus sampling off
-        max_new_tokens=cfg.max_new_tokens,
-        num_return_sequences=cfg.group_size,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=sorted(stop) if stop else None,
-    )
-    gen = out[:, width:].tolist()
-    n = len(gen)
-    rep_examples, prompt_ids, responses, texts, offs = [], [], [], [], []
-    rewards, spans, reasons = [], [], []
-    for r in range(n):
-        ex_i = r // cfg.group_size
-        row = gen[r]
-        cut = len(row)
-        for t, v in enumerate(row):
-            if v in stop:
-                cut = t + 1
-                break
-        resp = row[:cut]
-        if not resp:
-            resp = [next(iter(stop))] if stop else [tok.pad_token_id]
-        text, off = response_offsets(tok, resp)
-        ex = examples[ex_i]
-        verdicts = []
-        for v in task.verifiers:
-            try:
-                verdicts.append(v(ex, text))
-            except Exception as err:  # a verifier must not stop training: score 0, logged
-                verdicts.append(_failed_verdict(v, err))
-        rep_examples.append(ex)
-        prompt_ids.append(enc[ex_i].ids)
-        responses.append(resp)
-        texts.append(text)
-        offs.append(off)
-        rewards.append([float(v.score) for v in verdicts])
-        spans.append([tuple(tuple(s) for s in v.spans) for v in verdicts])
-        reasons.append([v.reason for v in verdicts])
-    group_ids = torch.arange(len(examples)).repeat_interleave(cfg.group_size)
-    return Rollouts(
-        rep_examples,
-        group_ids,
-        prompt_ids,
-        responses,
-        texts,
-        offs,
-        torch.tensor(rewards, dtype=torch.float32),
-        spans,
-        reasons,
-    )
-
-
-def _failed_verdict(verifier, err):
-    from .verifiers.base import Verdict
-
-    return Verdict(0.0, (), f"verifier {getattr(verifier, 'name', '?')} raised: {err!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# Advantages and credit precision
 
 
 def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, cfg):
@@ -343,59 +86,6 @@ def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, c
     return g.sequence.float().repeat_interleave(lengths), uniform
 
 
-def relevant_token_masks(task, rollouts: Rollouts) -> list[list[torch.Tensor | None]]:
-    """(n, K): response tokens each constraint concerns (from the verifier's
-    ``relevant_chars``), or None where the verifier does not say."""
-    out = []
-    for ex, text, off in zip(rollouts.examples, rollouts.texts, rollouts.offsets):
-        row = []
-        for v in task.verifiers:
-            fn = getattr(v, "relevant_chars", None)
-            if fn is None:
-                row.append(None)
-                continue
-            try:
-                chars = fn(ex, text)
-            except Exception:
-                chars = None
-            row.append(None if chars is None else spans_to_token_mask(off, chars))
-        out.append(row)
-    return out
-
-
-def credit_precision(alloc, masks, has_info, lengths):
-    """Per reward: mean share of the allocation mass on the relevant tokens, and the share a
-    uniform allocation would give (|relevant| / T), over responses where the reward has
-    spans and the relevant tokens are a proper, non-empty subset of the response."""
-    k = alloc.shape[0]
-    starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    starts[1:] = torch.cumsum(lengths, 0)
-    prec = [[] for _ in range(k)]
-    unif = [[] for _ in range(k)]
-    for i in range(len(lengths)):
-        a, b = int(starts[i]), int(starts[i + 1])
-        for j in range(k):
-            m = masks[i][j]
-            if m is None or not bool(has_info[i, j]):
-                continue
-            m = m[: b - a]
-            cnt = int(m.sum())
-            if cnt == 0 or cnt == b - a:
-                continue
-            w = alloc[j, a:b].double()
-            tot = float(w.sum())
-            if tot <= 0:
-                continue
-            prec[j].append(float(w[m].sum()) / tot)
-            unif[j].append(cnt / (b - a))
-    mean = lambda xs: (sum(xs) / len(xs)) if xs else None
-    return [mean(p) for p in prec], [mean(u) for u in unif], [len(p) for p in prec]
-
-
-# --------------------------------------------------------------------------------------------
-# The trainer
-
-
 @dataclass
 class TrainResult:
     out: Path
@@ -406,30 +96,38 @@ class TrainResult:
     checkpoint: Path
 
 
-def _load_task(name, seed):
-    try:
-        from .tasks import load_task
-    except ImportError as err:
-        raise ValueError(f"task: the task registry mrtpo.tasks is not available ({err})") from err
-    return load_task(name, seed=seed)
+def _refuse_other_config(saved: dict, cfg: TrainConfig, where: Path) -> None:
+    """Resume only a run of the same trajectory-changing settings."""
+    want = cfg.trajectory()
+    have = TrainConfig.from_dict(saved).trajectory()
+    diff = [k for k in want if want[k] != have.get(k)]
+    if diff:
+        pairs = ", ".join(f"{k}={have.get(k)!r} (asked: {want[k]!r})" for k in diff)
+        raise ValueError(
+            f"resume: the run in {str(where)!r} was made with {pairs}; resume it with the same "
+            "settings, or start another --out (or --overwrite it)"
+        )
 
 
 class Trainer:
+    """One training run: prepares ``cfg.out`` (before any model is built), then loads or
+    builds the model and, with ``cfg.resume``, the checkpoint."""
+
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
-        self.cfg = cfg.validate()
+        self.cfg = cfg.validate(builtin_task=task is None)
         self.log = log or (lambda msg: None)
+        self.out = Path(cfg.out)
+        self.run_dir = RunDir(self.out)
+        self.ckpt_dir = self.run_dir.checkpoint
+        meta = self._prepare_out()
         if task is None:
-            if cfg.task not in TASKS:
-                raise ValueError(f"task: expected one of {', '.join(TASKS)}, got {cfg.task!r}")
-            task = _load_task(cfg.task, cfg.seed if cfg.init_seed is None else cfg.init_seed)
+            task = load_task(cfg.task, seed=cfg.seed if cfg.init_seed is None else cfg.init_seed)
         self.task = task
         self.k = len(task.verifiers)
         if self.k == 0:
             raise ValueError("task: it has no verifiers (no rewards)")
         self.reward_names = [v.name for v in task.verifiers]
         self.device = resolve_device(cfg.device)
-        self.out = Path(cfg.out)
-        self.ckpt_dir = self.out / "checkpoint"
         dtype = getattr(torch, cfg.dtype)
 
         if cfg.model is not None:
@@ -453,40 +151,51 @@ class Trainer:
         self.opt = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99)
         )
-        self.metrics: list[dict] = []
         self.samples: list[dict] = []
-        if cfg.resume:
-            self._resume()
+        if meta is not None:
+            self._load_checkpoint(meta)
+        self.metrics: list[dict] = self.run_dir.start_metrics(self.step)
+        write_atomic(self.run_dir.config_path, json.dumps(cfg.to_dict(), indent=1))
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def _prepare_out(self) -> dict | None:
+        """Create --out, repair what a kill left, refuse to clobber or to resume another
+        run; the committed checkpoint's meta when resuming from one."""
+        cfg, rd = self.cfg, self.run_dir
+        rd.create()
+        rd.recover()
+        if not cfg.resume:
+            if rd.holds_run() and not cfg.overwrite:
+                raise ValueError(
+                    f"out: {str(self.out)!r} already holds a run; pass --resume to continue it "
+                    "or --overwrite to replace it"
+                )
+            rd.clear()
+            return None
+        saved = rd.saved_config()
+        if saved is not None:
+            _refuse_other_config(saved, cfg, self.out)
+        meta = rd.meta()
+        if meta is None:
+            self.log(f"resume: no checkpoint in {rd.checkpoint}, starting from step 0")
+        return meta
+
     def save_checkpoint(self):
-        tmp = self.out / "checkpoint.tmp"
-        save_model(self.model, self.tok, tmp / "model")
-        torch.save(
-            {
+        self.run_dir.save(
+            step=self.step,
+            save_model=lambda path: save_model(self.model, self.tok, path),
+            state={
                 "step": self.step,
                 "optimizer": self.opt.state_dict(),
                 "rng": rng_state(),
                 "sampler": self.sampler.state(),
-                "config": self.cfg.to_dict(),
                 "samples": self.samples,
             },
-            tmp / "state.pt",
+            config=self.cfg.to_dict(),
         )
-        if self.ckpt_dir.exists():
-            old = self.out / "checkpoint.old"
-            os.replace(self.ckpt_dir, old)
-            os.replace(tmp, self.ckpt_dir)
-            _rmtree(old)
-        else:
-            os.replace(tmp, self.ckpt_dir)
 
-    def _resume(self):
-        state_path = self.ckpt_dir / "state.pt"
-        if not state_path.exists():
-            self.log(f"resume: no checkpoint in {self.ckpt_dir}, starting from step 0")
-            return
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+    def _load_checkpoint(self, meta: dict):
+        state = self.run_dir.load_state()
         model, _ = load_model(
             self.ckpt_dir / "model", dtype=getattr(torch, self.cfg.dtype), device=self.device
         )
@@ -494,12 +203,8 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sampler.load(state["sampler"])
         set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        self.step = int(meta["step"])
         self.samples = state.get("samples", [])
-        path = self.out / "metrics.jsonl"
-        if path.exists():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self.metrics = [r for r in rows if r["step"] <= self.step]
         self.log(f"resumed from {self.ckpt_dir} at step {self.step}")
 
     # -- one step -----------------------------------------------------------------------------
@@ -551,7 +256,10 @@ class Trainer:
         upd = self._update(ro, rep.old_logprobs.detach().float().cpu(), adv, ref_logp, lengths)
         t3 = time.perf_counter()
         self.step += 1
-        row = self._metrics(ro, relevance if have_rel else None, has_info, alloc, lengths, upd)
+        row = step_metrics(
+            self.task, cfg, self.step, ro, relevance if have_rel else None, has_info, alloc, lengths
+        )
+        row.update(upd)
         row["time"] = {
             "rollout": t1 - t0,
             "replay": t2 - t1,
@@ -628,40 +336,6 @@ class Trainer:
             "grad_norm": sum(stats["grad_norm"]) / len(stats["grad_norm"]),
         }
 
-    def _metrics(self, ro, relevance, has_info, alloc, lengths, upd) -> dict:
-        r = ro.rewards
-        passed = r >= PASS_THRESHOLD
-        row = {"step": self.step, "algo": self.cfg.algo, "seed": self.cfg.seed}
-        row["all_pass"] = float(passed.all(1).float().mean())
-        row["mean_reward"] = float(r.mean())
-        row["response_len"] = float(lengths.float().mean())
-        starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        starts[1:] = torch.cumsum(lengths, 0)
-        seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        masks = relevant_token_masks(self.task, ro)
-        prec, unif, counts = credit_precision(alloc, masks, has_info, lengths)
-        rel_prec = [None] * self.k
-        if relevance is not None:
-            rel_prec, _, _ = credit_precision(relevance, masks, has_info, lengths)
-        for j, name in enumerate(self.reward_names):
-            row[f"pass/{name}"] = float(passed[:, j].float().mean())
-            row[f"score/{name}"] = float(r[:, j].mean())
-            info = has_info[seg, j]
-            has = relevance is not None and bool(info.any())
-            row[f"relevance/{name}"] = float(relevance[j][info].mean()) if has else None
-            row[f"precision/{name}"] = prec[j]
-            row[f"relevance_precision/{name}"] = rel_prec[j]
-            row[f"uniform/{name}"] = unif[j]
-        pairs = [(p, u, c) for p, u, c in zip(prec, unif, counts) if p is not None]
-        rel_pairs = [(p, c) for p, c in zip(rel_prec, counts) if p is not None]
-        rel_tot = sum(c for _, c in rel_pairs)
-        row["relevance_precision"] = sum(p * c for p, c in rel_pairs) / rel_tot if rel_tot else None
-        tot = sum(c for _, _, c in pairs)
-        row["credit_precision"] = sum(p * c for p, _, c in pairs) / tot if tot else None
-        row["uniform_share"] = sum(u * c for _, u, c in pairs) / tot if tot else None
-        row.update(upd)
-        return row
-
     def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance):
         starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
         starts[1:] = torch.cumsum(lengths, 0)
@@ -690,15 +364,7 @@ class Trainer:
     def run(self, *, progress: bool = True) -> TrainResult:
         from tqdm.auto import tqdm
 
-        from .report import plot_curves, write_tokens_html
-
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        metrics_path = self.out / "metrics.jsonl"
-        with open(metrics_path, "w") as f:
-            for row in self.metrics:
-                f.write(json.dumps(row) + "\n")
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
@@ -706,18 +372,20 @@ class Trainer:
             desc=cfg.algo,
             dynamic_ncols=True,
         )
-        while self.step < cfg.steps:
-            row = self.train_step()
-            self.metrics.append(row)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            bar.update(1)
-            bar.set_postfix(all_pass=f"{row['all_pass']:.2f}", loss=f"{row['loss']:.3f}")
-            if progress:
-                bar.write(format_step(row, self.reward_names, cfg.steps))
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                self.save_checkpoint()
-        bar.close()
+        try:
+            while self.step < cfg.steps:
+                row = self.train_step()
+                self.metrics.append(row)
+                self.run_dir.append_metrics(row)
+                bar.update(1)
+                bar.set_postfix(all_pass=f"{row['all_pass']:.2f}", loss=f"{row['loss']:.3f}")
+                if progress:
+                    bar.write(format_step(row, self.reward_names, cfg.steps))
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            self.run_dir.close()
         curves = plot_curves(
             self.metrics,
             self.reward_names,
@@ -731,25 +399,9 @@ class Trainer:
             algo=cfg.algo,
             title=f"{self.task.name} / {cfg.algo}",
         )
-        return TrainResult(self.out, self.metrics, metrics_path, curves, html, self.ckpt_dir)
-
-
-def format_step(row: dict, names, total: int) -> str:
-    short = lambda s: s if len(s) <= 14 else s[:13] + "."
-    parts = [f"step {row['step']:>3}/{total}", f"all {row['all_pass']:.2f}"]
-    parts.append(" ".join(f"{short(n)}={row[f'pass/{n}']:.2f}" for n in names))
-    rel = [(n, row.get(f"relevance/{n}")) for n in names]
-    if any(v is not None for _, v in rel):
-        parts.append("rel " + " ".join(f"{v:.3f}" if v is not None else "-" for _, v in rel))
-    if row.get("credit_precision") is not None:
-        parts.append(f"prec {row['credit_precision']:.2f}/unif {row['uniform_share']:.2f}")
-    return " | ".join(parts)
-
-
-def _rmtree(path: Path):
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+        return TrainResult(
+            self.out, self.metrics, self.run_dir.metrics_path, curves, html, self.ckpt_dir
+        )
 
 
 def train(cfg: TrainConfig, *, task=None, progress: bool = True, log=None) -> TrainResult:

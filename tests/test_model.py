@@ -7,17 +7,19 @@ import pytest
 import torch
 
 from mrtpo.model import (
-    ChatPrompter,
     TinyConfig,
     build_tiny_model,
     build_tokenizer,
     last_hidden,
     lm_head,
     load_model,
+    save_model,
+)
+from mrtpo.prompting import (
+    ChatPrompter,
     merge_spans,
     remove_spans,
     response_offsets,
-    save_model,
     spans_to_token_mask,
 )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo.model import ChatPrompter, TinyConfig, build_tiny_model, build_tokenizer, lm_head
+from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head
+from mrtpo.prompting import ChatPrompter
 from mrtpo.replay import contrastive_replay, forward_responses, teacher_batch
 from mrtpo_kernels.reference import js_distance_ref, logprobs_from_logits_ref
 

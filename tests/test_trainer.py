@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
-from mrtpo.model import TinyConfig
-from mrtpo.trainer import TrainConfig, Trainer, compute_advantages, credit_precision, train
-from mrtpo.verifiers.base import Example, Task, Verdict
+from mrtpo.config import TinyConfig, TrainConfig
+from mrtpo.metrics import credit_precision
+from mrtpo.trainer import Trainer, compute_advantages, train
+from mrtpo.verifiers import Example, Task, Verdict
 
 TOPICS = ["cats", "the sea", "red trains", "old maps", "rain", "bread", "owls", "stone walls"]
 KEYWORDS = ["blue", "quiet", "seven", "gold", "warm", "late"]

@@ -1,0 +1,529 @@
+"""Every setting of a training run and of a comparison, in one place.
+
+Each field of `TrainConfig`, `TinyConfig` and `CompareConfig` carries its help text, its
+choices or range and its command-line group in its metadata (`setting`). The same metadata
+builds the ``mrtpo`` flags (`add_flags`), checks values typed on the command line (exit 2
+with the flag's name) and checks a config built in code (`TrainConfig.validate`, a
+`ValueError` naming the field). Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+ALGOS = ("grpo", "gdpo", "mrtpo")
+TASKS = ("constraints", "constraints-full", "sql", "tools")
+TASK_HELP = (
+    "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (2-4 of "
+    "every constraint kind per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
+    "sql or tools"
+)
+DTYPES = ("float32", "bfloat16", "float16")
+BATCH_NORMS = ("sequence", "token")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def setting(default=MISSING, help="", *, factory=MISSING, **meta):
+    """A dataclass field with its command-line metadata.
+
+    meta keys: ``kind`` (int, float, str, bool, path, algos; default: the default's type),
+    ``choices``, ``lo``/``hi`` (inclusive bounds; ``open_lo`` excludes ``lo``), ``check``
+    (a function returning an error message or None), ``group`` (argparse group title),
+    ``flag`` (the flag, default ``--field-name``), ``cli`` (False: no flag), ``nested`` (for
+    a dataclass field: the names of its fields given flags, None for all),
+    ``resume_may_change`` (True: a resumed run may use another value).
+    """
+    meta["help"] = help
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Value checks shared by the flags and by validate()
+
+
+def check_task(name) -> str | None:
+    """None if ``mrtpo.tasks.load_task`` knows ``name``, else what is wrong."""
+    if not isinstance(name, str):
+        return f"expected a task name, got {name!r}"
+    if name in TASKS:
+        return None
+    if name.startswith("constraints:"):
+        from .verifiers import CONSTRAINT_KINDS as KINDS
+
+        kinds = [k.strip() for k in name.split(":", 1)[1].split(",") if k.strip()]
+        bad = [k for k in kinds if k not in KINDS]
+        if not kinds:
+            return f"{name!r} lists no constraint kinds"
+        if bad:
+            return f"unknown constraint kind {bad[0]!r} in {name!r}; known: {', '.join(KINDS)}"
+        return None
+    return f"expected one of {', '.join(TASKS)} or constraints:KIND,..., got {name!r}"
+
+
+def check_device(name) -> str | None:
+    if not isinstance(name, str) or _DEVICE.fullmatch(name) is None:
+        return f"expected auto, cpu, cuda or cuda:N, got {name!r}"
+    return None
+
+
+def check_algos(names) -> str | None:
+    bad = [a for a in names if a not in ALGOS]
+    if not names or bad or len(set(names)) != len(names):
+        return f"expected a comma-separated list of distinct {', '.join(ALGOS)}, got {names!r}"
+    return None
+
+
+def _kind(f) -> str:
+    kind = f.metadata.get("kind")
+    if kind is not None:
+        return kind
+    return {bool: "bool", int: "int", float: "float", str: "str"}[type(f.default)]
+
+
+def check_value(f, value) -> str | None:
+    """None if ``value`` suits field ``f`` (type, choices, range, check), else the problem."""
+    md, kind = f.metadata, _kind(f)
+    if value is None:
+        return None if f.default is None else "expected a value, got None"
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number, got {value!r}"
+        if kind == "int" and value != int(value):
+            return f"expected an integer, got {value!r}"
+        if not math.isfinite(value):
+            return f"expected a finite number, got {value}"
+        lo, hi, open_lo = md.get("lo"), md.get("hi"), md.get("open_lo", False)
+        if (lo is not None and (value < lo or (open_lo and value == lo))) or (
+            hi is not None and value > hi
+        ):
+            low = "-inf" if lo is None else lo
+            high = "inf" if hi is None else hi
+            return f"expected a number in {'(' if open_lo else '['}{low}, {high}], got {value}"
+    if kind in ("str", "path") and not isinstance(value, str):
+        return f"expected a string, got {value!r}"
+    if md.get("choices") and value not in md["choices"]:
+        return f"expected one of {', '.join(md['choices'])}, got {value!r}"
+    if md.get("check") is not None:
+        return md["check"](value)
+    return None
+
+
+def flag_of(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _check_writable_dir(path: str) -> str | None:
+    """None if ``path`` is (or can be created as) a folder we can write, else why not."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"{path!r} exists and is not a folder"
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{path!r} lies under {str(probe)!r}, which is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The settings
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shape of the built-in model and its warm start."""
+
+    vocab_size: int = setting(768, "vocabulary size of the built-in tokenizer", lo=261)
+    hidden_size: int = setting(96, "hidden size", lo=1)
+    intermediate_size: int = setting(256, "MLP size", lo=1)
+    num_layers: int = setting(3, "decoder layers", lo=1)
+    num_heads: int = setting(4, "attention heads", lo=1)
+    num_kv_heads: int = setting(2, "key/value heads", lo=1)
+    max_positions: int = setting(1024, "longest sequence", lo=1)
+    warm_steps: int = setting(350, "supervised warm-start steps of the built-in model", lo=0)
+    warm_batch: int = setting(16, "warm-start batch", lo=1)
+    warm_lr: float = setting(3e-3, "warm-start learning rate", lo=0.0, open_lo=True)
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def _pos(default, help, **kw):
+    return setting(default, help, lo=1, **kw)
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run; the ``mrtpo train`` flags are built from it."""
+
+    task: str = setting("constraints", TASK_HELP, check=check_task)
+    algo: str = setting(
+        "mrtpo",
+        "advantage estimator: grpo (summed reward), gdpo (per-reward normalization), mrtpo "
+        "(GDPO reallocated to tokens by contrastive replay)",
+        choices=ALGOS,
+    )
+    seed: int = setting(
+        0,
+        "seed of sampling and data order and, unless --init-seed is given, of the task's "
+        "examples and the built-in model",
+        lo=0,
+    )
+    init_seed: int | None = setting(
+        None,
+        "seed of the task's examples and of the built-in model's init and warm start "
+        "(default: --seed)",
+        kind="int",
+        lo=0,
+    )
+    steps: int = _pos(30, "training steps", resume_may_change=True)
+    out: str = setting(
+        "runs/train",
+        "output folder for metrics.jsonl, curves.png, tokens.html and the checkpoint",
+        kind="path",
+        resume_may_change=True,
+    )
+    resume: bool = setting(
+        False,
+        "continue the run in --out from its checkpoint (same metrics as an uninterrupted run)",
+        resume_may_change=True,
+    )
+    overwrite: bool = setting(
+        False, "replace a run already in --out (without it, such a run is refused)",
+        resume_may_change=True,
+    )  # fmt: skip
+    model: str | None = setting(
+        None,
+        "a local Hugging Face causal LM folder (default: the built-in tiny model, "
+        "warm-started and cached under --cache-dir)",
+        kind="path",
+        metavar="PATH",
+    )
+    prompts_per_step: int = _pos(8, "prompts per step, B", group="rollouts")
+    group_size: int = setting(8, "sampled responses per prompt, G", lo=2, group="rollouts")
+    max_new_tokens: int = _pos(32, "response length cap in tokens", group="rollouts")
+    temperature: float = setting(
+        1.0,
+        "sampling temperature, also used for log-probs and relevance",
+        lo=0.0,
+        open_lo=True,
+        group="rollouts",
+    )
+    top_k: int = setting(0, "top-k sampling, 0 = off", lo=0, group="rollouts")
+    top_p: float = setting(
+        1.0, "nucleus sampling, 1.0 = off", lo=0.0, hi=1.0, open_lo=True, group="rollouts"
+    )
+    lr: float = setting(
+        2e-4, "AdamW learning rate", lo=0.0, hi=1.0, open_lo=True, group="optimization"
+    )
+    weight_decay: float = setting(
+        0.0,
+        "AdamW (decoupled) weight decay; lr x weight decay must stay below 1",
+        lo=0.0,
+        group="optimization",
+    )
+    ppo_epochs: int = _pos(1, "passes over each step's responses", group="optimization")
+    minibatches: int = _pos(1, "optimizer steps per PPO epoch", group="optimization")
+    micro_batch: int = _pos(
+        16,
+        "responses per forward; gradients accumulate over a minibatch",
+        group="optimization",
+    )
+    clip_low: float = setting(
+        0.2, "ratio clipped below at 1 - clip_low", lo=0.0, hi=1.0, group="optimization"
+    )
+    clip_high: float = setting(
+        0.2, "ratio clipped above at 1 + clip_high", lo=0.0, group="optimization"
+    )
+    max_grad_norm: float = setting(1.0, "gradient-norm clip, 0 = off", lo=0.0, group="optimization")
+    kl_beta: float = setting(
+        0.0, "weight of the k3 KL to the initial model, 0 = off", lo=0.0, group="optimization"
+    )
+    alpha: float = setting(
+        1.0,
+        "share of each reward's advantage reallocated by relevance; 0 gives GDPO",
+        lo=0.0,
+        hi=1.0,
+        group="MRTPO",
+    )
+    gamma: float = setting(
+        1.0, "sharpening exponent on the JS distance", lo=0.0, open_lo=True, group="MRTPO"
+    )
+    batch_norm: str = setting(
+        "sequence",
+        "batch statistics over responses or over tokens",
+        choices=BATCH_NORMS,
+        group="MRTPO",
+    )
+    replay_for_baselines: bool = setting(
+        True,
+        "skip contrastive replay under grpo/gdpo (it only feeds the relevance metrics there)",
+        flag="--no-baseline-replay",
+        group="MRTPO",
+    )
+    checkpoint_every: int = _pos(
+        10, "steps between checkpoints", group="run", resume_may_change=True
+    )
+    html_samples: int = setting(
+        8, "responses shown in tokens.html", lo=0, group="run", resume_may_change=True
+    )
+    device: str = setting(
+        "auto", "cpu, cuda, cuda:N or auto", check=check_device, group="run",
+        resume_may_change=True,
+    )  # fmt: skip
+    dtype: str = setting("float32", "model dtype", choices=DTYPES, group="run")
+    cache_dir: str = setting(
+        "runs/cache",
+        "where the warm-started built-in model is cached",
+        kind="path",
+        group="run",
+        resume_may_change=True,
+    )
+    threads: int = setting(
+        0, "torch CPU threads, 0 = torch's default", lo=0, group="run", resume_may_change=True
+    )
+    tiny: TinyConfig = setting(
+        help="the built-in model", factory=TinyConfig, nested=("warm_steps",), group="run"
+    )
+
+    def validate(self, *, builtin_task: bool = True) -> TrainConfig:
+        """Check every field (type, range, choices) and the rules that join fields; raise a
+        ValueError naming the field. Creates no file. ``builtin_task=False``: the task is
+        given as an object, its name is free."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "task" and not builtin_task:
+                continue
+            if f.name == "tiny":
+                if not isinstance(value, TinyConfig):
+                    raise ValueError(f"tiny: expected a TinyConfig, got {value!r}")
+                for g in fields(TinyConfig):
+                    msg = check_value(g, getattr(value, g.name))
+                    if msg:
+                        raise ValueError(f"tiny.{g.name}: {msg}")
+                continue
+            msg = check_value(f, value)
+            if msg:
+                raise ValueError(f"{f.name}: {msg}")
+        if self.minibatches > self.prompts_per_step * self.group_size:
+            raise ValueError("minibatches: expected at most one minibatch per response")
+        if self.lr * self.weight_decay >= 1.0:
+            raise ValueError(
+                f"weight_decay: lr x weight_decay = {self.lr * self.weight_decay:g} >= 1 would "
+                "flip or zero every weight at each step; expected a product below 1"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("overwrite: cannot both resume the run in out and overwrite it")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {self.device!r} was asked for but CUDA is not available")
+        msg = _check_writable_dir(self.out)
+        if msg:
+            raise ValueError(f"out: {msg}")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(
+                f"model: {self.model!r} is not a folder with a saved Hugging Face causal LM"
+            )
+        if self.model is None:
+            msg = _check_writable_dir(self.cache_dir)
+            if msg:
+                raise ValueError(f"cache_dir: {msg}")
+        return self
+
+    def trajectory(self) -> dict:
+        """The settings a resumed run must share with its checkpoint."""
+        d = self.to_dict()
+        return {f.name: d[f.name] for f in fields(self) if not f.metadata.get("resume_may_change")}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        d = dict(d)
+        if isinstance(d.get("tiny"), dict):
+            d["tiny"] = TinyConfig(**d["tiny"])
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# The settings `mrtpo compare` fixes per run (every other TrainConfig field is a flag).
+COMPARE_FIXED = ("task", "algo", "seed", "init_seed", "steps", "out", "resume", "overwrite")
+
+
+@dataclass
+class CompareConfig:
+    """A comparison: every algorithm trained with every seed from the same start."""
+
+    task: str = setting("constraints", TASK_HELP, check=check_task)
+    algos: tuple = setting(
+        ("grpo", "gdpo", "mrtpo"), "comma-separated algorithms", kind="algos", check=check_algos
+    )
+    seeds: int = _pos(3, "number of seeds, 0..N-1")
+    steps: int = _pos(50, "training steps per run")
+    target: float = setting(0.5, "target all-pass rate", lo=0.0, hi=1.0, open_lo=True)
+    window: int = _pos(5, "steps in the moving average of the pass rate compared with the target")
+    init_seed: int | None = setting(
+        0,
+        "seed of the task's examples and of the built-in model's warm start, shared by all "
+        "runs so that every algorithm and seed starts from the same model",
+        kind="int",
+        lo=0,
+    )
+    out: str = setting("runs/compare", "folder for the runs", kind="path")
+    results: str = setting("docs/results", "folder for compare_<task>.md and .png", kind="path")
+    jobs: int = _pos(1, "seeds trained in parallel processes (results do not depend on it)")
+    train: TrainConfig = setting(
+        help="settings of every run", factory=lambda: TrainConfig(threads=1), nested=None
+    )
+
+    def validate(self, *, builtin_task: bool = True) -> CompareConfig:
+        for f in fields(self):
+            if f.name == "train" or (f.name == "task" and not builtin_task):
+                continue
+            msg = check_value(f, getattr(self, f.name))
+            if msg:
+                raise ValueError(f"{f.name}: {msg}")
+        try:
+            self.run_config(self.algos[0], 0).validate(builtin_task=builtin_task)
+        except ValueError as err:
+            raise ValueError(f"train.{err}") from None
+        return self
+
+    def run_config(self, algo: str, seed: int) -> TrainConfig:
+        """The TrainConfig of one (algorithm, seed) run: fresh, in its own folder."""
+        return replace(
+            self.train,
+            task=self.task,
+            algo=algo,
+            seed=seed,
+            init_seed=self.init_seed,
+            steps=self.steps,
+            out=str(Path(self.out) / f"{algo}-seed{seed}"),
+            resume=False,
+            overwrite=True,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Flags from the metadata
+
+
+def _arg_type(f):
+    kind = _kind(f)
+
+    def parse(text: str):
+        if kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        elif kind == "float":
+            try:
+                value = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        elif kind == "algos":
+            value = tuple(a.strip() for a in text.split(",") if a.strip())
+        else:
+            value = text
+        msg = check_value(f, value)
+        if msg:
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    return parse
+
+
+def add_flags(parser, default, *, skip=(), prefix: str = "", groups=None):
+    """Add a flag for every field of the dataclass instance ``default`` (its values are the
+    flags' defaults); a field's value lands in ``prefix + name`` of the namespace."""
+    groups = {} if groups is None else groups
+    for f in fields(default):
+        md = f.metadata
+        if f.name in skip or md.get("cli") is False:
+            continue
+        value = getattr(default, f.name)
+        dest = prefix + f.name
+        title = md.get("group")
+        target = parser
+        if title is not None:
+            if title not in groups:
+                groups[title] = parser.add_argument_group(title)
+            target = groups[title]
+        if hasattr(value, "__dataclass_fields__"):
+            keep = md.get("nested")
+            inner_skip = [g.name for g in fields(value) if keep is not None and g.name not in keep]
+            add_flags(target, value, skip=inner_skip, prefix=dest + ".", groups=groups)
+            continue
+        help_text = md["help"]
+        if _kind(f) == "bool":
+            action = "store_false" if value else "store_true"
+            target.add_argument(flag_of(f), dest=dest, action=action, default=value, help=help_text)
+            continue
+        if value is not None and "(default" not in help_text:
+            shown = ",".join(value) if _kind(f) == "algos" else value
+            help_text += f" (default: {shown})"
+        choices = md.get("choices")
+        metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
+        target.add_argument(
+            flag_of(f),
+            dest=dest,
+            type=_arg_type(f),
+            default=value,
+            metavar=md.get("metavar") or metavar,
+            help=help_text,
+        )
+    return parser
+
+
+def from_namespace(default, ns: argparse.Namespace, *, prefix: str = ""):
+    """The dataclass ``default`` with every field that has a flag taken from ``ns``."""
+    values = vars(ns)
+    changes = {}
+    for f in fields(default):
+        dest = prefix + f.name
+        value = getattr(default, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            changes[f.name] = from_namespace(value, ns, prefix=dest + ".")
+        elif dest in values:
+            v = values[dest]
+            if _kind(f) == "algos" and isinstance(v, str):
+                v = _arg_type(f)(v)
+            changes[f.name] = v
+    return replace(default, **changes)
+
+
+def flag_for_error(message: str, default) -> str:
+    """Rewrite a ``field: ...`` (or ``outer.field: ...``) ValueError message from validate()
+    as ``argument --flag: ...`` when that field has a flag on the dataclass ``default``."""
+    head, sep, rest = message.partition(": ")
+    if not sep:
+        return message
+    obj, f = default, None
+    for part in head.split("."):
+        if not hasattr(obj, "__dataclass_fields__"):
+            return message
+        f = {g.name: g for g in fields(obj)}.get(part)
+        if f is None:
+            return message
+        obj = getattr(obj, part)
+    if f is None or f.metadata.get("cli") is False or hasattr(obj, "__dataclass_fields__"):
+        return message
+    return f"argument {flag_of(f)}: {rest}"
