@@ -1,16 +1,21 @@
 """Text-to-SQL verifiers: run the generated query in a read-only SQLite sandbox.
 
 Every query, gold or generated, goes through `run_readonly`, which opens the database
-read-only (``file:...?mode=ro``), sets ``PRAGMA query_only``, caps string/blob sizes and
-other SQLite limits, installs an authorizer that allows only reading (SELECT, column reads,
-recursive CTEs and a deny-listed set of functions) and a progress handler that interrupts
-the query past a deadline, and fetches at most ``max_rows + 1`` rows. It returns the rows
-or raises a `QueryError` subclass that says why:
+read-only (``file:...?mode=ro``), sets ``PRAGMA query_only``, sets SQLite's own limits
+(`SQLITE_LIMITS`: string/blob length, SQL length, result columns, expression depth,
+compound selects, function arguments, program size, ...), installs an authorizer that
+allows only reading (SELECT, column reads, recursive CTEs, read-only table-valued functions
+such as ``json_each``, and every function but a deny-list) and a progress handler that
+interrupts the query past a deadline. It streams the rows and stops at ``max_rows`` rows or
+``max_bytes`` bytes (the Python size of the fetched rows), so a query of wide blobs never
+grows the process past that budget. It returns the rows or raises a `QueryError` subclass
+that says why:
 
 - `QueryRefused`: not a single read-only query (DROP/INSERT/UPDATE/DELETE, ATTACH/DETACH,
   PRAGMA, VACUUM, load_extension, several statements, ...).
 - `QueryTimeout`: still running after ``timeout_s`` seconds.
 - `QueryTooManyRows`: more than ``max_rows`` rows.
+- `QueryTooLarge`: the rows take more than ``max_bytes`` bytes.
 - `QueryError` itself: anything else SQLite rejects (syntax, unknown table or column,
   values too large).
 
@@ -29,8 +34,10 @@ Three rewards per example (`sql_verifiers()`), reading these `Example.fields`:
   the prompt; spans: every schema line.
 
 The query is the first fenced code block of the response if there is one, else the whole
-response. Refusals and errors are logged (logger ``mrtpo.verifiers.sql``) and become
-score 0 with the reason.
+response. Refusals and errors (an over-budget result included) are logged (logger
+``mrtpo.verifiers.sql``) and become score 0 with the reason. Outcomes are cached so that
+the three rewards of one response run its query once; the cache is bounded by entries
+(`CACHE_ENTRIES`) and by the bytes of the rows it holds (`CACHE_MAX_BYTES`).
 """
 
 from __future__ import annotations
@@ -41,18 +48,24 @@ import os
 import pathlib
 import re
 import sqlite3
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .base import Example, Span, Verdict
+from .base import Example, Span, Verdict, find_fence
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_MAX_ROWS = 10_000
+# The Python size of the rows one query may fetch: at most this much memory per query.
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+# The outcome cache: at most this many entries holding at most this many bytes of rows.
+CACHE_ENTRIES = 512
+CACHE_MAX_BYTES = 64 * 1024 * 1024
 MAX_QUERY_CHARS = 20_000
 MAX_RESPONSE_CHARS = 100_000  # longer responses are not parsed at all
 # SQLITE_LIMIT_LENGTH: the largest string or blob a query may read or build. Small, because
@@ -60,6 +73,24 @@ MAX_RESPONSE_CHARS = 100_000  # longer responses are not parsed at all
 # handler cannot stop them: at 10 KB a step costs at most a few milliseconds.
 MAX_VALUE_BYTES = 10_000
 PROGRESS_STEPS = 100  # VM instructions between two deadline checks
+MAX_COLUMNS = 100  # result columns (and table columns, GROUP BY terms): one row <= ~1 MB
+# SQLite's per-connection limits (sqlite3.SQLITE_LIMIT_<name>), set on every connection.
+SQLITE_LIMITS = {
+    "LENGTH": MAX_VALUE_BYTES,
+    "SQL_LENGTH": MAX_QUERY_CHARS * 4,
+    "COLUMN": MAX_COLUMNS,
+    "EXPR_DEPTH": 200,
+    "COMPOUND_SELECT": 50,
+    "VDBE_OP": 100_000,
+    "FUNCTION_ARG": 64,
+    "ATTACHED": 0,
+    "LIKE_PATTERN_LENGTH": 1000,
+    "VARIABLE_NUMBER": 32,
+    "TRIGGER_DEPTH": 1,
+    "WORKER_THREADS": 0,
+}
+# Table-valued functions that only read: their rows are not tables of the schema.
+TABLE_FUNCTIONS = frozenset({"json_each", "json_tree", "generate_series"})
 
 # Functions a query may not call: extension loading and file access (where compiled in),
 # and printf/format, whose "%.*c" loops over its width argument, unbounded by the length
@@ -72,6 +103,14 @@ _SQLITE_SELECT = sqlite3.SQLITE_SELECT
 _SQLITE_READ = sqlite3.SQLITE_READ
 _SQLITE_FUNCTION = getattr(sqlite3, "SQLITE_FUNCTION", 31)
 _SQLITE_RECURSIVE = getattr(sqlite3, "SQLITE_RECURSIVE", 33)
+_SQLITE_UPDATE = sqlite3.SQLITE_UPDATE
+# The first use of a table-valued function (an eponymous virtual table) on a connection
+# makes SQLite declare its table, which asks the authorizer for an UPDATE of these columns
+# of the schema table. A statement can never itself update the schema table (SQLite refuses
+# it before asking the authorizer unless writable_schema is on, and PRAGMA is denied), so
+# this request is always that internal step, and the schema read that follows it is too.
+_SCHEMA_TABLES = frozenset({"sqlite_master", "sqlite_temp_master", "sqlite_schema"})
+_SCHEMA_STEP_COLUMNS = frozenset({"type", "name", "tbl_name", "rootpage", "sql"})
 _ACTION_NAMES = {
     getattr(sqlite3, n): n[len("SQLITE_") :]
     for n in (
@@ -85,7 +124,7 @@ _ACTION_NAMES = {
     ).split()
     if hasattr(sqlite3, n)
 }
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|$)", re.S)
+_WRITE_ERRORS = ("may not be modified", "readonly database", "read-only")
 _ORDER_BY = re.compile(r"\border\s+by\b", re.I)
 
 
@@ -103,6 +142,10 @@ class QueryTimeout(QueryError):
 
 class QueryTooManyRows(QueryError):
     """The query returned more rows than the cap."""
+
+
+class QueryTooLarge(QueryError):
+    """The query's rows took more bytes than the budget (the fetch stopped there)."""
 
 
 def _ro_uri(db_path: str | os.PathLike) -> str:
@@ -125,12 +168,10 @@ def _connect(db_path: str | os.PathLike) -> sqlite3.Connection:
         conn.close()
         raise QueryError(f"cannot open {db_path!r} read-only: {e}") from e
     if hasattr(conn, "setlimit"):
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_QUERY_CHARS * 4)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_EXPR_DEPTH, 200)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_COMPOUND_SELECT, 50)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, 1000)
+        for name, value in SQLITE_LIMITS.items():
+            category = getattr(sqlite3, "SQLITE_LIMIT_" + name, None)
+            if category is not None:
+                conn.setlimit(category, value)
     if hasattr(conn, "enable_load_extension"):
         conn.enable_load_extension(False)
     return conn
@@ -144,11 +185,32 @@ class _Sandbox:
         self.timed_out = False
         self.refused: str | None = None
         self.reads: list[tuple[str, str]] = []  # (table, column) as SQLite resolves them
+        self._schema_step = False
 
     def authorize(self, action, arg1, arg2, dbname, source):
         if action == _SQLITE_READ:
+            if (
+                self._schema_step
+                and (arg1 or "").lower() in _SCHEMA_TABLES
+                and (arg2 or "").lower() == "rowid"
+            ):
+                self._schema_step = False  # SQLite's own read, not the query's
+                return sqlite3.SQLITE_OK
+            self._schema_step = False
+            if (arg1 or "").lower().startswith("pragma_"):  # pragma_table_info(...) etc.
+                self.refused = self.refused or f"PRAGMA function {arg1} is not allowed"
+                return sqlite3.SQLITE_DENY
             self.reads.append((arg1 or "", arg2 or ""))
             return sqlite3.SQLITE_OK
+        if (
+            action == _SQLITE_UPDATE
+            and (arg1 or "").lower() in _SCHEMA_TABLES
+            and (arg2 or "").lower() in _SCHEMA_STEP_COLUMNS
+            and source is None
+        ):
+            self._schema_step = True  # declaring a table-valued function (see above)
+            return sqlite3.SQLITE_OK
+        self._schema_step = False
         if action in (_SQLITE_SELECT, _SQLITE_RECURSIVE):
             return sqlite3.SQLITE_OK
         if action == _SQLITE_FUNCTION:
@@ -211,6 +273,7 @@ def run_readonly(
     max_rows: int = DEFAULT_MAX_ROWS,
     compile_only: bool = False,
     reads: list[tuple[str, str]] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> list[tuple]:
     """Run one read-only query against the SQLite file ``db_path`` and return its rows.
 
@@ -225,18 +288,48 @@ def run_readonly(
             return ``[]``; the same checks and refusals apply.
         reads: if given, receives the ``(table, column)`` pairs the query reads, as SQLite
             resolves them (``column`` is ``""`` for a whole-table read such as COUNT(*)).
+        max_bytes: the rows may take at most this many bytes (their Python size, see
+            `rows_bytes`); rows are fetched one at a time and the fetch stops past it.
 
     Raises:
         QueryRefused: the query is not a single read-only statement.
         QueryTimeout: it ran longer than ``timeout_s``.
         QueryTooManyRows: it returned more than ``max_rows`` rows.
+        QueryTooLarge: its rows took more than ``max_bytes`` bytes.
         QueryError: any other failure (syntax, unknown table or column, missing file).
-        ValueError: ``timeout_s`` or ``max_rows`` is out of range.
+        ValueError: ``timeout_s``, ``max_rows`` or ``max_bytes`` is out of range.
     """
+    rows, _ = _run_readonly(
+        db_path,
+        query,
+        timeout_s=timeout_s,
+        max_rows=max_rows,
+        compile_only=compile_only,
+        reads=reads,
+        max_bytes=max_bytes,
+    )
+    return rows
+
+
+def _value_bytes(v: Any) -> int:
+    return 0 if v is None else sys.getsizeof(v)  # None is a shared singleton
+
+
+def rows_bytes(rows: Iterable[tuple]) -> int:
+    """The memory a list of fetched rows holds: each tuple, its values and a list slot."""
+    return sum(sys.getsizeof(r) + 8 + sum(map(_value_bytes, r)) for r in rows)
+
+
+def _run_readonly(
+    db_path, query, *, timeout_s, max_rows, compile_only, reads, max_bytes
+) -> tuple[list[tuple], int]:
+    """`run_readonly`, also returning the rows' size in bytes."""
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s: expected a positive finite number, got {timeout_s!r}")
     if not (isinstance(max_rows, int) and max_rows >= 0):
         raise ValueError(f"max_rows: expected a non-negative int, got {max_rows!r}")
+    if not (isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes > 0):
+        raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
     query = _check_query_text(query)
     conn = _connect(db_path)
     box = _Sandbox(timeout_s)
@@ -245,7 +338,20 @@ def run_readonly(
         conn.set_progress_handler(box.progress, PROGRESS_STEPS)
         try:
             cur = conn.execute(("EXPLAIN " + query) if compile_only else query)
-            rows = [] if compile_only else cur.fetchmany(max_rows + 1)
+            rows: list[tuple] = []
+            nbytes = 0
+            if not compile_only:
+                for row in cur:  # one row at a time: memory stops at the budget
+                    nbytes += sys.getsizeof(row) + 8 + sum(map(_value_bytes, row))
+                    if nbytes > max_bytes:
+                        n = len(rows)
+                        rows.clear()
+                        raise QueryTooLarge(
+                            f"result larger than {max_bytes} bytes (over budget) after {n} rows"
+                        )
+                    rows.append(row)
+                    if len(rows) > max_rows:
+                        break
         except sqlite3.ProgrammingError as e:  # several statements, among others
             raise QueryRefused(f"{e}") from e
         except sqlite3.DatabaseError as e:
@@ -253,6 +359,8 @@ def run_readonly(
                 raise QueryRefused(box.refused) from e
             if box.timed_out:
                 raise QueryTimeout(f"interrupted after {timeout_s:g} s") from e
+            if any(m in str(e) for m in _WRITE_ERRORS):  # SQLite refused a write itself
+                raise QueryRefused(f"{e} (read-only sandbox)") from e
             raise QueryError(f"{type(e).__name__}: {e}") from e
         except (OverflowError, ValueError, MemoryError) as e:
             raise QueryError(f"{type(e).__name__}: {e}") from e
@@ -260,7 +368,7 @@ def run_readonly(
             raise QueryTooManyRows(f"more than {max_rows} rows")
         if reads is not None:
             reads.extend(box.reads)
-        return rows
+        return rows, nbytes
     finally:
         conn.close()
 
@@ -277,8 +385,8 @@ def referenced_columns(
 
 def extract_query(response: str) -> str:
     """The SQL in a response: its first fenced code block, else the whole text, stripped."""
-    m = _FENCE.search(response)
-    text = m.group(1) if m else response
+    fence = find_fence(response)
+    text = fence.body if fence is not None else response
     return text.strip()
 
 
@@ -315,41 +423,73 @@ def results_equal(got: list[tuple], gold: list[tuple], *, ordered: bool) -> bool
 
 class _RunCache:
     """Small thread-safe LRU of query outcomes (rows or error), so that the three rewards
-    of one response run its query once."""
+    of one response run its query once. Bounded by entries and by bytes: ``compute``
+    returns ``(value, nbytes)``; least recently used entries go first, and a value larger
+    than a quarter of the byte budget is returned without being kept."""
 
-    def __init__(self, size: int = 512):
+    def __init__(self, size: int = CACHE_ENTRIES, max_bytes: int = CACHE_MAX_BYTES):
         self.size = size
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.lock = threading.Lock()
-        self.data: OrderedDict[tuple, tuple] = OrderedDict()
+        self.data: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (outcome, nbytes)
 
-    def get(self, key: tuple, compute: Callable[[], Any]) -> tuple[Any, QueryError | None]:
+    def get(
+        self, key: tuple, compute: Callable[[], tuple[Any, int]]
+    ) -> tuple[Any, QueryError | None]:
         with self.lock:
             if key in self.data:
                 self.data.move_to_end(key)
-                return self.data[key]
+                return self.data[key][0]
         try:
-            out: tuple = (compute(), None)
+            value, nbytes = compute()
+            out: tuple = (value, None)
         except QueryError as e:
-            out = (None, e)
+            # A fresh exception without traceback: the failed call's frames (and any rows
+            # they held) must not live on in the cache.
+            out = (None, type(e)(str(e)))
+            nbytes = 0
+        nbytes += 256 + sum(sys.getsizeof(k) for k in key if isinstance(k, str))
+        if nbytes > self.max_bytes // 4:
+            return out
         with self.lock:
-            self.data[key] = out
-            if len(self.data) > self.size:
-                self.data.popitem(last=False)
+            if key in self.data:
+                self.nbytes -= self.data.pop(key)[1]
+            self.data[key] = (out, nbytes)
+            self.nbytes += nbytes
+            while self.data and (len(self.data) > self.size or self.nbytes > self.max_bytes):
+                self.nbytes -= self.data.popitem(last=False)[1][1]
         return out
+
+    def clear(self) -> None:
+        with self.lock:
+            self.data.clear()
+            self.nbytes = 0
 
 
 _RUNS = _RunCache()
 _REFS = _RunCache()
 
 
-def _cached_run(db_path: str, query: str, timeout_s: float, max_rows: int):
+def _cached_run(
+    db_path: str, query: str, timeout_s: float, max_rows: int, max_bytes: int = DEFAULT_MAX_BYTES
+):
     try:
         mtime = os.stat(db_path).st_mtime_ns
     except OSError:
         mtime = None
-    key = (db_path, mtime, query, timeout_s, max_rows)
+    key = (db_path, mtime, query, timeout_s, max_rows, max_bytes)
     return _RUNS.get(
-        key, lambda: run_readonly(db_path, query, timeout_s=timeout_s, max_rows=max_rows)
+        key,
+        lambda: _run_readonly(
+            db_path,
+            query,
+            timeout_s=timeout_s,
+            max_rows=max_rows,
+            compile_only=False,
+            reads=None,
+            max_bytes=max_bytes,
+        ),
     )
 
 
@@ -359,7 +499,12 @@ def _cached_refs(db_path: str, query: str, timeout_s: float):
     except OSError:
         mtime = None
     key = (db_path, mtime, query, timeout_s)
-    return _REFS.get(key, lambda: referenced_columns(db_path, query, timeout_s=timeout_s))
+
+    def compute():
+        refs = referenced_columns(db_path, query, timeout_s=timeout_s)
+        return refs, sys.getsizeof(refs) + sum(sys.getsizeof(t) + 2 * 64 for t in refs)
+
+    return _REFS.get(key, compute)
 
 
 def _spans(fields: dict, tables: Iterable[str], question: bool) -> tuple[Span, ...]:
@@ -378,9 +523,18 @@ def _spans(fields: dict, tables: Iterable[str], question: bool) -> tuple[Span, .
 class _SQLVerifier:
     name = "sql"
 
-    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(
+        self,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ):
         self.timeout_s = float(timeout_s)
         self.max_rows = int(max_rows)
+        self.max_bytes = int(max_bytes)
+        if self.max_bytes <= 0:
+            raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         raise NotImplementedError
@@ -410,7 +564,9 @@ class _SQLVerifier:
         return Verdict(score, spans, reason if score == 0.0 else None)
 
     def _run(self, example: Example, query: str):
-        return _cached_run(str(example.fields["db_path"]), query, self.timeout_s, self.max_rows)
+        return _cached_run(
+            str(example.fields["db_path"]), query, self.timeout_s, self.max_rows, self.max_bytes
+        )
 
 
 class ExecutionMatch(_SQLVerifier):
@@ -424,7 +580,11 @@ class ExecutionMatch(_SQLVerifier):
     def _score(self, example: Example, query: str) -> tuple[float, str | None]:
         gold = example.fields["gold"]
         gold_rows, gold_err = _cached_run(
-            str(example.fields["db_path"]), gold, max(self.timeout_s, 5.0), self.max_rows
+            str(example.fields["db_path"]),
+            gold,
+            max(self.timeout_s, 5.0),
+            self.max_rows,
+            self.max_bytes,
         )
         if gold_err is not None:
             raise RuntimeError(f"gold query failed: {gold_err}")
@@ -470,6 +630,8 @@ class SchemaOnly(_SQLVerifier):
             return 0.0, f"{type(err).__name__}: {err}"
         for table, column in sorted(refs):
             cols = schema.get(table.lower())
+            if cols is None and table.lower() in TABLE_FUNCTIONS:
+                continue  # json_each(...) and the like: rows of a function, not a table
             if cols is None:
                 return 0.0, f"reads table {table!r}, which is not in the schema"
             # "" is a whole-table read (COUNT(*)); rowid aliases are part of every table.
@@ -479,8 +641,11 @@ class SchemaOnly(_SQLVerifier):
 
 
 def sql_verifiers(
-    *, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> list[_SQLVerifier]:
     """The three SQL rewards, in order: execution match, the query runs, schema only."""
-    kw = dict(timeout_s=timeout_s, max_rows=max_rows)
+    kw = dict(timeout_s=timeout_s, max_rows=max_rows, max_bytes=max_bytes)
     return [ExecutionMatch(**kw), QueryRuns(**kw), SchemaOnly(**kw)]
