@@ -239,6 +239,10 @@ def _js_sum_kernel(
         delta = (zp[None, :] - zq) - dl[:, None]
         acc += _js_terms(p[None, :], q, delta)
     half = 0.5 * tl.sum(acc, axis=1)
+    # a row with a NaN or +inf (lse NaN) or nothing but -inf (lse -inf) has no distribution:
+    # NaN, never the 0 that the p + q > 0 mask of _js_terms would give (README "Numerics")
+    defined = tl.abs(dl) < float("inf")  # dl = lse_p - lse_q: finite iff both are
+    half = tl.where(defined, half, float("nan"))
     tl.store(part_ptr + sp * stride_part_s + kk.to(tl.int64) * stride_part_k + r, half, k_mask)
 
 
@@ -264,8 +268,9 @@ def _js_finish_kernel(
     jsd = tl.zeros([BLOCK], dtype=tl.float32)
     for sp in range(0, splits):
         jsd += tl.load(src + sp * stride_part_s, mask=mask, other=0.0)
-    d = tl.sqrt_rn(tl.maximum(jsd, 0.0) * (1.0 / _LN2))
-    tl.store(out_ptr + k * stride_out_k + row0 + r, tl.minimum(d, 1.0), mask=mask)
+    # clamps by comparison: tl.maximum / tl.minimum may drop a NaN on the GPU
+    d = tl.sqrt_rn(tl.where(jsd < 0.0, 0.0, jsd) * (1.0 / _LN2))
+    tl.store(out_ptr + k * stride_out_k + row0 + r, tl.where(d > 1.0, 1.0, d), mask=mask)
 
 
 # --------------------------------------------------------------------------- launchers

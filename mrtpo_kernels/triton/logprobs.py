@@ -227,6 +227,7 @@ def _stats_combine_kernel(
     ent_ptr,
     lse_ptr,
     N,
+    V,
     num_splits,
     ignore_index,
     WITH_ENT: tl.constexpr,
@@ -259,8 +260,11 @@ def _stats_combine_kernel(
     lse = m + log_s
     y = tl.load(labels_ptr + rows64, mask=mask, other=ignore_index)
     valid = y != ignore_index
+    # a label outside [0, V) (value checks off) matched no column: NaN, never a stray read
+    in_range = (y >= 0) & (y < V)
+    logp = tl.where(in_range, tgt - lse, float("nan"))
     tl.store(lse_ptr + rows64, lse, mask=mask)
-    tl.store(logp_ptr + rows64, tl.where(valid, tgt - lse, 0.0), mask=mask)
+    tl.store(logp_ptr + rows64, tl.where(valid, logp, 0.0), mask=mask)
     if WITH_ENT:
         tl.store(ent_ptr + rows64, tl.where(valid, log_s - t / s, 0.0), mask=mask)
 
@@ -278,6 +282,7 @@ def _dlogits_kernel(
     out_ptr,  # (N, v_hi - v_lo) with row stride stride_out
     db_ptr,
     N,
+    V,
     v_lo,
     v_hi,
     D,
@@ -314,7 +319,8 @@ def _dlogits_kernel(
     )  # fmt: skip
     z = tl.where(col_mask[None, :], raw * inv_t, float("-inf"))
     y = tl.load(labels_ptr + rows64, mask=row_mask, other=ignore_index)
-    valid = (y != ignore_index) & row_mask
+    # an out-of-range label (value checks off) gets a zero gradient, like an ignored one
+    valid = (y != ignore_index) & (y >= 0) & (y < V) & row_mask
     lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
     g = tl.where(valid, tl.load(g_logp_ptr + rows64, mask=row_mask, other=0.0), 0.0)
     log_p = z - lse[:, None]
@@ -464,7 +470,7 @@ def lse_stats(
     ent = torch.empty(n if with_ent else 0, dtype=torch.float32, device=src.device)
     block = 1024 if not interpreting() else 256
     _stats_combine_kernel[(cdiv(n, block),)](
-        part, labels, logp, ent if with_ent else lse, lse, n, splits, ignore_index,
+        part, labels, logp, ent if with_ent else lse, lse, n, v, splits, ignore_index,
         WITH_ENT=with_ent, BLOCK=block,
     )  # fmt: skip
     return logp, ent, lse
@@ -505,7 +511,8 @@ def dlogits(
     grid = (cdiv(n, cfg["BLOCK_N"]) * cdiv(v_hi - v_lo, cfg["BLOCK_V"]),)
     _dlogits_kernel[grid](
         src, w, w if bias is None else bias, labels, lse, ent if has_ent else lse, g_logp,
-        g_ent if has_ent else g_logp, out, lse if db is None else db, n, v_lo, v_hi,
+        g_ent if has_ent else g_logp, out, lse if db is None else db, n, w.shape[0] if not
+        from_logits else src.shape[1], v_lo, v_hi,
         0 if from_logits else src.shape[1], src.stride(0), w.stride(0), out.stride(0),
         1.0 / temperature, ignore_index,
         FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, HAS_ENT_GRAD=has_ent,
