@@ -20,6 +20,7 @@ from .common import (
     check_tensor,
     consecutive_group_ids,
     padded_token_advantages,
+    require,
 )
 
 __all__ = ["LOSS_TYPES", "fused_policy_loss", "mrtpo_advantages_for_grpo"]
@@ -156,6 +157,7 @@ def fused_policy_loss(
     token_normalizer: float | torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = -100,
+    use_bias_correction_kl: bool = False,
 ):
     """GRPOTrainer's clipped loss with the LM head fused in: no (B, T, V) logits.
 
@@ -178,6 +180,12 @@ def fused_policy_loss(
             default T (the padded width, which is what TRL uses only when they agree).
         token_normalizer: for "dapo", TRL's ``num_items_in_batch / num_processes`` (the
             token count of the whole accumulated batch); default this batch's token count.
+        use_bias_correction_kl: TRL's option (its default is True): the k3 KL term of each
+            token is multiplied by the importance ratio exp(logp - old). ``linear_policy_loss``
+            has no per-token KL weight, so with beta != 0 this takes the per-token path:
+            differentiable log-probs from ``linear_logprobs`` (still no (B, T, V) logits) and
+            TRL's formula on (B, T) tensors, at the cost of a backward that recomputes the
+            head once more.
 
     Returns:
         (loss, metrics) as ``linear_policy_loss``: a scalar with gradients to hidden, weight
@@ -223,6 +231,14 @@ def fused_policy_loss(
         if not norm_len > 0:
             raise ValueError(f"max_completion_length: expected > 0, got {max_completion_length}")
 
+    if use_bias_correction_kl and beta != 0.0:
+        return _per_token_policy_loss(
+            hidden, lm_head_weight, lm_head_bias, labels, mask, old_per_token_logps,
+            advantages, ref_per_token_logps, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+            beta=beta, loss_type=loss_type, temperature=temperature, norm_len=norm_len,
+            token_normalizer=token_normalizer, ignore_index=ignore_index,
+        )  # fmt: skip
+
     loss, metrics = linear_policy_loss(
         hidden, lm_head_weight, labels, old_per_token_logps, advantages,
         bias=lm_head_bias, temperature=temperature, clip_low=epsilon_low,
@@ -241,3 +257,291 @@ def fused_policy_loss(
         norm = torch.as_tensor(token_normalizer, dtype=loss.dtype, device=loss.device)
         loss = loss * (tokens / norm)
     return loss, metrics
+
+
+def _per_token_policy_loss(
+    hidden, weight, bias, labels, mask, old, advantages, ref, *, epsilon_low, epsilon_high,
+    beta, loss_type, temperature, norm_len, token_normalizer, ignore_index,
+):  # fmt: skip
+    """TRL's clipped loss with the bias-corrected k3 KL, from differentiable fused log-probs."""
+    logp = linear_logprobs(
+        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
+    )
+    m = mask.to(logp.dtype)
+    old = old.to(logp.dtype)
+    adv = advantages.to(logp.dtype)
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    diff = ref.to(logp.dtype) - logp
+    kl = (torch.exp(diff) - diff - 1.0) * ratio
+    per_token = per_token + beta * kl
+    b = per_token.shape[0]
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "dr_grpo":
+        loss = (per_token * m).sum() / (b * norm_len)
+    elif loss_type == "dapo" and token_normalizer is not None:
+        norm = torch.as_tensor(token_normalizer, dtype=logp.dtype, device=logp.device)
+        loss = (per_token * m).sum() / norm
+    else:
+        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
+    with torch.no_grad():
+        n = m.sum().clamp(min=1.0)
+        is_clipped = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | (
+            (ratio > 1.0 + epsilon_high) & (adv > 0)
+        )
+        metrics = {
+            "clip_fraction": (is_clipped.to(m.dtype) * m).sum() / n,
+            "mean_ratio": (ratio * m).sum() / n,
+            "kl": (kl * m).sum() / n,
+        }
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- the trainer
+
+# TRL settings the fused loss path reproduces; any other value goes to TRL's own loss code,
+# fed by fused log-probs (see MRTPOGRPOTrainer).
+_REFUSED_MODEL_SETTINGS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                           "lm_head_multiplier", "output_multiplier")  # fmt: skip
+
+
+def _trainer_mixin():
+    class MRTPOGRPOMixin:
+        """GRPOTrainer with MRTPO (B, T) token advantages and a fused LM head everywhere.
+
+        Extra keyword arguments:
+            mrtpo_alpha, mrtpo_gamma: MRTPO's alpha and gamma (``mrtpo_token_advantages``).
+            relevance_fn: ``fn(trainer, inputs, output) -> (relevance (K, B, T), has_info
+                (B, K))`` for this process's rows, e.g. from ``replay_relevance``; None
+                gives zero relevance and no spans (the GDPO advantage on every token).
+            mrtpo_advantages: False keeps TRL's own advantages (only the fused loss).
+
+        Log-probs (old, reference and current) come from ``linear_logprobs`` on the
+        decoder's hidden states, so no (B, T, V) logits are formed. The loss is
+        ``fused_policy_loss`` for loss types grpo/bnpo/dapo/dr_grpo at token-level
+        importance sampling, with or without ``use_bias_correction_kl``; every other
+        setting (entropy bonus, top_entropy_quantile, off_policy_mask_threshold, delta,
+        sequence-level importance sampling, vLLM importance weights, other loss types) runs
+        TRL's own ``_compute_loss`` on those fused log-probs, so nothing is dropped. A MoE
+        router aux loss, multimodal inputs and logit scaling/softcapping are refused.
+        """
+
+        def __init__(self, *args, mrtpo_alpha=1.0, mrtpo_gamma=1.0, relevance_fn=None,
+                     mrtpo_advantages=True, **kwargs):  # fmt: skip
+            super().__init__(*args, **kwargs)
+            self.mrtpo_alpha = float(mrtpo_alpha)
+            self.mrtpo_gamma = float(mrtpo_gamma)
+            self.relevance_fn = relevance_fn
+            self.mrtpo_advantages = bool(mrtpo_advantages)
+            if getattr(self, "aux_loss_enabled", False):
+                raise ValueError(
+                    "router_aux_loss_coef: the fused LM head runs the decoder without the "
+                    "MoE router outputs, so the aux loss would be lost; set "
+                    "router_aux_loss_coef=0.0 or use TRL's GRPOTrainer"
+                )
+            text_config = self.model.config.get_text_config()
+            for name in _REFUSED_MODEL_SETTINGS:
+                value = getattr(text_config, name, None)
+                if value is not None and value != 1.0:
+                    raise ValueError(
+                        f"model.config.{name}: the fused LM head computes plain "
+                        f"logits / temperature; a model with {name}={value} is not supported"
+                    )
+            if self.mrtpo_advantages:
+                _check_scale_rewards(self.scale_rewards)
+
+        # ------------------------------------------------------------ advantages
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._mrtpo_rewards_per_func = out  # (B_all, K), gathered over processes
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            if not self.mrtpo_advantages:
+                return output
+            mode = "train" if self.model.training else "eval"
+            g = self.num_generations if mode == "train" else self.num_generations_eval
+            rewards = self._mrtpo_rewards_per_func
+            mask = output["completion_mask"]
+            b, t = mask.shape
+            k = rewards.shape[1]
+            if self.relevance_fn is None:
+                relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
+                has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
+            else:
+                relevance, has_info = self.relevance_fn(self, inputs, output)
+            rank = self.accelerator.process_index
+            process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
+            output["advantages"] = mrtpo_advantages_for_grpo(
+                rewards, g, mask, relevance.to(mask.device), has_info.to(mask.device),
+                reward_weights=self.reward_weights.to(rewards.device), alpha=self.mrtpo_alpha,
+                gamma=self.mrtpo_gamma, scale_rewards=self.scale_rewards,
+                process_slice=process_slice,
+            )  # fmt: skip
+            return output
+
+        # ------------------------------------------------------------ log-probs
+        def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+            from mrtpo.model import decoder
+
+            # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
+            # the head then runs in the weight's dtype
+            with self.accelerator.autocast():
+                out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False)  # fmt: skip
+            hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
+            weight = model.get_output_embeddings().weight
+            return hidden.to(weight.dtype)
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                               logits_to_keep, batch_size=None,
+                                               compute_entropy=False, compute_aux_loss=False,
+                                               **multimodal):  # fmt: skip
+            if compute_aux_loss:
+                raise ValueError("router_aux_loss_coef: not supported by the fused LM head")
+            given = [k for k, v in multimodal.items() if v is not None]
+            if given:
+                raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
+                                 "fused LM head (it runs the text decoder only)")  # fmt: skip
+            from mrtpo.model import lm_head
+
+            weight, bias = lm_head(model)
+            batch_size = batch_size or input_ids.size(0)
+            logps, ents = [], []
+            for s in range(0, input_ids.size(0), batch_size):
+                ids, am = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
+                hidden = self._completion_hidden(model, ids, am, logits_to_keep)
+                labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
+                out = linear_logprobs(hidden, weight, labels, bias=bias,
+                                      temperature=self.temperature,
+                                      return_entropy=compute_entropy)  # fmt: skip
+                if compute_entropy:
+                    logps.append(out[0])
+                    ents.append(out[1])
+                else:
+                    logps.append(out)
+            return (torch.cat(logps), torch.cat(ents) if compute_entropy else None, None)
+
+        # ------------------------------------------------------------ loss
+        def _fused_loss_applies(self, inputs) -> bool:
+            return (
+                self.loss_type in LOSS_TYPES
+                and self.importance_sampling_level == "token"
+                and not self._entropy_bonus_enabled
+                and self.top_entropy_quantile >= 1.0
+                and self.off_policy_mask_threshold is None
+                and self.args.delta is None
+                and not (self.use_vllm and self.vllm_importance_sampling_correction)
+            )
+
+        def _compute_loss(self, model, inputs):
+            if not self._fused_loss_applies(inputs):
+                return super()._compute_loss(model, inputs)  # TRL's loss, fused log-probs
+            from mrtpo.model import lm_head
+
+            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+            completion_ids = inputs["completion_ids"]
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            t = completion_ids.size(1)
+            hidden = self._completion_hidden(
+                model, torch.cat([prompt_ids, completion_ids], dim=1),
+                torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
+            )  # fmt: skip
+            weight, bias = lm_head(model)
+            mode = "train" if self.model.training else "eval"
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+            token_normalizer = None
+            if self.loss_type == "dapo":
+                token_normalizer = (
+                    inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+                )
+                if mode == "train":
+                    token_normalizer = (
+                        token_normalizer * accumulation / self.args.steps_per_generation
+                    )
+            beta = self.beta
+            loss, _ = fused_policy_loss(
+                hidden, weight, completion_ids, mask, inputs.get("old_per_token_logps"),
+                inputs["advantages"], epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, beta=beta,
+                ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                loss_type=self.loss_type, temperature=self.temperature,
+                max_completion_length=self.max_completion_length,
+                token_normalizer=token_normalizer, lm_head_bias=bias,
+                use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
+            )  # fmt: skip
+            if self.loss_type != "dapo":
+                loss = loss / accumulation
+            self._log_fused_metrics(hidden, weight, bias, completion_ids, mask, inputs, mode)
+            return loss
+
+        @torch.no_grad()
+        def _log_fused_metrics(self, hidden, weight, bias, completion_ids, mask, inputs, mode):
+            # The metrics TRL's _compute_loss logs, from one no-grad pass of the fused head.
+            labels = completion_ids.masked_fill(mask == 0, -100)
+            logp, entropy = linear_logprobs(hidden.detach(), weight.detach(), labels,
+                                            bias=None if bias is None else bias.detach(),
+                                            temperature=self.temperature,
+                                            return_entropy=True)  # fmt: skip
+            old = inputs.get("old_per_token_logps")
+            old = logp if old is None else old
+            ratio = torch.exp(logp - old)
+            adv = inputs["advantages"]
+            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+            m = mask.to(logp.dtype)
+
+            def global_masked_mean(x):
+                totals = self.accelerator.reduce(
+                    torch.stack([(x * m).sum(), m.sum()]), reduction="sum"
+                )
+                return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+            def masked_seq_mean(x):
+                return (x * m).sum(-1) / m.sum(-1)
+
+            metrics = self._metrics[mode]
+            if self.beta != 0.0:
+                diff = inputs["ref_per_token_logps"] - logp
+                kl = torch.exp(diff) - diff - 1
+                if self.args.use_bias_correction_kl:
+                    kl = kl * ratio
+                metrics["kl"].append(global_masked_mean(kl))
+            metrics["entropy"].append(global_masked_mean(entropy))
+            low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).to(m.dtype)
+            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(m.dtype)
+            metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+            metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+            metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            gathered_low = self.accelerator.gather(masked_seq_mean(low))
+            gathered_high = self.accelerator.gather(masked_seq_mean(high))
+            metrics["clip_ratio/low_min"].append(_nan_reduce(gathered_low, torch.min))
+            metrics["clip_ratio/high_max"].append(_nan_reduce(gathered_high, torch.max))
+
+    return MRTPOGRPOMixin
+
+
+def _nan_reduce(x: torch.Tensor, fn) -> float:
+    x = x[~torch.isnan(x)]
+    return float("nan") if x.numel() == 0 else fn(x).item()
+
+
+_TRAINER_CLASS = None
+
+
+def __getattr__(name):
+    # MRTPOGRPOTrainer subclasses trl.GRPOTrainer, so it is built on first use (TRL is
+    # imported only then).
+    global _TRAINER_CLASS
+    if name == "MRTPOGRPOTrainer":
+        if _TRAINER_CLASS is None:
+            trl = require("trl", "MRTPOGRPOTrainer")
+            mixin = _trainer_mixin()
+            _TRAINER_CLASS = type("MRTPOGRPOTrainer", (mixin, trl.GRPOTrainer),
+                                  {"__doc__": mixin.__doc__, "__module__": __name__})  # fmt: skip
+        return _TRAINER_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
