@@ -65,12 +65,11 @@ def availability(provider: str) -> str | None:
     if provider not in PROVIDERS:
         raise ValueError(f"provider: expected one of {', '.join(PROVIDERS)}; got {provider!r}")
     if _is_ours(provider):
-        from mrtpo_kernels import backends
+        import mrtpo_kernels as mk
 
         name = provider.split("-", 1)[1]
-        if backends.load(name) is None:
-            return f"backend {name!r} not available: {backends.load_error(name)}"
-        return None
+        status = mk.backend_status()[name]
+        return None if status == "ok" else f"backend {name!r} not available: {status}"
     module = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "verl": "verl"}.get(provider)
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (python package {module!r}; pip install '.[bench]')"
@@ -87,34 +86,20 @@ def _need_cuda(provider: str, device: torch.device) -> None:
 
 def _ours(backend: str, op: str, x: Inputs):
     import mrtpo_kernels as mk
-    from mrtpo_kernels import _dispatch
 
-    dev = torch.device(x.tensors.get("hidden", x.tensors.get("relevance")).device)
-    needs = {
-        "linear_logprobs_fwd": ("linear_logprobs_fwd",),
-        "linear_logprobs_entropy": ("linear_logprobs_fwd",),
-        "linear_logprobs_fwd_bwd": ("linear_logprobs_fwd", "linear_logprobs_bwd"),
-        "linear_policy_loss_fwd_bwd": ("linear_policy_loss",),
-        "linear_js_distance": ("linear_js",),
-        "advantages": ("reallocate_packed",),
-        "credit_assignment_step": ("linear_js", "linear_policy_loss"),
-    }[op]
-    if backend in ("triton", "cuda") and dev.type != "cuda":
-        import os
-
-        if not (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
-            raise Unsupported(f"backend {backend!r} needs CUDA tensors (device here: {dev})")
-    for fn in needs:
-        try:
+    first = x.tensors.get("hidden", x.tensors.get("relevance"))
+    dev, dtype = first.device, first.dtype
+    # the public ops this benchmark op runs with backend=, from the op table
+    for name in [o.name for o in mk.OPS.values() if op in o.bench_ops and o.entry_points]:
+        if backend not in mk.available_backends(name, dev, dtype):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got = _dispatch.resolve(fn, dev, backend)
-        except (RuntimeError, ValueError) as exc:
-            raise Unsupported(str(exc).split(" [MRTPO_STRICT")[0]) from None
-        if got != backend:
-            raise Unsupported(
-                f"backend {backend!r} cannot run {fn} (it would fall back to {got!r})"
-            )
+                try:
+                    got = mk.resolve_backend(name, dev, dtype, backend)
+                    why = f"it would run on {got!r}"
+                except (RuntimeError, ValueError) as exc:
+                    why = str(exc)
+            raise Unsupported(f"backend {backend!r} does not serve {name} on {dev} {dtype} ({why})")
     be = backend
     if op == "linear_logprobs_fwd":
         return lambda: [mk.linear_logprobs(x["hidden"], x["weight"], x["labels"], backend=be)]

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         ap.error("--vocab: expected at least 2")
     out = run(args.seed, args.vocab)
     print(format_table(out))
-    backends = {k: v for k, v in mk.available_backends().items() if v == "ok"}
+    backends = {k: v for k, v in mk.backend_status().items() if v == "ok"}
     print(
         f"JS relevance + token advantages in {out['seconds'] * 1e3:.1f} ms on the CPU "
         f"(backends available: {', '.join(backends)})"

@@ -1,7 +1,8 @@
 """mrtpo-kernels: fused kernels for multi-reward token-level policy optimization (MRTPO).
 
-Public API (semantics in METHOD.md; every op has a float64 reference in
-``mrtpo_kernels.reference``):
+Public API (semantics in docs/METHOD.md; every op has a float64 reference in
+``mrtpo_kernels.reference``; ``OPS`` maps each op to its kernels, reference, tests and
+benchmark):
 
 - ``linear_logprobs``: per-token log-probs (and entropy) fused with the LM head, autograd.
 - ``logprobs_from_logits``: the same from existing logits, streaming over the vocabulary.
@@ -9,21 +10,30 @@ Public API (semantics in METHOD.md; every op has a float64 reference in
 - ``js_distance``: the same from existing logits.
 - ``linear_policy_loss``: clipped surrogate with the gradient computed in the forward pass.
 - ``gdpo_advantages``, ``mrtpo_token_advantages``: GDPO and MRTPO advantages.
+
+Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
+Validation helper: ``check_tensor`` (ValueError naming the argument).
 """
 
-from ._dispatch import available as available_backends
+from ._dispatch import available_backends, backend_status, resolve_backend
+from ._optable import OPS, Op
+from ._validation import check_tensor
 from .advantages import gdpo_advantages, mrtpo_token_advantages
 from .js import js_distance, linear_js_distance
 from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import linear_policy_loss
-from .reference import GDPOAdvantages, TokenAdvantages
+from .types import GDPOAdvantages, TokenAdvantages
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OPS",
     "GDPOAdvantages",
+    "Op",
     "TokenAdvantages",
     "available_backends",
+    "backend_status",
+    "check_tensor",
     "gdpo_advantages",
     "js_distance",
     "linear_js_distance",
@@ -31,4 +41,5 @@ __all__ = [
     "linear_policy_loss",
     "logprobs_from_logits",
     "mrtpo_token_advantages",
+    "resolve_backend",
 ]

@@ -11,15 +11,11 @@ import torch
 from torch import Tensor
 
 from . import _dispatch
-
-
-def _acc(t: Tensor) -> torch.dtype:
-    """Dtype of computed outputs: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from .types import acc_dtype
 
 
 def _empty_like_rows(t: Tensor, n: int) -> Tensor:
-    return t.new_empty(n, dtype=_acc(t))
+    return t.new_empty(n, dtype=acc_dtype(t))
 
 
 # --------------------------------------------------------------------------- linear log-probs
@@ -75,8 +71,8 @@ def linear_logprobs_bwd(
 def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, t, ii, backend):
     return (
         torch.empty_like(hidden),
-        weight.new_empty(weight.shape, dtype=_acc(hidden)),
-        weight.new_empty(bias.shape[0] if bias is not None else 0, dtype=_acc(hidden)),
+        weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
+        weight.new_empty(bias.shape[0] if bias is not None else 0, dtype=acc_dtype(hidden)),
     )
 
 
@@ -197,7 +193,7 @@ def linear_js(
 
 @linear_js.register_fake
 def _(hidden_p, hidden_q, weight, bias, temperature, backend):
-    return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=_acc(hidden_p))
+    return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=acc_dtype(hidden_p))
 
 
 @torch.library.custom_op("mrtpo::logits_js", mutates_args=())
@@ -207,7 +203,7 @@ def logits_js(logits_p: Tensor, logits_q: Tensor, temperature: float, backend: s
 
 @logits_js.register_fake
 def _(logits_p, logits_q, temperature, backend):
-    return logits_p.new_empty((logits_q.shape[0], logits_p.shape[0]), dtype=_acc(logits_p))
+    return logits_p.new_empty((logits_q.shape[0], logits_p.shape[0]), dtype=acc_dtype(logits_p))
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -242,7 +238,7 @@ def linear_policy_loss(
 def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need_grad, backend):
     n = hidden.shape[0]
     v = weight.shape[0]
-    f32 = _acc(hidden)
+    f32 = acc_dtype(hidden)
     return (
         hidden.new_empty((), dtype=f32),
         hidden.new_empty(n, dtype=f32),
@@ -315,7 +311,6 @@ def reallocate_packed(
     lam: Tensor,
     has_info: Tensor,
     relevance: Tensor,
-    seg_ids: Tensor,
     cu_seqlens: Tensor,
     mean: Tensor,
     std: Tensor,
@@ -329,14 +324,25 @@ def reallocate_packed(
 ) -> tuple[Tensor, Tensor]:
     fn = _dispatch.get(backend, "reallocate_packed")
     return fn(
-        per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std, alpha, gamma,
-        eps_batch, delta, clip_min, clip_max,
-    )  # fmt: skip
+        per_reward=per_reward,
+        lam=lam,
+        has_info=has_info,
+        relevance=relevance,
+        cu_seqlens=cu_seqlens,
+        mean=mean,
+        std=std,
+        alpha=alpha,
+        gamma=gamma,
+        eps_batch=eps_batch,
+        delta=delta,
+        clip_min=clip_min,
+        clip_max=clip_max,
+    )
 
 
 @reallocate_packed.register_fake
-def _(per_reward, lam, has_info, relevance, seg_ids, cu, mean, std, a, g, e, d, c0, c1, backend):
-    f32 = _acc(relevance)
+def _(per_reward, lam, has_info, relevance, cu, mean, std, a, g, e, d, c0, c1, backend):
+    f32 = acc_dtype(relevance)
     return (
         relevance.new_empty(relevance.shape[1], dtype=f32),
         relevance.new_empty(relevance.shape, dtype=f32),

@@ -8,23 +8,25 @@ checked) and can be turned off with ``MRTPO_SKIP_VALUE_CHECKS=1``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from . import settings
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def value_checks_enabled() -> bool:
-    if os.environ.get("MRTPO_SKIP_VALUE_CHECKS", "0") not in ("", "0"):
-        return False
-    try:
-        return not torch.compiler.is_compiling()
-    except AttributeError:  # pragma: no cover - very old torch
-        return True
+    return settings.value_checks() and not torch.compiler.is_compiling()
 
 
-def tensor(name: str, t, *, ndim=None, dtypes=None, min_ndim=None) -> torch.Tensor:
+def check_tensor(
+    name: str, t, *, ndim=None, min_ndim=None, dtypes=None, floating: bool | None = None
+) -> torch.Tensor:
+    """ValueError naming ``name`` unless ``t`` is a tensor of the given rank and kind.
+
+    ndim: an int or a tuple of allowed ranks; min_ndim: the least rank; dtypes: allowed
+    dtypes; floating: True asks for a floating-point dtype. Returns ``t``."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if ndim is not None:
@@ -39,15 +41,17 @@ def tensor(name: str, t, *, ndim=None, dtypes=None, min_ndim=None) -> torch.Tens
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name}: expected dtype in ({names}), got {t.dtype}")
+    if floating and not t.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
     return t
 
 
 def float_tensor(name: str, t, **kw) -> torch.Tensor:
-    return tensor(name, t, dtypes=FLOAT_DTYPES, **kw)
+    return check_tensor(name, t, dtypes=FLOAT_DTYPES, **kw)
 
 
 def int_tensor(name: str, t, **kw) -> torch.Tensor:
-    tensor(name, t, **kw)
+    check_tensor(name, t, **kw)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"{name}: expected an integer tensor, got {t.dtype}")
     return t
@@ -112,3 +116,31 @@ def labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None
         raise ValueError(
             f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index}, found {first}"
         )
+
+
+def flatten_tokens(hidden: torch.Tensor, labels: torch.Tensor, hname: str = "hidden"):
+    """Check hidden (..., d) and labels (...); return them as (N, d) and (N,) int64."""
+    float_tensor(hname, hidden, min_ndim=2)
+    int_tensor("labels", labels)
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels: expected shape {tuple(hidden.shape[:-1])} (the leading dimensions of "
+            f"{hname}), got {tuple(labels.shape)}"
+        )
+    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+
+
+def lm_head(hidden: torch.Tensor, weight, bias) -> None:
+    """Check an LM head weight (V, d) and optional bias (V,) against hidden (..., d)."""
+    float_tensor("weight", weight, ndim=2)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight: expected shape (V, {hidden.shape[-1]}) (d from hidden), "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight: the vocabulary is empty (V = 0)")
+    if bias is not None:
+        float_tensor("bias", bias, ndim=1)
+        shape_eq("bias", bias, (weight.shape[0],), "V from weight")
+    same_dtype(hidden=hidden, weight=weight, bias=bias)

@@ -17,7 +17,7 @@ import torch
 
 from . import _dispatch, _ops
 from . import _validation as check
-from .reference import GDPOAdvantages, TokenAdvantages
+from .types import GDPOAdvantages, TokenAdvantages, acc_dtype
 
 BATCH_NORMS = ("sequence", "token")
 NAN_POLICIES = ("error", "zero")
@@ -51,7 +51,7 @@ def _check_rewards(rewards, group_ids, weights, nan):
 
 
 def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
-    r = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    r = rewards.to(acc_dtype(rewards))
     n, k = r.shape
     _, inv = torch.unique(group_ids, return_inverse=True)
     g = n  # upper bound on the number of groups: no data-dependent shape below
@@ -117,7 +117,7 @@ def gdpo_advantages(
     if batch_norm == "token":
         if lengths is None:
             raise ValueError("lengths: batch_norm='token' needs each response's token count")
-        check.tensor("lengths", lengths, ndim=1)
+        check.check_tensor("lengths", lengths, ndim=1)
         check.shape_eq("lengths", lengths, (rewards.shape[0],), "one length per response")
     return _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)[0]
 
@@ -182,7 +182,7 @@ def mrtpo_token_advantages(
             f"relevance: expected K = {k} rewards in dimension 0 (from rewards), "
             f"got {relevance.shape[0]}"
         )
-    check.tensor("has_info", has_info, ndim=2)
+    check.check_tensor("has_info", has_info, ndim=2)
     check.shape_eq("has_info", has_info, (n, k), "(n, K) like rewards")
     check.same_device(rewards=rewards, relevance=relevance, has_info=has_info)
 
@@ -224,17 +224,24 @@ def mrtpo_token_advantages(
                 f"response_mask/cu_seqlens: response {int(empty[0])} has no valid token"
             )
     g, lam = _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)
-    n_tok = rel_packed.shape[1]
-    seg_ids = torch.repeat_interleave(
-        torch.arange(n, device=rel_packed.device), lengths, output_size=n_tok
-    )
-    be = _dispatch.resolve("reallocate_packed", rel_packed.device, backend)
-    acc = torch.float64 if rel_packed.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(rel_packed)
+    be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
     token, alloc = _ops.reallocate_packed(
-        g.per_reward.to(acc).contiguous(), lam.to(acc).contiguous(),
-        has_info.bool().contiguous(), rel_packed.to(acc).contiguous(), seg_ids, cu,
-        g.mean.to(acc), g.std.to(acc), alpha, gamma, eps_batch, delta, clip_min, clip_max, be,
-    )  # fmt: skip
+        per_reward=g.per_reward.to(acc).contiguous(),
+        lam=lam.to(acc).contiguous(),
+        has_info=has_info.bool().contiguous(),
+        relevance=rel_packed.to(acc).contiguous(),
+        cu_seqlens=cu,
+        mean=g.mean.to(acc),
+        std=g.std.to(acc),
+        alpha=alpha,
+        gamma=gamma,
+        eps_batch=eps_batch,
+        delta=delta,
+        clip_min=clip_min,
+        clip_max=clip_max,
+        backend=be,
+    )
     if relevance.dim() == 3:
         token_p = torch.zeros(mask.shape, dtype=token.dtype, device=token.device)
         token_p[mask] = token

@@ -14,7 +14,6 @@ import torch
 
 from . import _dispatch, _ops
 from . import _validation as check
-from .logprobs import _check_head
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
@@ -64,13 +63,13 @@ def linear_js_distance(
     """
     check.float_tensor("hidden_p", hidden_p, min_ndim=2)
     check.float_tensor("hidden_q", hidden_q, min_ndim=2)
-    _check_head(hidden_p, weight, bias)
+    check.lm_head(hidden_p, weight, bias)
     check.same_dtype(hidden_p=hidden_p, hidden_q=hidden_q)
     check.same_device(hidden_p=hidden_p, hidden_q=hidden_q, weight=weight, bias=bias)
     temperature = check.positive_finite("temperature", temperature)
     p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
     check.non_empty("hidden_p", p2.shape[0])
-    be = _dispatch.resolve("linear_js", p2.device, backend)
+    be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)
     out = _ops.linear_js(
         p2.detach().contiguous(),
         q3.detach().contiguous(),
@@ -105,6 +104,6 @@ def js_distance(
     check.non_empty("logits_p", p2.shape[0])
     if p2.shape[1] == 0:
         raise ValueError("logits_p: the vocabulary is empty (V = 0)")
-    be = _dispatch.resolve("logits_js", p2.device, backend)
+    be = _dispatch.resolve("js_distance", p2.device, p2.dtype, backend)
     out = _ops.logits_js(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
     return out[0].view(out_shape) if squeeze else out.view(out_shape)

@@ -14,32 +14,6 @@ from . import _dispatch, _ops
 from . import _validation as check
 
 
-def _flatten_tokens(hidden: torch.Tensor, labels: torch.Tensor, hname: str = "hidden"):
-    check.float_tensor(hname, hidden, min_ndim=2)
-    check.int_tensor("labels", labels)
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"labels: expected shape {tuple(hidden.shape[:-1])} (the leading dimensions of "
-            f"{hname}), got {tuple(labels.shape)}"
-        )
-    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
-
-
-def _check_head(hidden, weight, bias):
-    check.float_tensor("weight", weight, ndim=2)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight: expected shape (V, {hidden.shape[-1]}) (d from hidden), "
-            f"got {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight: the vocabulary is empty (V = 0)")
-    if bias is not None:
-        check.float_tensor("bias", bias, ndim=1)
-        check.shape_eq("bias", bias, (weight.shape[0],), "V from weight")
-    check.same_dtype(hidden=hidden, weight=weight, bias=bias)
-
-
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -68,13 +42,13 @@ def linear_logprobs(
         logp of labels' shape in float32, and entropy of the same shape when asked.
         Differentiable with respect to hidden, weight and bias.
     """
-    h, lab = _flatten_tokens(hidden, labels)
-    _check_head(hidden, weight, bias)
+    h, lab = check.flatten_tokens(hidden, labels)
+    check.lm_head(hidden, weight, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     temperature = check.positive_finite("temperature", temperature)
     check.non_empty("hidden", h.shape[0])
     check.labels_in_range(lab, weight.shape[0], ignore_index)
-    be = _dispatch.resolve("linear_logprobs_fwd", h.device, backend)
+    be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
     logp, ent, _ = _ops.linear_logprobs_fwd(
         h.contiguous(),
         weight.contiguous(),
@@ -103,14 +77,14 @@ def logprobs_from_logits(
     """log p(label) (and entropy) from logits that already exist, (N, V) or (B, T, V),
     streaming over the vocabulary in fp32 (no log-softmax tensor is kept).
     Differentiable with respect to logits. See ``linear_logprobs`` for the arguments."""
-    z, lab = _flatten_tokens(logits, labels, "logits")
+    z, lab = check.flatten_tokens(logits, labels, "logits")
     temperature = check.positive_finite("temperature", temperature)
     check.same_device(logits=logits, labels=labels)
     check.non_empty("logits", z.shape[0])
     if z.shape[1] == 0:
         raise ValueError("logits: the vocabulary is empty (V = 0)")
     check.labels_in_range(lab, z.shape[1], ignore_index)
-    be = _dispatch.resolve("logits_logprobs_fwd", z.device, backend)
+    be = _dispatch.resolve("logprobs_from_logits", z.device, z.dtype, backend)
     logp, ent, _ = _ops.logits_logprobs_fwd(
         z.contiguous(), lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be
     )

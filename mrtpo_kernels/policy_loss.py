@@ -16,7 +16,7 @@ import torch
 
 from . import _dispatch, _ops
 from . import _validation as check
-from .logprobs import _check_head, _flatten_tokens
+from .types import acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -85,8 +85,8 @@ def linear_policy_loss(
         (loss, metrics): a float32 scalar differentiable with respect to hidden, weight and
         bias, and a dict of detached scalars: clip_fraction, mean_ratio (and kl with beta).
     """
-    h, lab = _flatten_tokens(hidden, labels)
-    _check_head(hidden, weight, bias)
+    h, lab = check.flatten_tokens(hidden, labels)
+    check.lm_head(hidden, weight, bias)
     check.choice("aggregation", aggregation, AGGREGATIONS)
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
         check.float_tensor(name, t)
@@ -119,7 +119,7 @@ def linear_policy_loss(
                 raise ValueError("cu_seqlens: expected at least 2 entries (0 and N)")
 
     valid = lab != ignore_index
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(hidden)
     coef = _token_coefficients(valid, aggregation, cu_seqlens, padded_shape, norm_len, acc)
     old = old_logprobs.reshape(-1).to(acc).contiguous()
     adv = advantages.reshape(-1).to(acc).contiguous()
@@ -132,7 +132,7 @@ def linear_policy_loss(
     need_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    be = _dispatch.resolve("linear_policy_loss", h.device, backend)
+    be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
     loss, logp, clipped, _, _, _ = _ops.linear_policy_loss(
         h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
         lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low, clip_high,

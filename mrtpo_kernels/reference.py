@@ -6,15 +6,16 @@ bf16/fp32 tensors it is "what plain PyTorch gives in that dtype", the yardstick 
 error budget (a kernel may be off the float64 truth by at most 2x what this is, plus atol).
 
 Everything here materializes [tokens x vocab] tensors on purpose: clarity over memory.
-The math follows ../shared/METHOD.md; section numbers refer to it.
+The math follows docs/METHOD.md; section numbers refer to it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
+
+from .types import GDPOAdvantages, TokenAdvantages
 
 __all__ = [
     "GDPOAdvantages",
@@ -30,36 +31,6 @@ __all__ = [
 ]
 
 LN2 = math.log(2.0)
-
-
-class GDPOAdvantages(NamedTuple):
-    """Result of GDPO normalization (METHOD.md section 1).
-
-    per_reward: (n, K) group-normalized advantage of each reward.
-    sequence:   (n,) batch-normalized GDPO advantage (S - mean) / (std + eps_batch).
-    mean, std:  () batch statistics of S = sum_k lambda_k A_k.
-    """
-
-    per_reward: torch.Tensor
-    sequence: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-
-
-class TokenAdvantages(NamedTuple):
-    """Result of MRTPO reallocation (METHOD.md sections 4-5).
-
-    token:      per-token advantages, (B, T) padded (0 at padding) or (N,) packed.
-    allocation: per-reward allocation weights w_k, (K, B, T) or (K, N); 1 where uniform.
-    per_reward, sequence, mean, std: as in GDPOAdvantages.
-    """
-
-    token: torch.Tensor
-    allocation: torch.Tensor
-    per_reward: torch.Tensor
-    sequence: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
 
 
 # --------------------------------------------------------------------------- log-probs

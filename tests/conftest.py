@@ -1,6 +1,6 @@
 """Shared test helpers: backends under test and the error-budget rule.
 
-Error budget (ARCHITECTURE.md, "Numerics contract"): a kernel's max error against the float64
+Error budget (README.md, "Numerics"): a kernel's max error against the float64
 reference may be at most 2x the error of plain PyTorch in the same dtype, plus a small atol.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrtpo_kernels import available_backends
+from mrtpo_kernels import backend_status
 
-CPU_BACKENDS = [b for b in ("cpu", "torch") if available_backends().get(b) == "ok"]
+CPU_BACKENDS = [b for b in ("cpu", "torch") if backend_status().get(b) == "ok"]
 
 
 def pytest_report_header(config):
-    return [f"mrtpo_kernels backends: {available_backends()}"]
+    return [f"mrtpo_kernels backends: {backend_status()}"]
 
 
 @pytest.fixture(params=CPU_BACKENDS)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import mrtpo_kernels as mk
-from mrtpo_kernels import backends
 from mrtpo_kernels import reference as ref
 
 # responses x tokens each (uneven lengths), K rewards: small enough for the float64
@@ -22,9 +21,7 @@ N_RESP, MAX_LEN, K, GROUP = 128, 512, 4, 8
 
 # the CPU backends that implement the advantage stage
 ADV_BACKENDS = [
-    b
-    for b in ("torch", "cpu")
-    if backends.load(b) is not None and hasattr(backends.load(b), "reallocate_packed")
+    b for b in ("torch", "cpu") if b in mk.available_backends("mrtpo_token_advantages", "cpu")
 ]
 
 

@@ -226,18 +226,16 @@ _FALLBACK_SCRIPT = r"""
 import warnings
 import torch
 import mrtpo_kernels as mk
-from mrtpo_kernels import _dispatch, backends
-
-status = mk.available_backends()["cuda"]
+status = mk.backend_status()["cuda"]
 assert status != "ok", status
 assert "mrtpo_kernels._cuda" in status or "CUDA device" in status, status
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    chosen = _dispatch.resolve("logits_js", torch.device("cuda"), "cuda")
+    chosen = mk.resolve_backend("js_distance", "cuda", backend="cuda")
 assert chosen == "torch", chosen
 msgs = [str(w.message) for w in caught]
 assert len(msgs) == 1 and "'cuda'" in msgs[0] and "_cuda" in msgs[0], msgs
-assert _dispatch.resolve("logits_js", torch.device("cuda"), None) in ("triton", "torch")
+assert mk.resolve_backend("js_distance", "cuda") in ("triton", "torch")
 """
 
 
@@ -257,11 +255,11 @@ def test_cuda_backend_reports_why_it_is_unavailable_and_dispatch_falls_back():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the backend may load")
 def test_strict_mode_turns_the_fallback_into_an_error(monkeypatch):
-    from mrtpo_kernels import _dispatch
+    import mrtpo_kernels as mk
 
     monkeypatch.setenv("MRTPO_STRICT_BACKEND", "1")
     with pytest.raises(RuntimeError, match="cuda"):
-        _dispatch.resolve("logits_logprobs_fwd", torch.device("cuda"), "cuda")
+        mk.resolve_backend("logprobs_from_logits", "cuda", backend="cuda")
 
 
 def test_cuda_backend_matches_the_backend_interface():

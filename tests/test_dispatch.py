@@ -1,27 +1,41 @@
-"""Backend dispatch: auto choice, explicit choice, fallback with one warning, strict mode."""
+"""Backend dispatch: auto choice, explicit choice, fallback with one warning, strict mode,
+the float64 rule, the op table and the backends' declarations."""
 
 from __future__ import annotations
 
+import ast
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import mrtpo_kernels as mk
-from mrtpo_kernels import _dispatch, backends
+from mrtpo_kernels import _dispatch, _optable, backends
+from mrtpo_kernels import reference as R
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_auto_on_cpu_prefers_the_extension():
     expected = "cpu" if backends.load("cpu") is not None else "torch"
-    assert _dispatch.resolve("linear_logprobs_fwd", torch.device("cpu")) == expected
+    assert mk.resolve_backend("linear_logprobs", "cpu") == expected
+    assert mk.available_backends("linear_logprobs")[0] == expected
 
 
 def test_env_override(monkeypatch):
     monkeypatch.setenv("MRTPO_BACKEND", "torch")
-    assert _dispatch.resolve("linear_js", torch.device("cpu")) == "torch"
+    assert mk.resolve_backend("linear_js_distance", "cpu") == "torch"
     monkeypatch.setenv("MRTPO_BACKEND", "nonsense")
     with pytest.raises(ValueError, match="backend"):
-        _dispatch.resolve("linear_js", torch.device("cpu"))
+        mk.resolve_backend("linear_js_distance", "cpu")
+
+
+def test_unknown_op_names_the_argument():
+    with pytest.raises(ValueError, match="op: expected one of"):
+        mk.resolve_backend("linear_js", "cpu")
+    with pytest.raises(ValueError, match="op: expected one of"):
+        mk.available_backends("nonsense")
 
 
 def test_missing_op_falls_back_with_one_warning(monkeypatch):
@@ -29,17 +43,183 @@ def test_missing_op_falls_back_with_one_warning(monkeypatch):
     cpu = backends.load("cpu")
     if cpu is None:
         pytest.skip("the C++ extension is not built")
-    monkeypatch.delattr(cpu, "logits_js")  # a backend without one op
-    _dispatch._warned.discard(("cpu", "logits_js"))
+    serves = {k: v for k, v in cpu.SERVES.items() if k != "js_distance"}
+    monkeypatch.setattr(cpu, "SERVES", serves)  # a backend without one op
+    _dispatch._warned.discard(("cpu", "js_distance"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
-        b = _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
+        a = mk.resolve_backend("js_distance", "cpu", backend="cpu")
+        b = mk.resolve_backend("js_distance", "cpu", backend="cpu")
     assert a == b == "torch"
-    assert sum("cannot run logits_js" in str(w.message) for w in caught) == 1
+    assert sum("cannot run js_distance" in str(w.message) for w in caught) == 1
+    assert "cpu" not in mk.available_backends("js_distance")
     monkeypatch.setenv("MRTPO_STRICT_BACKEND", "1")
     with pytest.raises(RuntimeError, match="MRTPO_STRICT_BACKEND"):
-        _dispatch.resolve("logits_js", torch.device("cpu"), "cpu")
+        mk.resolve_backend("js_distance", "cpu", backend="cpu")
+
+
+def test_an_op_a_backend_lacks_runs_on_torch_with_one_warning(monkeypatch):
+    # the cpu backend has no advantage kernel: auto picks torch silently, an explicit
+    # backend="cpu" warns once (and raises in strict mode)
+    monkeypatch.delenv("MRTPO_STRICT_BACKEND", raising=False)
+    if backends.load("cpu") is None:
+        pytest.skip("the C++ extension is not built")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mk.resolve_backend("mrtpo_token_advantages", "cpu") == "torch"
+    _dispatch._warned.discard(("cpu", "mrtpo_token_advantages"))
+    with pytest.warns(RuntimeWarning, match="cannot run mrtpo_token_advantages"):
+        assert mk.resolve_backend("mrtpo_token_advantages", "cpu", backend="cpu") == "torch"
+    monkeypatch.setenv("MRTPO_STRICT_BACKEND", "1")
+    with pytest.raises(RuntimeError, match="MRTPO_STRICT_BACKEND"):
+        mk.resolve_backend("mrtpo_token_advantages", "cpu", backend="cpu")
+
+
+def test_float64_goes_to_torch_where_a_backend_has_no_float64_kernel(monkeypatch):
+    # the float64 contract, not a fallback: no warning, and no error in strict mode
+    monkeypatch.setenv("MRTPO_STRICT_BACKEND", "1")
+    if backends.load("triton") is None:
+        pytest.skip("triton is not installed")
+    for op in ("linear_logprobs", "linear_js_distance", "linear_policy_loss"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mk.resolve_backend(op, "cuda", torch.float64, "triton") == "torch"
+            assert mk.resolve_backend(op, "cuda", torch.float64) == "torch"
+        assert mk.resolve_backend(op, "cuda", torch.bfloat16, "triton") == "triton"
+        assert "triton" not in mk.available_backends(op, "cuda", torch.float64)
+    # the advantage kernel computes in its input's dtype: float64 stays on triton
+    assert mk.resolve_backend("mrtpo_token_advantages", "cuda", torch.float64) == "triton"
+
+
+def test_device_bound_backends_reject_other_devices():
+    with pytest.raises(ValueError, match="backend: 'cpu' needs CPU"):
+        mk.resolve_backend("linear_logprobs", "cuda", backend="cpu")
+    with pytest.raises(ValueError, match="backend: 'cuda' needs CUDA"):
+        mk.resolve_backend("js_distance", "cpu", backend="cuda")
+
+
+def test_op_table_covers_the_public_api():
+    public = {name for name in mk.__all__ if callable(getattr(mk, name))}
+    ops = set(mk.OPS)
+    assert ops <= public
+    assert ops == {n for n in public if not n[0].isupper()} - {
+        "available_backends",
+        "backend_status",
+        "check_tensor",
+        "resolve_backend",
+    }
+    for op in mk.OPS.values():
+        assert callable(getattr(mk, op.name)), op.name
+        assert callable(getattr(R, op.reference)), op.reference
+        for test in op.tests:
+            assert (ROOT / test).is_file(), test
+        for where in op.kernels.values():
+            for path in where.split(" + "):
+                assert (ROOT / path).is_file(), path
+
+
+def test_bench_ops_exist():
+    from bench.ops import OPS as BENCH_OPS
+
+    named = {b for op in mk.OPS.values() for b in op.bench_ops}
+    assert named <= set(BENCH_OPS)
+
+
+def test_declarations_match_the_op_table():
+    """A backend declares exactly the ops the table gives it a kernel for, and defines
+    each of their entry points; the "torch" backend serves every op."""
+    for name in backends.BACKENDS:
+        mod = backends.load(name)
+        if mod is None:
+            continue
+        table = {op.name for op in mk.OPS.values() if name in op.kernels}
+        assert set(mod.SERVES) == table, name
+        for op in table:
+            for fn in mk.OPS[op].entry_points:
+                assert callable(getattr(mod, fn, None)), f"{name}.{fn}"
+    assert set(backends.load("torch").SERVES) == set(mk.OPS)
+
+
+def test_readme_shows_the_op_table():
+    readme = (ROOT / "README.md").read_text()
+    assert _optable.markdown() in readme
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(level, module) of every import in a file (level 0 = absolute); ``from .. import x``
+    gives (2, "x")."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.module:
+                out.append((node.level, node.module))
+            else:
+                out.extend((node.level, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.extend((0, a.name) for a in node.names)
+    return out
+
+
+LEAVES = {"settings", "types"}  # import nothing from the package; any layer may use them
+
+
+@pytest.mark.parametrize("layer", ["triton", "backends"])
+def test_lower_layers_import_nothing_above_them(layer):
+    for path in sorted((ROOT / "mrtpo_kernels" / layer).glob("*.py")):
+        for level, module in _imports(path):
+            if level >= 2:  # from ..x import y: outside the layer
+                top = module.split(".")[0]
+                # backends may also use the Triton kernels and the compiled extensions
+                allowed = LEAVES | ({"triton", "_C", "_cuda"} if layer == "backends" else set())
+                assert top in allowed, f"{path.name} imports ..{module}"
+            if level == 0:
+                assert not module.startswith(("mrtpo_kernels", "mrtpo", "bench")), (
+                    f"{path.name} imports {module}"
+                )
+
+
+def test_bench_uses_the_public_api_only():
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for level, module in _imports(path):
+            if level == 0 and module.startswith("mrtpo_kernels."):
+                assert module == "mrtpo_kernels.reference", f"{path.name} imports {module}"
+
+
+def test_settings_reject_non_numbers(monkeypatch):
+    from mrtpo_kernels import settings
+
+    for name in ("MRTPO_CHUNK_BYTES", "MRTPO_JS_SCRATCH_BYTES"):
+        monkeypatch.setenv(name, "lots")
+        with pytest.raises(ValueError, match=name):
+            settings.positive_int(name)
+    monkeypatch.setenv("MRTPO_STRICT_BACKEND", "maybe")
+    with pytest.raises(ValueError, match="MRTPO_STRICT_BACKEND"):
+        settings.strict_backend()
+    monkeypatch.setenv("MRTPO_JS_GEMM", "128,256")
+    with pytest.raises(ValueError, match="MRTPO_JS_GEMM"):
+        settings.js_gemm()
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", "lots")
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 4, generator=g), torch.randn(7, 4, generator=g)
+    with pytest.raises(ValueError, match="MRTPO_CHUNK_BYTES"):
+        mk.linear_logprobs(h, w, torch.zeros(3, dtype=torch.long), backend="torch")
+
+
+def test_readme_lists_every_setting():
+    from mrtpo_kernels import settings
+
+    readme = (ROOT / "README.md").read_text()
+    for name in settings.SETTINGS:
+        assert f"`{name}`" in readme, name
+
+
+def test_nothing_reads_mrtpo_variables_outside_settings():
+    for path in sorted((ROOT / "mrtpo_kernels").rglob("*.py")):
+        if path.name == "settings.py":
+            continue
+        assert "MRTPO_" not in "".join(
+            line for line in path.read_text().splitlines() if "environ" in line
+        ), path
 
 
 def test_backends_agree():
@@ -81,9 +261,6 @@ def test_missing_extension_warns_once_then_runs_on_torch(monkeypatch):
     _dispatch._warned.discard(("cpu", "any op"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        names = {
-            _dispatch.resolve(op, torch.device("cpu"))
-            for op in ("linear_js", "linear_logprobs_fwd")
-        }
+        names = {mk.resolve_backend(op, "cpu") for op in ("linear_js_distance", "linear_logprobs")}
     assert names == {"torch"}
     assert sum("pretend the build failed" in str(w.message) for w in caught) == 1

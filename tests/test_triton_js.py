@@ -1,12 +1,11 @@
-"""Triton one-vs-many JS distance and token-advantage reallocation
-(mrtpo_kernels/triton/js.py, reallocate.py).
+"""Triton one-vs-many JS distance (mrtpo_kernels/triton/js.py); the advantage kernel is in
+test_triton_advantages.py.
 
 CPU: the kernels run under the Triton interpreter, which must be on before triton is
 imported, so the checks live in tests/triton_cases/js_cases.py and run here one subprocess
 per group (odd shapes N = 1, 7, 129, V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5,
 temperature, bias, extreme and -inf logits, identical -> 0, disjoint -> 1, several token
-chunks, bf16/fp16; reallocation with alpha, gamma and clip variants, mixed has_info, the mass
-invariant; torch.library.opcheck; torch.compile(fullgraph=True) with aot_eager).
+chunks, bf16/fp16; torch.library.opcheck; torch.compile(fullgraph=True) with aot_eager).
 GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): V = 151936, d = 896 and 4096, N up
 to 16384, bf16 and fp32, K = 4, against float64 references computed in row chunks; offsets
 beyond 2^31 elements; torch.compile(fullgraph=True) of a caller.
@@ -27,7 +26,6 @@ import mrtpo_kernels as mk
 from mrtpo_kernels.reference import (
     js_distance_ref,
     linear_js_distance_ref,
-    mrtpo_token_advantages_ref,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +35,6 @@ GROUPS = [
     "linear_chunks_dtypes",
     "linear_special",
     "logits",
-    "reallocate",
     "opcheck",
     "compile",
 ]
@@ -70,18 +67,12 @@ def test_triton_js_under_interpreter(group):
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_js_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton import js, reallocate
+    from mrtpo_kernels.triton import js
 
     with pytest.raises(ValueError, match="hidden_p"):
         js.linear_js(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
     with pytest.raises(ValueError, match="logits_p"):
         js.logits_js(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
-    with pytest.raises(ValueError, match="relevance"):
-        reallocate.reallocate_packed(
-            torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
-            torch.rand(1, 4), torch.zeros(4, dtype=torch.long), torch.tensor([0, 4]),
-            torch.tensor(0.0), torch.tensor(1.0), 1.0, 1.0, 1e-6, 1e-8, 0.0, float("inf"),
-        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- Hopper build
@@ -117,19 +108,19 @@ def _nvidia_backend_present() -> bool:
 def test_triton_js_kernels_compile_for_hopper():
     """Every kernel builds for sm_90 (catches what the interpreter does not: types, layouts,
     shared memory), and the GEMM at the default 16-bit tiles is a pipelined wgmma loop."""
-    from mrtpo_kernels.triton import js, reallocate
+    from mrtpo_kernels.triton import js
 
     cfg = js._gemm_configs(torch.bfloat16)[0]
     gemm_sig = {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "z_ptr": "*fp32",
         "part_ptr": "*fp32", "M": "i32", "D": "i32", "V": "i32", "n_vt": "i32",
         "inv_t": "fp32", "stride_a": "i32", "stride_w": "i32", "HAS_BIAS": "constexpr",
-        "DOT_PRECISION": "constexpr", "DOT_IN_FP32": "constexpr", "BLOCK_M": "constexpr",
+        "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr", "BLOCK_M": "constexpr",
         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
     }  # fmt: skip
     k = _compile_for_hopper(
         js._js_logits_kernel, gemm_sig,
-        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "DOT_IN_FP32": False,
+        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k},
         div16=("M", "D", "V", "stride_a", "stride_w"), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -142,7 +133,7 @@ def test_triton_js_kernels_compile_for_hopper():
     cfg32 = js._gemm_configs(torch.float32)[0]
     _compile_for_hopper(
         js._js_logits_kernel, gemm_sig,
-        {"HAS_BIAS": False, "DOT_PRECISION": "ieee", "DOT_IN_FP32": False,
+        {"HAS_BIAS": False, "DOT_PRECISION": "ieee", "UPCAST_DOT": False,
          "BLOCK_M": cfg32.block_m, "BLOCK_N": cfg32.block_n, "BLOCK_K": cfg32.block_k},
         num_warps=cfg32.num_warps, num_stages=cfg32.num_stages,
     )  # fmt: skip
@@ -168,18 +159,6 @@ def test_triton_js_kernels_compile_for_hopper():
          "stride_out_k": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 1024}, num_warps=4,
     )  # fmt: skip
-    for dt in ("fp32", "fp64"):
-        sig = {name: f"*{dt}" for name in ("per_reward_ptr", "lam_ptr")}
-        sig.update(has_info_ptr="*u8", rel_ptr=f"*{dt}", cu_ptr="*i64", mean_ptr=f"*{dt}")
-        sig.update(std_ptr=f"*{dt}", params_ptr=f"*{dt}", token_ptr=f"*{dt}")
-        sig.update(alloc_ptr=f"*{dt}", K="i32", N="i32", GAMMA_ONE="constexpr")
-        sig.update(HAS_CLIP="constexpr", BLOCK_K="constexpr", BLOCK_T="constexpr")
-        for gamma_one, clip in ((True, False), (False, True)):
-            _compile_for_hopper(
-                reallocate._reallocate_kernel, sig,
-                {"GAMMA_ONE": gamma_one, "HAS_CLIP": clip, "BLOCK_K": 4, "BLOCK_T": 256},
-                num_warps=4,
-            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- GPU
@@ -264,28 +243,6 @@ def test_gpu_logits_js_offsets_beyond_int32():
     with torch.no_grad():
         ref = js_distance_ref(zp[rows].double(), zq[:, rows].double(), temperature=1.1)
     assert _err(out[:, rows], ref) <= 1e-4
-
-
-@gpu_test
-def test_gpu_reallocate_matches_reference():
-    g = torch.Generator(device="cuda").manual_seed(3)
-    n, k = 512, 4
-    lengths = torch.randint(1, 4096, (n,), device="cuda", generator=g)
-    cu = torch.zeros(n + 1, dtype=torch.long, device="cuda")
-    cu[1:] = torch.cumsum(lengths, 0)
-    rewards = torch.randn(n, k, device="cuda", generator=g)
-    gid = torch.arange(n, device="cuda") // 8
-    rel = torch.rand(k, int(cu[-1]), device="cuda", generator=g)
-    has = torch.rand(n, k, device="cuda", generator=g) < 0.7
-    kw = dict(has_info=has, cu_seqlens=cu, alpha=0.8, gamma=1.5, clip=(0.1, 5.0))
-    ours = mk.mrtpo_token_advantages(rewards, gid, rel, backend="triton", **kw)
-    plain = mk.mrtpo_token_advantages(rewards, gid, rel, backend="torch", **kw)
-    spans = [rel[:, cu[i] : cu[i + 1]].double().cpu() for i in range(n)]
-    kw.pop("cu_seqlens")
-    kw["has_info"] = has.cpu()
-    ref, _ = mrtpo_token_advantages_ref(rewards.double().cpu(), gid.cpu(), spans, **kw)
-    _within_budget(ours.token.cpu(), torch.cat(ref), plain.token.cpu(), atol=1e-5)
-    assert _err(ours.allocation, plain.allocation) <= 1e-4
 
 
 @gpu_test

@@ -3,7 +3,7 @@
 // the kernel instantiation for the dtype and return the launch status (no synchronization).
 //
 // All pointers are device pointers to contiguous row-major data; shapes in the comments of
-// logprobs.cuh, js.cuh and reallocate.cuh. Optional outputs / inputs may be nullptr where
+// logprobs.cuh, js.cuh and advantages.cuh. Optional outputs / inputs may be nullptr where
 // noted. Zero rows (or responses) launch nothing and return cudaSuccess.
 #pragma once
 

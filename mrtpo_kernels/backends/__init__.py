@@ -1,10 +1,16 @@
 """Backends: the low-level implementations behind the public ops.
 
-A backend is a module that defines some of the functions below, on already validated,
-flattened, contiguous inputs. All returned per-token quantities are float32; gradients of
-the hidden states come back in the hidden states' dtype, gradients of weight and bias in
-float32 (the caller casts). A backend may leave a function out: the dispatcher then uses
-the "torch" backend for that op, with one warning.
+A backend is a module that defines the entry points of the ops it serves (the names come
+from the op table, mrtpo_kernels/_optable.py) and declares them in ``SERVES``: public op
+name -> ``Serves(devices, dtypes)``, the device types and input dtypes its kernels take.
+The dispatcher (mrtpo_kernels/_dispatch.py) reads the declarations and owns every
+fallback: a backend never hands an input to another backend itself. Optional module
+functions ``available()`` and ``unavailable_reason()`` say whether it can run here.
+
+Entry points take already validated, flattened, contiguous inputs. Returned per-token
+quantities are float32 (float64 for float64 inputs); gradients of the hidden states come
+back in the hidden states' dtype, gradients of weight and bias in float32 (the caller
+casts).
 
 ``linear_logprobs_fwd(hidden (N,d), weight (V,d), bias (V,)|None, labels (N,) int64,
     temperature, ignore_index, with_entropy) -> (logp (N,), entropy (N,) or (0,), lse (N,))``
@@ -24,14 +30,22 @@ the "torch" backend for that op, with one warning.
     (0,), grad_weight (V,d) fp32 or (0,), grad_bias (V,) fp32 or (0,))``
     loss = sum_t token_weight[t] * L_t and its gradient, computed in the same pass.
 ``reallocate_packed(per_reward (n,K), lam (K,), has_info (n,K) bool, relevance (K,N),
-    seg_ids (N,) int64, cu_seqlens (n+1,) int64, mean (), std (), alpha, gamma, eps_batch,
-    delta, clip_min, clip_max) -> (token (N,), allocation (K,N))``
+    cu_seqlens (n+1,) int64, mean (), std (), alpha, gamma, eps_batch, delta, clip_min,
+    clip_max) -> (token (N,), allocation (K,N))``
     clip_min/clip_max of 0/inf mean no clip.
+
+Adding a backend: write the module, declare ``SERVES``, add it to ``BACKENDS`` and
+``_MODULES`` below and to the dispatcher's preference order. A backend built on the
+token-chunked drivers binds their functions to its chunk kernel (see cpu_backend) and
+declares ``{op: Serves(...) for op in _chunked.OPS}``.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+
+import torch
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 
@@ -41,6 +55,24 @@ _MODULES = {
     "triton": "mrtpo_kernels.backends.triton_backend",
     "cuda": "mrtpo_kernels.backends.cuda_backend",
 }
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # kernels that compute in fp32
+ANY_DEVICE = "*"
+
+
+@dataclass(frozen=True)
+class Serves:
+    """What a backend's kernels for one op take: device types (``ANY_DEVICE``: all) and
+    input dtypes (for the advantage op: the dtype of the relevance)."""
+
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+
+    def covers(self, device_type: str, dtype: torch.dtype) -> bool:
+        on_device = ANY_DEVICE in self.devices or device_type in self.devices
+        return on_device and dtype in self.dtypes
+
 
 _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}

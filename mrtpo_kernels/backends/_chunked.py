@@ -1,7 +1,7 @@
 """Token-chunked drivers shared by the "cpu" and "torch" backends.
 
 Both backends walk the tokens in chunks of C rows sized from a memory budget
-(``MRTPO_CHUNK_BYTES``, default 256 MiB per fp32 logits chunk): one BLAS GEMM makes the
+(``MRTPO_CHUNK_BYTES``, see mrtpo_kernels/settings.py): one BLAS GEMM makes the
 chunk's fp32 logits [C, V], then a chunk kernel streams the reductions over them and, for
 gradients, overwrites them in place with dL/dlogits, which two more GEMMs turn into the
 gradients of hidden and weight. Extra memory is O(C x V) (plus an fp32 copy of the weight
@@ -22,22 +22,24 @@ where z is a contiguous fp32 chunk of raw logits (before the temperature).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_DEFAULT_CHUNK_BYTES = 256 << 20
+from .. import settings
+from ..types import acc_dtype
+
+# The public ops these drivers implement (entry points: mrtpo_kernels/_optable.py).
+OPS = (
+    "linear_logprobs",
+    "logprobs_from_logits",
+    "linear_js_distance",
+    "js_distance",
+    "linear_policy_loss",
+)
 
 
 def chunk_rows(vocab: int, streams: int = 1) -> int:
     """Rows per chunk so that ``streams`` fp32 [rows, vocab] chunks fit the budget."""
-    budget = int(os.environ.get("MRTPO_CHUNK_BYTES", _DEFAULT_CHUNK_BYTES))
-    return max(1, budget // (4 * max(vocab, 1) * streams))
-
-
-def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """float64 stays float64 (for gradcheck and references); everything else runs in fp32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    return max(1, settings.chunk_bytes() // (4 * max(vocab, 1) * streams))
 
 
 def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:

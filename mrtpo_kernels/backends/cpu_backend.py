@@ -2,14 +2,17 @@
 
 Each chunk's logits come from one BLAS GEMM (fp32); one C++ pass over them (OpenMP over
 rows, vectorized exp/log) does the reductions or writes dL/dlogits in place, so no further
-[chunk x V] temporaries exist.
+[chunk x V] temporaries exist. Serves CPU tensors of every float dtype (float64 runs the
+double instantiation of the same kernels). The advantage op is not here: auto dispatch
+runs it on the "torch" backend, whose vectorized version is already bandwidth-bound on
+the CPU.
 """
 
 from __future__ import annotations
 
 import functools
 
-from . import _chunked
+from . import FLOAT_DTYPES, Serves, _chunked
 
 try:
     from .. import _C  # noqa: F401
@@ -71,6 +74,8 @@ class _CppChunkKernel:
         )
 
 
+SERVES = {op: Serves(("cpu",), FLOAT_DTYPES) for op in _chunked.OPS}
+
 if _C is not None:
     _K = _CppChunkKernel()
     linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
@@ -80,7 +85,3 @@ if _C is not None:
     logits_logprobs_bwd = functools.partial(_chunked.logits_logprobs_bwd, _K)
     logits_js = functools.partial(_chunked.logits_js, _K)
     linear_policy_loss = functools.partial(_chunked.linear_policy_loss, _K)
-
-# The advantage stage is O(K x N) elementwise work with segment sums: the vectorized
-# PyTorch version is already bandwidth-bound on the CPU, so the cpu backend uses it as is.
-from .torch_backend import reallocate_packed  # noqa: E402,F401

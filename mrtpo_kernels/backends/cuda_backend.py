@@ -7,16 +7,16 @@ Implemented here:
         bf16 or fp16 logits
     reallocate_packed                                       one segmented kernel over responses
 
-The fused LM-head ops (linear_*) are not here: the dispatcher runs them on another backend.
-float64 inputs (gradcheck, references) run on the chunked PyTorch kernels, which keep
-float64 end to end; the CUDA kernels compute in fp32.
+The fused LM-head ops (linear_*) are not here, and the kernels compute in fp32 from fp32,
+bf16 or fp16 inputs: ``SERVES`` says so and the dispatcher sends everything else (float64
+included) to another backend.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import torch_backend
+from . import KERNEL_DTYPES, Serves
 
 try:
     from .. import _cuda
@@ -26,7 +26,11 @@ except ImportError as exc:  # not built (no nvcc, CPU-only torch) or built for a
 else:
     _IMPORT_ERROR = ""
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SERVES = {
+    "logprobs_from_logits": Serves(("cuda",), KERNEL_DTYPES),
+    "js_distance": Serves(("cuda",), KERNEL_DTYPES),
+    "mrtpo_token_advantages": Serves(("cuda",), (torch.float32,)),
+}
 
 
 def unavailable_reason() -> str:
@@ -45,18 +49,10 @@ def available() -> bool:
     return unavailable_reason() == ""
 
 
-def _on_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in _KERNEL_DTYPES
-
-
 def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
     """(logp (N,), entropy (N,) or (0,), lse (N,)) float32 from logits (N, V).
 
     lse is 0 on rows whose label is ignore_index (never read: their gradient is 0)."""
-    if not _on_kernels(logits):
-        return torch_backend.logits_logprobs_fwd(
-            logits, labels, temperature, ignore_index, with_entropy
-        )
     return _cuda.logits_logprobs_fwd(
         logits, labels, float(temperature), int(ignore_index), bool(with_entropy)
     )
@@ -65,10 +61,6 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
 def logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
                         ignore_index):  # fmt: skip
     """dL/dlogits (N, V) in the logits' dtype."""
-    if not _on_kernels(logits):
-        return torch_backend.logits_logprobs_bwd(
-            logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
-        )
     f32 = torch.float32
     if entropy.numel() == 0 or grad_entropy.numel() == 0:
         # No entropy term: entropy not computed, or no gradient flows into it.
@@ -82,20 +74,13 @@ def logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, t
 
 def logits_js(logits_p, logits_q, temperature):
     """(K, N) float32 JS distances between logits_p (N, V) and logits_q (K, N, V)."""
-    if not _on_kernels(logits_p):
-        return torch_backend.logits_js(logits_p, logits_q, temperature)
     return _cuda.logits_js(logits_p, logits_q, float(temperature))
 
 
-def reallocate_packed(per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std,
-                      alpha, gamma, eps_batch, delta, clip_min, clip_max):  # fmt: skip
-    """(token (N,), allocation (K, N)); see the backend interface. seg_ids is not needed: the
-    kernel walks each response's tokens from cu_seqlens."""
-    if not (relevance.is_cuda and relevance.dtype == torch.float32):
-        return torch_backend.reallocate_packed(
-            per_reward, lam, has_info, relevance, seg_ids, cu_seqlens, mean, std, alpha, gamma,
-            eps_batch, delta, clip_min, clip_max,
-        )  # fmt: skip
+def reallocate_packed(per_reward, lam, has_info, relevance, cu_seqlens, mean, std, alpha,
+                      gamma, eps_batch, delta, clip_min, clip_max):  # fmt: skip
+    """(token (N,), allocation (K, N)); see the backend interface. One program per response
+    walks its tokens from cu_seqlens."""
     f32 = torch.float32
     return _cuda.reallocate_packed(
         per_reward.to(f32).contiguous(), lam.to(f32).contiguous(), has_info.contiguous(),

@@ -1,7 +1,9 @@
 """The "torch" backend: the chunked drivers with chunk kernels written in PyTorch ops.
 
-Runs on any device. Each chunk kernel makes a few [C, V] temporaries (the C++ kernels of
-the "cpu" backend make none), so this is the portable fallback, not the fast path.
+Runs on any device and any float dtype (float64 end to end). Each chunk kernel makes a few
+[C, V] temporaries (the C++ kernels of the "cpu" backend make none), so this is the
+portable path the dispatcher falls back to, and the home of float64 inputs where the fast
+backend has no float64 kernel; it is not the fast path.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 
 import torch
 
-from . import _chunked
+from . import ANY_DEVICE, Serves, _chunked
 
 LN2 = math.log(2.0)
 
@@ -149,6 +151,12 @@ class _TorchChunkKernel:
 
 _K = _TorchChunkKernel()
 
+SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.OPS} | {
+    "mrtpo_token_advantages": Serves((ANY_DEVICE,)),
+    # computed by the public function itself in PyTorch ops (a few O(n K) reductions)
+    "gdpo_advantages": Serves((ANY_DEVICE,)),
+}
+
 linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
 linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
 linear_js = functools.partial(_chunked.linear_js, _K)
@@ -163,7 +171,6 @@ def reallocate_packed(
     lam,
     has_info,
     relevance,
-    seg_ids,
     cu_seqlens,
     mean,
     std,
@@ -177,8 +184,12 @@ def reallocate_packed(
     """METHOD.md sections 4-5 on packed tokens, vectorized (segment sums by index_add)."""
     k, n_tok = relevance.shape
     n = per_reward.shape[0]
+    counts = cu_seqlens[1:] - cu_seqlens[:-1]
+    seg_ids = torch.repeat_interleave(
+        torch.arange(n, device=relevance.device), counts, output_size=n_tok
+    )
     rel = relevance.clamp(min=0.0)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(rel.dtype)
+    lengths = counts.to(rel.dtype)
     dg = rel if gamma == 1.0 else rel.pow(gamma)
     seg_sum = torch.zeros((k, n), dtype=rel.dtype, device=rel.device)
     seg_sum.index_add_(1, seg_ids, dg)

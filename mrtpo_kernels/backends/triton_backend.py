@@ -1,13 +1,16 @@
 """The "triton" backend: fused Triton kernels (mrtpo_kernels/triton), one op per module.
 
 On CUDA tensors this is the fast path. On CPU tensors the kernels run only under
-``TRITON_INTERPRET=1`` (set before triton is imported), which the tests use.
+``TRITON_INTERPRET=1`` (set before triton is imported), which the tests use. The kernels
+take fp32, bf16 and fp16 (Triton has no fp64 dots): the dispatcher sends float64 inputs to
+the "torch" backend. The advantage kernel computes in its input's dtype, float64 included.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import torch
+
+from . import KERNEL_DTYPES, Serves
 
 try:
     import triton  # noqa: F401
@@ -25,24 +28,29 @@ def unavailable_reason() -> str:
     return _ERR or ""
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+SERVES: dict[str, Serves] = {}
 
-
-def _has(module: str) -> bool:
-    return _ERR is None and importlib.util.find_spec(f"mrtpo_kernels.triton.{module}") is not None
-
-
-if _has("logprobs"):
+if _ERR is None:
+    from ..triton._common import interpreting
+    from ..triton.advantages import reallocate_packed  # noqa: F401
+    from ..triton.js import linear_js, logits_js  # noqa: F401
     from ..triton.logprobs import (  # noqa: F401
         linear_logprobs_bwd,
         linear_logprobs_fwd,
         logits_logprobs_bwd,
         logits_logprobs_fwd,
     )
-if _has("policy_loss"):
     from ..triton.policy_loss import linear_policy_loss  # noqa: F401
-if _has("js"):
-    from ..triton.js import linear_js, logits_js  # noqa: F401
-if _has("reallocate"):
-    from ..triton.reallocate import reallocate_packed  # noqa: F401
+
+    _DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
+    SERVES = {
+        op: Serves(_DEVICES, KERNEL_DTYPES)
+        for op in (
+            "linear_logprobs",
+            "logprobs_from_logits",
+            "linear_js_distance",
+            "js_distance",
+            "linear_policy_loss",
+        )
+    }
+    SERVES["mrtpo_token_advantages"] = Serves(_DEVICES, (torch.float32, torch.float64))

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DEFAULT_CHUNK_BYTES = 256 << 20
+from .. import settings
 
 
 def interpreting() -> bool:
@@ -69,7 +69,7 @@ def interpreter_upcast(dtype: torch.dtype) -> bool:
 
 def chunk_bytes() -> int:
     """Bytes allowed for one chunk of gradient-of-logits (the same knob as the torch backend)."""
-    return max(1, int(os.environ.get("MRTPO_CHUNK_BYTES", _DEFAULT_CHUNK_BYTES)))
+    return settings.chunk_bytes()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -65,7 +65,6 @@ Shapes, strides, dtypes:
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -73,7 +72,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ._common import check_device, dot_precision, interpreting, num_sms
+from .. import settings
+from ._common import check_device, dot_precision, interpreter_upcast, interpreting, num_sms
 
 LN2 = math.log(2.0)
 
@@ -105,7 +105,7 @@ def _js_logits_kernel(
     stride_w,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter only: its bf16 dot multiplies the raw bits
+    UPCAST_DOT: tl.constexpr,  # interpreter only, see _common.interpreter_upcast
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -130,7 +130,7 @@ def _js_logits_kernel(
         k_mask = (k0 + offs_k) < D
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & v_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
+        if UPCAST_DOT:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -291,9 +291,9 @@ def _gemm_configs(dtype: torch.dtype) -> list[_GemmConfig]:
     Hopper, 16-bit: 128 x 256 x 64 tiles, 8 warps (two warpgroups of wgmma), 3 stages of
     (128 + 256) x 64 x 2 B = 48 KiB of shared memory each. fp32 (IEEE dots unless torch
     allows tf32) on smaller tiles. Not yet tuned on the H200 (no measurement so far)."""
-    env = os.environ.get("MRTPO_JS_GEMM")
-    if env:
-        return [_GemmConfig(*(int(x) for x in env.split(",")))]
+    override = settings.js_gemm()
+    if override is not None:
+        return [_GemmConfig(*override)]
     if interpreting():
         return [_GemmConfig(64, 256, 64, 4, 1)]  # few, large programs: the interpreter is numpy
     if dtype == torch.float32:
@@ -327,13 +327,9 @@ def _launch_logits_gemm(dtype, device, grid_for, args, flags):
         return
 
 
-def _scratch_bytes() -> int:
-    return int(os.environ.get("MRTPO_JS_SCRATCH_BYTES", 768 << 20))
-
-
 def _chunk_rows(n: int, vocab: int, streams: int, block_m: int) -> int:
     """Tokens per chunk so the (streams, C, V) fp32 logits scratch fits the budget."""
-    c = _scratch_bytes() // (4 * streams * vocab)
+    c = settings.js_scratch_bytes() // (4 * streams * vocab)
     if c >= block_m:
         c -= c % block_m
     return max(1, min(c, n))
@@ -379,10 +375,6 @@ def _js_sum_and_finish(zp, zq, lse, out, row0, scale):
 def linear_js(hidden_p, hidden_q, weight, bias, temperature):
     """(K, N) fp32 JS distances between softmax((hidden_p W^T + b) / tau) and each of the
     K streams softmax((hidden_q[k] W^T + b) / tau). Inputs contiguous, validated."""
-    if hidden_p.dtype == torch.float64:
-        from ..backends import torch_backend  # float64: exact chunked path (see header)
-
-        return torch_backend.linear_js(hidden_p, hidden_q, weight, bias, temperature)
     check_device("hidden_p", hidden_p)
     n, d = hidden_p.shape
     k = hidden_q.shape[0]
@@ -401,10 +393,10 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
     part_buf = torch.empty(streams * c * n_vt, dtype=torch.float32, device=dev)
     lse_buf = torch.empty(streams * c, dtype=torch.float32, device=dev)
     precision = dot_precision(hidden_p.dtype) if hidden_p.dtype == torch.float32 else "tf32"
-    dot_in_fp32 = interpreting() and hidden_p.dtype == torch.bfloat16
-    if dot_in_fp32:
+    upcast = interpreter_upcast(hidden_p.dtype)
+    if upcast:
         precision = "ieee"
-    flags = dict(HAS_BIAS=bias is not None, DOT_PRECISION=precision, DOT_IN_FP32=dot_in_fp32)
+    flags = dict(HAS_BIAS=bias is not None, DOT_PRECISION=precision, UPCAST_DOT=upcast)
     b_arg = bias if bias is not None else weight
     for row0 in range(0, n, c):
         rows = min(c, n - row0)
@@ -427,10 +419,6 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
 def logits_js(logits_p, logits_q, temperature):
     """(K, N) fp32 JS distances between softmax(logits_p / tau) and each
     softmax(logits_q[k] / tau). Inputs contiguous, validated."""
-    if logits_p.dtype == torch.float64:
-        from ..backends import torch_backend  # float64: exact chunked path (see header)
-
-        return torch_backend.logits_js(logits_p, logits_q, temperature)
     check_device("logits_p", logits_p)
     n, v = logits_p.shape
     k = logits_q.shape[0]

@@ -433,12 +433,6 @@ def _num_splits(n: int, num_tiles: int, num_vblocks: int, device: torch.device, 
     return max(1, min(num_vblocks, want))
 
 
-def _torch_backend():
-    from ..backends import torch_backend
-
-    return torch_backend
-
-
 # --------------------------------------------------------------------------- launchers
 
 
@@ -549,10 +543,6 @@ def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperatu
 
 
 def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
-    if hidden.dtype == torch.float64:  # no fp64 dots in Triton: the torch backend, in fp64
-        return _torch_backend().linear_logprobs_fwd(
-            hidden, weight, bias, labels, temperature, ignore_index, with_entropy
-        )
     check_device("hidden", hidden)
     return lse_stats(
         hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index,
@@ -564,11 +554,6 @@ def linear_logprobs_bwd(
     hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
     ignore_index,
 ):  # fmt: skip
-    if hidden.dtype == torch.float64:
-        return _torch_backend().linear_logprobs_bwd(
-            hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-            ignore_index,
-        )  # fmt: skip
     check_device("hidden", hidden)
     has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
     return linear_grad(
@@ -578,10 +563,6 @@ def linear_logprobs_bwd(
 
 
 def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
-    if logits.dtype == torch.float64:
-        return _torch_backend().logits_logprobs_fwd(
-            logits, labels, temperature, ignore_index, with_entropy
-        )
     check_device("logits", logits)
     return lse_stats(
         logits, None, None, labels, logits.shape[1], temperature, ignore_index,
@@ -592,10 +573,6 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
 def logits_logprobs_bwd(
     logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
 ):
-    if logits.dtype == torch.float64:
-        return _torch_backend().logits_logprobs_bwd(
-            logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
-        )
     check_device("logits", logits)
     has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
     out = torch.empty_like(logits)

@@ -45,12 +45,11 @@ dW += G^T h (2 GEMMs, dW read and written in fp32 once per chunk): 3 x 2 N d V F
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ._common import cdiv, check_device, chunk_bytes, interpreting
 from .logprobs import dlogits, linear_grad, lse_stats, matmul, tiles
 
@@ -114,7 +113,7 @@ def _token_terms(logp, labels, old, adv, tw, ref, wloss, clipped, g, cl, ch, bet
 def keep_logits() -> bool:
     """Variant (a) of the header (3 GEMMs, token chunks of kept fp32 logits) when
     MRTPO_POLICY_KEEP_LOGITS=1; (b) (4 GEMMs) otherwise."""
-    return os.environ.get("MRTPO_POLICY_KEEP_LOGITS", "0") not in ("", "0")
+    return settings.policy_keep_logits()
 
 
 def _policy_keep_logits(hidden, weight, bias, labels, old, adv, tw, ref, temp, cl, ch, beta, ii):
@@ -157,13 +156,6 @@ def linear_policy_loss(
     hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
     clip_low, clip_high, beta, ignore_index, need_grad,
 ):  # fmt: skip
-    if hidden.dtype == torch.float64:  # no fp64 dots in Triton: the torch backend, in fp64
-        from ..backends import torch_backend
-
-        return torch_backend.linear_policy_loss(
-            hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp,
-            temperature, clip_low, clip_high, beta, ignore_index, need_grad,
-        )  # fmt: skip
     check_device("hidden", hidden)
     ref = ref_logp if ref_logp.numel() > 0 and beta != 0.0 else None
     if need_grad and keep_logits():

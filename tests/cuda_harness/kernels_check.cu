@@ -25,7 +25,7 @@
 
 #include "js.cuh"
 #include "logprobs.cuh"
-#include "reallocate.cuh"
+#include "advantages.cuh"
 
 using namespace mrtpo::cuda;
 

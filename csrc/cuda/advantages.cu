@@ -1,9 +1,9 @@
-// Launcher of the reallocation kernel (reallocate.cuh). Torch-free.
+// Launcher of the reallocation kernel (advantages.cuh). Torch-free.
 #include <cmath>
 
 #include "grid.cuh"
 #include "launchers.h"
-#include "reallocate.cuh"
+#include "advantages.cuh"
 
 // Qualified definition: the compiler checks it against the declaration in launchers.h.
 cudaError_t mrtpo::cuda::launch_reallocate_packed(

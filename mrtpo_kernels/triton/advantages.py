@@ -21,7 +21,6 @@ inputs keep float64 scalars; Triton scalar arguments would be fp32).
 
 Shapes, dtypes (all contiguous; acc = float32 or float64, the same for every float input):
     per_reward (n, K) acc, lam (K,) acc, has_info (n, K) bool, relevance (K, N) acc,
-    seg_ids (N,) int64 (unused here: the segments come from cu_seqlens),
     cu_seqlens (n + 1,) int64, mean () acc, std () acc
     -> token (N,) acc, allocation (K, N) acc.
 n, N and K are run-time values; BLOCK_K = next power of two of K and BLOCK_T are tile sizes;
@@ -130,7 +129,6 @@ def reallocate_packed(
     lam,
     has_info,
     relevance,
-    seg_ids,
     cu_seqlens,
     mean,
     std,
@@ -158,11 +156,22 @@ def reallocate_packed(
     block_k = triton.next_power_of_2(k)
     block_t = max(16, (4096 if interpreting() else 1024) // block_k)
     _reallocate_kernel[(n,)](
-        per_reward.to(acc).contiguous(), lam.to(acc).contiguous(),
-        has_info.contiguous().view(torch.uint8), relevance.contiguous(),
-        cu_seqlens.to(torch.int64).contiguous(), mean.to(acc).reshape(()),
-        std.to(acc).reshape(()), params, token, alloc, k, n_tok,
-        GAMMA_ONE=gamma == 1.0, HAS_CLIP=clip_min > 0.0 or math.isfinite(clip_max),
-        BLOCK_K=block_k, BLOCK_T=block_t, num_warps=4,
-    )  # fmt: skip
+        per_reward_ptr=per_reward.to(acc).contiguous(),
+        lam_ptr=lam.to(acc).contiguous(),
+        has_info_ptr=has_info.contiguous().view(torch.uint8),
+        rel_ptr=relevance.contiguous(),
+        cu_ptr=cu_seqlens.to(torch.int64).contiguous(),
+        mean_ptr=mean.to(acc).reshape(()),
+        std_ptr=std.to(acc).reshape(()),
+        params_ptr=params,
+        token_ptr=token,
+        alloc_ptr=alloc,
+        K=k,
+        N=n_tok,
+        GAMMA_ONE=gamma == 1.0,
+        HAS_CLIP=clip_min > 0.0 or math.isfinite(clip_max),
+        BLOCK_K=block_k,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
     return token, alloc

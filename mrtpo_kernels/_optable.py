@@ -1,0 +1,163 @@
+"""The op table: for each public function, the backend entry points it calls, where each
+backend's kernel lives, its float64 reference, its tests and its benchmark ops.
+
+Every backend that serves an op defines all of the op's entry points under these names
+(signatures in ``mrtpo_kernels/backends/__init__.py``) and says in its ``SERVES`` which
+devices and dtypes it takes; the dispatcher reads both. The README's "Backends and
+dispatch" section shows this table (``markdown()``; a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Op:
+    """One public op of mrtpo_kernels.
+
+    name:         the public function, ``mrtpo_kernels.<name>``
+    entry_points: the backend functions it calls (same names on every backend)
+    kernels:      backend -> where that backend's kernel is (the file to read)
+    reference:    the float64 reference, ``mrtpo_kernels.reference.<reference>``
+    tests:        the test files, first the op's own, then the Triton one if any
+    bench_ops:    the benchmark ops (``python -m bench --ops ...``) that time it
+    """
+
+    name: str
+    entry_points: tuple[str, ...]
+    kernels: Mapping[str, str]
+    reference: str
+    tests: tuple[str, ...]
+    bench_ops: tuple[str, ...] = field(default=())
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends with a kernel for this op."""
+        return tuple(self.kernels)
+
+    @property
+    def test_file(self) -> str:
+        return self.tests[0]
+
+
+_CHUNKED = "mrtpo_kernels/backends/_chunked.py"
+_TORCH = "mrtpo_kernels/backends/torch_backend.py"
+_CPU_ROWS = "csrc/cpu/row_kernels.h"
+
+
+def _op(name, entry_points, kernels, reference, tests, bench_ops=()):
+    return Op(name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_ops)
+
+
+OPS: Mapping[str, Op] = MappingProxyType(
+    {
+        op.name: op
+        for op in (
+            _op(
+                "linear_logprobs",
+                ("linear_logprobs_fwd", "linear_logprobs_bwd"),
+                {
+                    "torch": f"{_CHUNKED} + {_TORCH}",
+                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
+                    "triton": "mrtpo_kernels/triton/logprobs.py",
+                },
+                "linear_logprobs_ref",
+                ("tests/test_logprobs.py", "tests/test_triton_logprobs.py"),
+                ("linear_logprobs_fwd", "linear_logprobs_entropy", "linear_logprobs_fwd_bwd"),
+            ),
+            _op(
+                "logprobs_from_logits",
+                ("logits_logprobs_fwd", "logits_logprobs_bwd"),
+                {
+                    "torch": f"{_CHUNKED} + {_TORCH}",
+                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
+                    "triton": "mrtpo_kernels/triton/logprobs.py",
+                    "cuda": "csrc/cuda/logprobs.cu",
+                },
+                "logprobs_from_logits_ref",
+                ("tests/test_logprobs.py", "tests/test_triton_logprobs.py"),
+            ),
+            _op(
+                "linear_js_distance",
+                ("linear_js",),
+                {
+                    "torch": f"{_CHUNKED} + {_TORCH}",
+                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
+                    "triton": "mrtpo_kernels/triton/js.py",
+                },
+                "linear_js_distance_ref",
+                ("tests/test_js.py", "tests/test_triton_js.py"),
+                ("linear_js_distance", "credit_assignment_step"),
+            ),
+            _op(
+                "js_distance",
+                ("logits_js",),
+                {
+                    "torch": f"{_CHUNKED} + {_TORCH}",
+                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
+                    "triton": "mrtpo_kernels/triton/js.py",
+                    "cuda": "csrc/cuda/js.cu",
+                },
+                "js_distance_ref",
+                ("tests/test_js.py", "tests/test_triton_js.py"),
+            ),
+            _op(
+                "linear_policy_loss",
+                ("linear_policy_loss",),
+                {
+                    "torch": f"{_CHUNKED} + {_TORCH}",
+                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
+                    "triton": "mrtpo_kernels/triton/policy_loss.py",
+                },
+                "linear_policy_loss_ref",
+                ("tests/test_policy_loss.py", "tests/test_triton_policy_loss.py"),
+                ("linear_policy_loss_fwd_bwd", "credit_assignment_step"),
+            ),
+            _op(
+                "gdpo_advantages",
+                (),  # a few O(n K) reductions in PyTorch ops, in the public function itself
+                {"torch": "mrtpo_kernels/advantages.py"},
+                "gdpo_advantages_ref",
+                ("tests/test_advantages.py", "tests/test_bench_advantages.py"),
+            ),
+            _op(
+                "mrtpo_token_advantages",
+                ("reallocate_packed",),
+                {
+                    "torch": _TORCH,
+                    "triton": "mrtpo_kernels/triton/advantages.py",
+                    "cuda": "csrc/cuda/advantages.cu",
+                },
+                "mrtpo_token_advantages_ref",
+                (
+                    "tests/test_advantages.py",
+                    "tests/test_triton_advantages.py",
+                    "tests/test_bench_advantages.py",
+                ),
+                ("advantages",),  # credit_assignment_step runs it on the auto backend
+            ),
+        )
+    }
+)
+
+
+def markdown() -> str:
+    """The table as Markdown (the README shows this)."""
+    backends = ("torch", "cpu", "triton", "cuda")
+    lines = [
+        "| op | entry points | " + " | ".join(backends) + " | reference | tests | bench ops |",
+        "|---" * (6 + len(backends) - 1) + "|",
+    ]
+    for op in OPS.values():
+        cells = [f"`{op.name}`", ", ".join(f"`{e}`" for e in op.entry_points) or "-"]
+        cells += [f"`{op.kernels[b]}`" if b in op.kernels else "-" for b in backends]
+        cells += [
+            f"`{op.reference}`",
+            ", ".join(f"`{t}`" for t in op.tests),
+            ", ".join(f"`{b}`" for b in op.bench_ops) or "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""Every MRTPO_* environment variable the package reads, with its default and meaning.
+
+This module imports nothing from the package (any layer may import it) and reads the
+environment at each call, so a test or a benchmark can change a variable between calls.
+A variable that is set but cannot be read (a number that is not one) raises ValueError
+naming the variable. An empty value counts as unset.
+
+The build knobs (``MRTPO_SKIP_CUDA_BUILD``, ``MRTPO_FORCE_CUDA``, ``MRTPO_CUDA_ARCHS``) are
+read by setup.py at build time and listed here so that this is the one list of them all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_JS_SCRATCH_BYTES = 768 << 20
+
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    meaning: str
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "MRTPO_BACKEND",
+            "auto",
+            "backend for every op when the call passes no backend=: auto, cpu, torch, "
+            "triton or cuda",
+        ),
+        Setting(
+            "MRTPO_STRICT_BACKEND",
+            "0",
+            "1: a requested backend that cannot run an op raises instead of warning once and "
+            "running on the next one (the benchmarks set it)",
+        ),
+        Setting(
+            "MRTPO_SKIP_VALUE_CHECKS",
+            "0",
+            "1: skip the input checks that read data (labels in range, finite rewards, "
+            "boundaries), which synchronize with the device",
+        ),
+        Setting(
+            "MRTPO_CHUNK_BYTES",
+            str(DEFAULT_CHUNK_BYTES),
+            "bytes of one fp32 logits (or gradient-of-logits) chunk in the chunked drivers "
+            "and the Triton backward; smaller saves memory, larger saves launches",
+        ),
+        Setting(
+            "MRTPO_JS_SCRATCH_BYTES",
+            str(DEFAULT_JS_SCRATCH_BYTES),
+            "bytes of the Triton JS kernel's fp32 logits scratch (P and K streams of one "
+            "token chunk)",
+        ),
+        Setting(
+            "MRTPO_JS_GEMM",
+            "",
+            "BM,BN,BK,warps,stages: one tile configuration for the Triton JS GEMM instead of "
+            "the built-in list (for tuning on a GPU)",
+        ),
+        Setting(
+            "MRTPO_POLICY_KEEP_LOGITS",
+            "0",
+            "1: the Triton policy loss keeps each token chunk's fp32 logits for the gradient "
+            "(3 GEMMs, MRTPO_CHUNK_BYTES of logits) instead of recomputing them (4 GEMMs)",
+        ),
+        Setting("MRTPO_SKIP_CUDA_BUILD", "0", "build time: 1 never builds the CUDA extension"),
+        Setting(
+            "MRTPO_FORCE_CUDA",
+            "0",
+            "build time: 1 builds the CUDA extension even if torch sees no GPU",
+        ),
+        Setting(
+            "MRTPO_CUDA_ARCHS",
+            "90",
+            "build time: semicolon-separated compute capabilities of the CUDA extension",
+        ),
+    )
+}
+
+
+def raw(name: str) -> str:
+    """The variable's value, or its default when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value if value else SETTINGS[name].default
+
+
+def flag(name: str) -> bool:
+    value = raw(name).lower()
+    if value in _FALSE:
+        return False
+    if value in _TRUE:
+        return True
+    try:
+        return int(value) != 0
+    except ValueError:
+        raise ValueError(f"{name}: expected 0 or 1 (or true/false), got {value!r}") from None
+
+
+def positive_int(name: str) -> int:
+    value = raw(name)
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return number
+
+
+# --------------------------------------------------------------------------- the settings
+
+
+def backend() -> str:
+    return raw("MRTPO_BACKEND")
+
+
+def strict_backend() -> bool:
+    return flag("MRTPO_STRICT_BACKEND")
+
+
+def value_checks() -> bool:
+    return not flag("MRTPO_SKIP_VALUE_CHECKS")
+
+
+def chunk_bytes() -> int:
+    return positive_int("MRTPO_CHUNK_BYTES")
+
+
+def js_scratch_bytes() -> int:
+    return positive_int("MRTPO_JS_SCRATCH_BYTES")
+
+
+def js_gemm() -> tuple[int, int, int, int, int] | None:
+    """The MRTPO_JS_GEMM override as (BM, BN, BK, warps, stages), or None."""
+    value = raw("MRTPO_JS_GEMM")
+    if not value:
+        return None
+    try:
+        parts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 5 or min(parts) <= 0:
+        raise ValueError(
+            f"MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got {value!r}"
+        )
+    return parts  # type: ignore[return-value]
+
+
+def policy_keep_logits() -> bool:
+    return flag("MRTPO_POLICY_KEEP_LOGITS")

@@ -1,0 +1,48 @@
+"""Result types of the advantage ops and the one rule for the dtype of computed outputs.
+
+A leaf module: it imports nothing from the package, so the public ops, the references
+and the backends can all import it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class GDPOAdvantages(NamedTuple):
+    """Result of GDPO normalization (docs/METHOD.md section 1).
+
+    per_reward: (n, K) group-normalized advantage of each reward.
+    sequence:   (n,) batch-normalized GDPO advantage (S - mean) / (std + eps_batch).
+    mean, std:  () batch statistics of S = sum_k lambda_k A_k.
+    """
+
+    per_reward: torch.Tensor
+    sequence: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+class TokenAdvantages(NamedTuple):
+    """Result of MRTPO reallocation (docs/METHOD.md sections 4-5).
+
+    token:      per-token advantages, (B, T) padded (0 at padding) or (N,) packed.
+    allocation: per-reward allocation weights w_k, (K, B, T) or (K, N); 1 where uniform.
+    per_reward, sequence, mean, std: as in GDPOAdvantages.
+    """
+
+    token: torch.Tensor
+    allocation: torch.Tensor
+    per_reward: torch.Tensor
+    sequence: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def acc_dtype(t: torch.Tensor | torch.dtype) -> torch.dtype:
+    """Dtype of computed outputs and accumulations: float64 stays float64 (gradcheck, the
+    references), every other input dtype computes in float32."""
+    dtype = t if isinstance(t, torch.dtype) else t.dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,83 @@
+"""Triton fused policy loss (mrtpo_kernels/triton/policy_loss.py).
+
+CPU: the kernels run under the Triton interpreter, which must be switched on before triton
+is imported, so the checks live in tests/triton_cases/policy_loss_cases.py and run here in
+a subprocess (bias, KL term, the three aggregation rules, bf16, both variants: recompute
+and kept logits over several token chunks, torch.library.opcheck).
+GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
+against the float64 reference, both variants.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_triton_logprobs import DEV, _inputs, _within_budget, gpu_test
+
+import mrtpo_kernels as mk
+from mrtpo_kernels.reference import linear_policy_loss_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "triton_cases" / "policy_loss_cases.py"
+
+triton_missing = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+@triton_missing
+def test_triton_policy_loss_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(CASES)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "0 failures" in proc.stdout, proc.stdout
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@gpu_test
+@pytest.mark.parametrize("keep_logits", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_linear_policy_loss_real_shape(dtype, keep_logits, monkeypatch):
+    """Both variants of triton/policy_loss.py: (b) recompute (default), (a) kept logits."""
+    monkeypatch.setenv("MRTPO_POLICY_KEEP_LOGITS", keep_logits)
+    n, d = 2048, 4096
+    h, w, lab = _inputs(n, d, dtype, seed=3)
+    with torch.no_grad():
+        cur = mk.linear_logprobs(h, w, lab, backend="triton")
+    g = torch.Generator(device=DEV).manual_seed(4)
+    # rounded to dtype once, so that every run sees the same input values
+    old = (cur + 0.3 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    adv = torch.randn(n, device=DEV, generator=g).to(dtype)
+    ref_lp = (cur + 0.3 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    out = {}
+    for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        hh, ww = (t.detach().to(dt).requires_grad_() for t in (h, w))
+        args = (hh, ww, lab, old.to(dt), adv.to(dt))
+        kw = dict(ref_logprobs=ref_lp.to(dt), beta=0.05, clip_high=0.28)
+        if key == "ours":
+            loss, met = mk.linear_policy_loss(*args, backend="triton", **kw)
+        else:
+            loss, met = linear_policy_loss_ref(*args, **kw)
+        loss.backward()
+        out[key] = (loss, met, hh.grad, ww.grad)
+    _within_budget(out["ours"][0], out["ref"][0], out["same"][0], atol=1e-5)
+    for k in out["ref"][1]:
+        _within_budget(out["ours"][1][k], out["ref"][1][k], out["same"][1][k], atol=1e-5)
+    _within_budget(out["ours"][2], out["ref"][2], out["same"][2], atol=1e-6)
+    _within_budget(out["ours"][3], out["ref"][3], out["same"][3], atol=1e-6)
