@@ -1,0 +1,192 @@
+"""Crash consistency of a run folder: SIGKILL at every point of a checkpoint save, resume,
+and get the metrics of an uninterrupted run; recovery of every leftover state; resume and
+overwrite refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import standin_task, tiny_config
+
+from mrtpo.checkpoint import KILL_ENV, KILL_POINTS, META, RunDir
+from mrtpo.config import TrainConfig
+from mrtpo.trainer import Trainer, train
+
+STEPS = 3
+
+
+def _run_child(base: str, out: str, kill: str | None, resume: bool) -> None:
+    """One training process (forked from a server that has the libraries imported)."""
+    if kill:
+        os.environ[KILL_ENV] = kill
+    else:
+        os.environ.pop(KILL_ENV, None)
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(
+        tiny_config(Path(base), steps=STEPS, checkpoint_every=1),
+        out=out,
+        resume=resume,
+        overwrite=not resume,
+    )
+    train(cfg, task=standin_task(), progress=False)
+
+
+def _rows(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "matplotlib"]
+        + ["mrtpo.trainer", "test_trainer"]
+    )
+    return ctx
+
+
+def _spawn(ctx, *args) -> int:
+    p = ctx.Process(target=_run_child, args=args)
+    p.start()
+    p.join(timeout=120)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail(f"training child {args} did not finish")
+    return p.exitcode
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, forkserver):
+    base = tmp_path_factory.mktemp("ckpt")
+    out = base / "reference"
+    assert _spawn(forkserver, str(base), str(out), None, False) == 0
+    return base, _rows(out)
+
+
+CASES = [(p, 2) for p in KILL_POINTS] + [("tmp_state", 1), ("tmp_complete", 1)]
+
+
+@pytest.mark.parametrize("point, step", CASES, ids=[f"{p}@{s}" for p, s in CASES])
+def test_sigkill_during_save_then_resume_matches_uninterrupted(forkserver, reference, point, step):
+    base, want = reference
+    out = base / f"killed-{point}-{step}"
+    code = _spawn(forkserver, str(base), str(out), f"{point}:{step}", False)
+    assert code == -signal.SIGKILL, f"the kill point {point} was never reached"
+    assert _spawn(forkserver, str(base), str(out), None, True) == 0
+    assert _rows(out) == want
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    meta = json.loads((out / "checkpoint" / META).read_text())
+    assert meta["step"] == STEPS and meta["metrics_rows"] == STEPS
+    ref_model = sorted((base / "reference" / "checkpoint" / "model").glob("*.safetensors"))
+    got_model = sorted((out / "checkpoint" / "model").glob("*.safetensors"))
+    assert ref_model and [p.read_bytes() for p in ref_model] == [p.read_bytes() for p in got_model]
+
+
+# --------------------------------------------------------------------------------------------
+# Recovery of each leftover state, without training
+
+
+def _fake_checkpoint(path: Path, step: int, *, complete: bool = True) -> None:
+    path.mkdir(parents=True)
+    (path / "state.pt").write_text("x")
+    if complete:
+        (path / META).write_text(json.dumps({"format": 1, "step": step, "config": {}}))
+
+
+@pytest.mark.parametrize(
+    "present, want_step",
+    [
+        ({"checkpoint": 2}, 2),
+        ({"checkpoint": 2, "checkpoint.old": 1}, 2),  # killed while removing .old
+        ({"checkpoint": 1, "checkpoint.tmp": None}, 1),  # killed while writing .tmp
+        ({"checkpoint": 2, "checkpoint.old": None}, 2),  # .old partly removed
+        ({"checkpoint.old": 1, "checkpoint.tmp": 2}, 2),  # killed between the renames
+        ({"checkpoint.old": 1, "checkpoint.tmp": None}, 1),
+        ({"checkpoint.tmp": 1}, 1),  # first save, killed before its rename
+        ({"checkpoint.tmp": None}, None),  # first save, incomplete
+        ({"checkpoint.old": 1}, 1),
+        ({}, None),
+    ],
+)
+def test_recover_every_leftover_state(tmp_path, present, want_step):
+    for name, step in present.items():
+        _fake_checkpoint(tmp_path / name, step or 0, complete=step is not None)
+    rd = RunDir(tmp_path)
+    rd.recover()
+    assert not rd.tmp.exists() and not rd.old.exists()
+    meta = rd.meta()
+    if want_step is None:
+        assert meta is None
+    else:
+        assert meta["step"] == want_step
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals
+
+
+def _fake_run(out: Path, cfg: TrainConfig) -> None:
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (out / "metrics.jsonl").write_text("")
+
+
+@pytest.mark.parametrize(
+    "change", [{"algo": "gdpo"}, {"task": "other"}, {"seed": 5}, {"alpha": 0.5}, {"lr": 1e-3}]
+)
+def test_resume_with_other_settings_is_refused(tmp_path, change):
+    cfg = tiny_config(tmp_path)
+    _fake_run(Path(cfg.out), cfg)
+    other = dataclasses.replace(cfg, resume=True, **change)
+    with pytest.raises(ValueError, match="resume: .*" + next(iter(change))):
+        Trainer(other, task=standin_task())
+    assert not (tmp_path / "cache").exists()  # refused before any model was built
+
+
+def test_resume_may_change_steps_device_and_outputs(tmp_path):
+    cfg = tiny_config(tmp_path)
+    _fake_run(Path(cfg.out), cfg)
+    ok = dataclasses.replace(cfg, resume=True, steps=7, html_samples=1, checkpoint_every=3)
+    assert ok.trajectory() == cfg.trajectory()
+
+
+def test_existing_out_needs_resume_or_overwrite(tmp_path, reference):
+    cfg = tiny_config(tmp_path, steps=1, cache_dir=str(reference[0] / "cache"))
+    _fake_run(Path(cfg.out), cfg)
+    (Path(cfg.out) / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="already holds a run.*--overwrite"):
+        Trainer(cfg, task=standin_task())
+    assert not (Path(cfg.out) / "checkpoint").exists()
+    res = train(dataclasses.replace(cfg, overwrite=True), task=standin_task(), progress=False)
+    assert [r["step"] for r in _rows_of(res.metrics_path)] == [1]
+    state = torch.load(res.checkpoint / "state.pt", weights_only=True)
+    assert state["step"] == 1
+
+
+def _rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_damaged_metrics_history_names_the_file(tmp_path, reference):
+    cfg = tiny_config(tmp_path, steps=2, checkpoint_every=1, cache_dir=str(reference[0] / "cache"))
+    res = train(cfg, task=standin_task(), progress=False)
+    lines = res.metrics_path.read_text().splitlines()
+    res.metrics_path.write_text(lines[0][:-5] + "\n" + lines[1] + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl line 1 is not valid JSON"):
+        Trainer(dataclasses.replace(cfg, resume=True), task=standin_task())
+    res.metrics_path.write_text(lines[0] + "\n")  # a row the checkpoint covers is missing
+    with pytest.raises(ValueError, match="metrics.jsonl holds 1 complete rows"):
+        Trainer(dataclasses.replace(cfg, resume=True), task=standin_task())
+    res.metrics_path.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[1][:9])  # torn tail
+    t = Trainer(dataclasses.replace(cfg, resume=True, steps=2), task=standin_task())
+    assert [r["step"] for r in t.metrics] == [1, 2]
+    assert res.metrics_path.read_text() == lines[0] + "\n" + lines[1] + "\n"
