@@ -65,9 +65,11 @@ def test_verl_equals_library_with_uid_strings():
     adv, ret = verl.compute_mrtpo_outcome_advantage(
         rewards, mask, uids, rel, info, alpha=0.7, gamma=1.5
     )
+    # verl's convention by default: the batch std over response tokens
     lib = mrtpo_token_advantages(
-        rewards, ids, rel, has_info=info, response_mask=mask, alpha=0.7, gamma=1.5
-    )
+        rewards, ids, rel, has_info=info, response_mask=mask, alpha=0.7, gamma=1.5,
+        batch_norm="token",
+    )  # fmt: skip
     assert adv.shape == (B, T) and ret is adv
     torch.testing.assert_close(adv, lib.token, rtol=0, atol=0)
     assert bool((adv[mask == 0] == 0).all())
@@ -77,7 +79,9 @@ def test_verl_equals_library_with_uid_strings():
 def test_verl_equals_float64_reference():
     rewards, mask, rel, info = _batch(seed=3, dtype=torch.float64)
     uids, ids = _uids(seed=3)
-    adv, _ = verl.compute_mrtpo_outcome_advantage(rewards, mask, list(uids), rel, info)
+    adv, _ = verl.compute_mrtpo_outcome_advantage(
+        rewards, mask, list(uids), rel, info, batch_norm="sequence"
+    )
     lengths = mask.sum(1).tolist()
     ref, _ = mrtpo_token_advantages_ref(
         rewards, ids, [rel[:, i, :n] for i, n in enumerate(lengths)], has_info=info
@@ -92,7 +96,9 @@ def test_verl_alpha_zero_is_gdpo_broadcast_and_token_rewards_sum():
     per_token = torch.zeros((B, K, T))
     last = mask.sum(1) - 1
     per_token[torch.arange(B), :, last] = rewards  # verl puts the score on the last token
-    adv, _ = verl.compute_mrtpo_outcome_advantage(per_token, mask, uids, rel, info, alpha=0.0)
+    adv, _ = verl.compute_mrtpo_outcome_advantage(
+        per_token, mask, uids, rel, info, alpha=0.0, batch_norm="sequence"
+    )
     gdpo = gdpo_advantages(rewards, ids)
     torch.testing.assert_close(adv, gdpo.sequence[:, None] * mask, rtol=1e-6, atol=1e-6)
 
@@ -101,7 +107,7 @@ def test_verl_batch_helper_and_registry(monkeypatch):
     rewards, mask, rel, info = _batch(seed=2)
     uids, ids = _uids(seed=2)
     expected = mrtpo_token_advantages(
-        rewards, ids, rel, has_info=info, response_mask=mask, gamma=2.0
+        rewards, ids, rel, has_info=info, response_mask=mask, gamma=2.0, batch_norm="token"
     ).token
     batch = {
         "response_mask": mask,

@@ -1,8 +1,9 @@
 """OpenRLHF adapter: MRTPO token advantages from the experience tensors.
 
 OpenRLHF's experience maker samples ``n_samples_per_prompt`` consecutive responses per
-prompt, keeps an ``action_mask`` (B, T) over the response tokens and a sequence-level
-reward per sample; its group estimators ("group_norm", "dr_grpo", ...) normalize rewards
+prompt, keeps an ``action_mask`` (B, T) over the response tokens and the sequence-level
+reward of each sample in ``experience.rewards`` (which its advantage estimators read);
+its group estimators ("group_norm", "dr_grpo", ...) normalize rewards
 within each run of ``n_samples_per_prompt`` samples and then spread the result over the
 action tokens. MRTPO takes the K verifier rewards (B, K) instead of the single reward, and
 returns the (B, T) token advantages to store as ``experience.advantages`` (and as the
@@ -15,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_shape, check_tensor, consecutive_group_ids, padded_token_advantages
+from .common import (
+    check_shape,
+    check_tensor,
+    consecutive_group_ids,
+    group_ids_from_index,
+    padded_token_advantages,
+)
 
 __all__ = ["mrtpo_token_advantages_for_experiences", "mrtpo_token_advantages_from_experience"]
 
@@ -37,6 +44,7 @@ def mrtpo_token_advantages_from_experience(
     delta: float = 1e-8,
     clip: tuple[float, float] | None = None,
     nan: str = "error",
+    index=None,
 ) -> torch.Tensor:
     """(B, T) MRTPO token advantages for OpenRLHF experiences.
 
@@ -48,13 +56,25 @@ def mrtpo_token_advantages_from_experience(
         has_info: (B, K) bool, whether reward k's verifier names spans of sample i's prompt.
         reward_weights, alpha, gamma, eps, eps_batch, batch_norm, delta, clip, nan: as in
             ``mrtpo_token_advantages``.
+        index: optional (B,) prompt index of each sample (OpenRLHF's ``experience.index``).
+            With ``--dynamic_batch_enable`` OpenRLHF reorders samples into length-balanced
+            micro-batches, so consecutive rows are not groups; pass the index then, and
+            samples are grouped by it (as OpenRLHF's own group norm does).
 
     Returns:
         (B, T) token advantages (float32, float64 for float64 rewards), 0 where
         ``action_mask`` is 0.
     """
     check_tensor("rewards", rewards, ndim=2, floating=True)
-    group_ids = consecutive_group_ids(rewards.shape[0], n_samples_per_prompt, rewards.device)
+    if index is None:
+        group_ids = consecutive_group_ids(rewards.shape[0], n_samples_per_prompt, rewards.device)
+    else:
+        group_ids = group_ids_from_index(index, device=rewards.device)
+        if group_ids.shape[0] != rewards.shape[0]:
+            raise ValueError(
+                f"index: expected {rewards.shape[0]} entries (one per sample), "
+                f"got {group_ids.shape[0]}"
+            )
     return padded_token_advantages(
         rewards, group_ids, action_mask, relevance, has_info,
         mask_name="action_mask", weights=reward_weights, alpha=alpha, gamma=gamma, eps=eps,
@@ -69,6 +89,7 @@ def mrtpo_token_advantages_for_experiences(
     action_masks: list[torch.Tensor],
     relevance: list[torch.Tensor],
     has_info: list[torch.Tensor],
+    index: list | None = None,
     **options,
 ) -> list[torch.Tensor]:
     """The same over a step's micro-batch experiences, whose action widths A_j may differ.
@@ -78,6 +99,9 @@ def mrtpo_token_advantages_for_experiences(
     padded to the widest A, normalized together (groups may span experiences, as OpenRLHF
     concatenates their rewards) and split back. ``options`` as in
     ``mrtpo_token_advantages_from_experience``.
+
+    ``index``: optional, one (B_j,) prompt index per experience (``experience.index``);
+    required in effect under dynamic batching, where consecutive rows are not groups.
 
     Returns one (B_j, A_j) tensor per experience.
     """
@@ -104,6 +128,7 @@ def mrtpo_token_advantages_for_experiences(
         torch.cat([pad(m.long()) for m in action_masks]),
         torch.cat([pad(r) for r in relevance], dim=1),
         torch.cat(has_info),
+        index=None if index is None else _cat_index(index),
         **options,
     )
     out, start = [], 0
@@ -111,3 +136,10 @@ def mrtpo_token_advantages_for_experiences(
         out.append(adv[start : start + m.shape[0], : m.shape[1]])
         start += m.shape[0]
     return out
+
+
+def _cat_index(index) -> list:
+    keys = []
+    for part in index:
+        keys.extend(part.tolist() if isinstance(part, torch.Tensor) else list(part))
+    return keys

@@ -32,6 +32,7 @@ __all__ = [
     "REWARDS_KEY",
     "compute_mrtpo_advantage_for_batch",
     "compute_mrtpo_outcome_advantage",
+    "install_compute_advantage_patch",
     "logprobs_from_hidden",
     "register_with_verl",
 ]
@@ -61,7 +62,7 @@ def compute_mrtpo_outcome_advantage(
     gamma: float = 1.0,
     epsilon: float = 1e-6,
     epsilon_batch: float | None = None,
-    batch_norm: str = "sequence",
+    batch_norm: str = "token",
     delta: float = 1e-8,
     clip: tuple[float, float] | None = None,
     nan: str = "error",
@@ -79,8 +80,9 @@ def compute_mrtpo_outcome_advantage(
         relevance: (K, bs, response_length) JS relevance (e.g. ``relevance_from_hidden``).
         has_info: (bs, K) bool, whether reward k's verifier names prompt spans for sample i.
         reward_weights: optional (K,) lambda_k.
-        alpha, gamma, delta, clip, batch_norm, nan: as in ``mrtpo_token_advantages``
-            (batch_norm="token" is the counterpart of verl's masked whitening).
+        alpha, gamma, delta, clip, batch_norm, nan: as in ``mrtpo_token_advantages``.
+            batch_norm defaults to "token", verl's convention (its GDPO whitens over the
+            response tokens); with it alpha = 0 gives verl's GDPO advantages.
         epsilon: added to each group's std (verl's name); epsilon_batch: for the batch std.
         config, unused: accepted and ignored, so verl's keyword call fits.
 
@@ -180,13 +182,19 @@ _OPTION_NAMES = frozenset(
 )  # fmt: skip
 
 
-def register_with_verl(name: str = ESTIMATOR_NAME, **options):
+def register_with_verl(name: str = ESTIMATOR_NAME, *, patch_compute_advantage: bool = False,
+                       allow_unknown_version: bool = False, **options):  # fmt: skip
     """Register MRTPO in verl's advantage-estimator registry under ``name`` ("mrtpo").
 
     Uses ``verl.trainer.ppo.core_algos.register_adv_est`` (verl's decorator; its registry is
     ``ADV_ESTIMATOR_REGISTRY``). ``options`` (alpha, gamma, epsilon, reward_weights, ...)
     are bound to the registered function. Calling it again replaces an earlier MRTPO
     registration. Run it in the process that computes advantages (verl's driver).
+
+    verl 0.9.1's ``compute_advantage`` passes the batch only to an estimator named "gdpo",
+    so the registered function alone cannot find the MRTPO inputs there: pass
+    ``patch_compute_advantage=True`` to also install ``install_compute_advantage_patch``
+    (version-checked).
 
     Returns the registered function. Raises ImportError naming verl when it is missing.
     """
@@ -206,6 +214,10 @@ def register_with_verl(name: str = ESTIMATOR_NAME, **options):
     fn = _make_estimator(options)
     registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", None)
     previous = registry.get(name) if isinstance(registry, dict) else None
+    if patch_compute_advantage:
+        install_compute_advantage_patch(
+            name, allow_unknown_version=allow_unknown_version, **options
+        )
     if previous is not None and hasattr(previous, "mrtpo_options"):
         registry[name] = fn  # replace our own earlier registration
         return fn
@@ -252,3 +264,48 @@ def logprobs_from_hidden(
         hidden, lm_head_weight, labels, bias=lm_head_bias, temperature=temperature,
         ignore_index=ignore_index, return_entropy=return_entropy,
     )  # fmt: skip
+
+
+# verl releases whose ray_trainer.compute_advantage this module's patch was written against:
+# they hand the whole batch only to an estimator named "gdpo", which cannot be re-registered.
+PATCHED_VERL_VERSIONS = ("0.9.1",)
+
+
+def install_compute_advantage_patch(name: str = ESTIMATOR_NAME, *, allow_unknown_version=False,
+                                    **options):  # fmt: skip
+    """Opt-in: make ``algorithm.adv_estimator=<name>`` work through verl's own driver.
+
+    Wraps ``verl.trainer.ppo.ray_trainer.compute_advantage`` so that for ``name`` it fills
+    the batch with ``compute_mrtpo_advantage_for_batch(data, **options)`` (after verl's own
+    ``response_mask`` step) and calls verl's function for every other estimator. Installed
+    once; calling again replaces the options. Raises RuntimeError on a verl version not in
+    ``PATCHED_VERL_VERSIONS`` unless ``allow_unknown_version``.
+
+    Returns the wrapper (its ``original`` attribute is verl's function).
+    """
+    verl = require("verl", "install_compute_advantage_patch")
+    version = getattr(verl, "__version__", "unknown")
+    if version not in PATCHED_VERL_VERSIONS and not allow_unknown_version:
+        raise RuntimeError(
+            f"install_compute_advantage_patch: verl {version} is not a version this patch "
+            f"was written against ({', '.join(PATCHED_VERL_VERSIONS)}); check that "
+            "verl.trainer.ppo.ray_trainer.compute_advantage(data, adv_estimator, ...) still "
+            "has that form, then pass allow_unknown_version=True"
+        )
+    ray_trainer = require("verl.trainer.ppo.ray_trainer", "install_compute_advantage_patch")
+    current = ray_trainer.compute_advantage
+    original = getattr(current, "original", current)
+    bound = dict(options)
+
+    def compute_advantage(data, adv_estimator, *args, **kwargs):
+        key = getattr(adv_estimator, "value", adv_estimator)
+        if key != name:
+            return original(data, adv_estimator, *args, **kwargs)
+        if "response_mask" not in set(data.batch.keys()):
+            data.batch["response_mask"] = ray_trainer.compute_response_mask(data)
+        return compute_mrtpo_advantage_for_batch(data, **bound)
+
+    compute_advantage.original = original
+    compute_advantage.mrtpo_options = bound
+    ray_trainer.compute_advantage = compute_advantage
+    return compute_advantage
