@@ -13,9 +13,7 @@ so sum_t token[t] = T_i x the GDPO sequence advantage of response i (the mass in
 One program per response (a segmented kernel over cu_seqlens): pass 1 sums g over the
 response's tokens for all K rewards at once ([BLOCK_K, BLOCK_T] tiles), pass 2 (only with a
 clip) sums the clipped weights, pass 3 writes the allocation and the token advantages.
-The response's (K, T_i) slice is read 2-3 times (the later passes from L1/L2), allocation
-(K, N) and token (N,) written once: ~ (3 K + 1) N x 4 bytes for fp32, memory-bound, a few
-microseconds at RL sizes. No host synchronization: mu and sigma are read from device
+Memory-bound (costs: docs/kernels.md). No host synchronization: mu and sigma are read from device
 tensors, the scalars travel in a small device tensor of the accumulation dtype (so float64
 inputs keep float64 scalars; Triton scalar arguments would be fp32).
 

@@ -15,37 +15,17 @@ Math (per token row r, stream k = 1..K, vocabulary entry v; tau the temperature)
   Per term and stream: 3 transcendentals (exp lq, exp -|delta|, log(1 + e)); exp lp is
   shared by the K streams.
 
-The two log-normalizers are needed before any term can be summed, so the vocabulary is
-visited twice. Counting for the target shape (H200, bf16, N = 16384 tokens, d = 4096,
-V = 151936, K = 4; GEMM work (1 + K) 2 N d V = 102 TFLOP, ~130 ms at the chip's ~790
-TFLOP/s dense bf16):
-  (a) two passes, logits recomputed: 2 x 102 TFLOP, >= 260 ms, at most ~390 TFLOP/s counted
-      as (1 + K) 2 N d V: below the 500 TFLOP/s target before any other cost. Rejected.
-  (b) chosen: one GEMM pass that keeps each chunk's fp32 logits in a device scratch between
-      their two uses. Per chunk of C tokens the hidden rows of the 1 + K streams are stacked
-      into one (1 + K) C x d operand (P first: its logits are computed once per chunk and
-      shared by the K streams); the GEMM kernel (_js_logits_kernel) writes the fp32 logits
-      / tau and, from the accumulator tile, a log-sum-exp per (row, vocabulary tile);
-      _row_lse_kernel combines those into each row's lse; _js_sum_kernel reads the scratch
-      once and sums the terms over vocabulary splits; _js_finish_kernel adds the splits
-      and takes the square root.
-      Bytes beyond the GEMM operands: (1 + K) N V 4 written + the same read = 2 x 49.8 GB
-      = 100 GB, ~21 ms at 4.8 TB/s (the writes mostly overlapped with the tensor cores,
-      the ~10 ms read not). The weight is re-read once per chunk, (N / C) V d 2 = 80 GB at
-      C = 256, hidden under the math: the chunk GEMM does 1280 FLOP per weight byte, far
-      above the ~165 FLOP/B balance point. Estimate, if the GEMM with its epilogue
-      sustains ~650 TFLOP/s: 157 + ~10 ms = ~167 ms, ~610 TFLOP/s counted.
-      Transcendentals per (token, vocabulary entry): 1 + K exp in the epilogue, 1 + 3 K in
-      the sum: 4.5e10 at K = 4, ~11 ms of the SFUs (16 per clock per SM); the sum's share,
-      ~8 ms, runs under its ~10 ms of reads.
-      C is sized so the scratch stays within MRTPO_JS_SCRATCH_BYTES (default 768 MiB:
-      C = 256 for K = 4, V = 151936), inside the 1 GB extra-memory budget.
-      Built for sm_90 by Triton 3.9 (tests/test_triton_js.py compiles it without a GPU),
-      the 16-bit GEMM at 128 x 256 x 64, 8 warps, 3 stages is a cp.async-pipelined wgmma
-      loop, 178 registers, no spills, 144 KiB shared memory. Unmeasured on the H200 so far.
-  From existing logits (logits_js) there is no GEMM: pass 1 (_row_lse_kernel) reads every
-  row for its lse, pass 2 (_js_sum_kernel) reads them again, 2 (1 + K) N V b bytes (b the
-  logits' element size); memory-bound.
+Design: the two log-normalizers are needed before any term can be summed, so the
+vocabulary is visited twice; one GEMM pass keeps each token chunk's fp32 logits in a device
+scratch between their two uses rather than computing the logits twice. Per chunk of C
+tokens the hidden rows of the 1 + K streams are stacked into one (1 + K) C x d operand (P
+first: its logits are computed once per chunk and shared by the K streams);
+_js_logits_kernel writes the fp32 logits / tau and a log-sum-exp per (row, vocabulary
+tile), _row_lse_kernel combines those per row, _js_sum_kernel reads the scratch once and
+sums the terms over vocabulary splits, _js_finish_kernel adds the splits and takes the
+square root. C keeps the scratch within MRTPO_JS_SCRATCH_BYTES. From existing logits
+(logits_js) there is no GEMM: two reads of the logits, memory-bound. The counting behind
+the choice, and what is not yet measured: docs/kernels.md.
 
 Shapes, strides, dtypes:
   linear_js(hidden_p (N, d), hidden_q (K, N, d), weight (V, d), bias (V,) | None, tau)
@@ -55,8 +35,8 @@ Shapes, strides, dtypes:
       (1 + K, C), split sums (S, K, C).
   logits_js(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous;
       scratch lse (1 + K, N), split sums (S, K, N).
-  float64 inputs go to the chunked "torch" backend (float64 throughout; no tensor cores to
-  gain from), so float64 results stay float64.
+  float64 inputs never reach these kernels: the dispatcher sends them to the "torch"
+  backend (float64 throughout).
   N, V, d, K are run-time kernel arguments (RL batches vary); only tile sizes and flags are
   constexpr; offsets are int64; tails are masked; the max identity is -inf and guarded;
   all accumulation is fp32. No host synchronization.

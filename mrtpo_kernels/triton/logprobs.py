@@ -13,9 +13,9 @@ logits (N, V) any float dtype. N, V and d are run-time arguments (RL batches var
 tile sizes and feature flags are constexpr. Offsets are int64. Outputs logp, entropy, lse
 are fp32 (N,); lse (of z, i.e. after the temperature) is what the backward needs, together
 with the entropy when there is an entropy gradient. grad_hidden in hidden's dtype,
-grad_weight and grad_bias fp32, grad_logits in logits' dtype. float64 inputs go to the
-"torch" backend (Triton dots have no fp64 tensor-core path; the torch backend then computes
-in float64 as the other backends do).
+grad_weight and grad_bias fp32, grad_logits in logits' dtype. float64 inputs never
+reach these kernels (Triton dots have no fp64 path): the dispatcher sends them to the
+"torch" backend, which computes in float64.
 
 Forward (``_stats_partial_kernel`` + ``_stats_combine_kernel``): a program owns BLOCK_N
 tokens and one contiguous range ("split") of the vocabulary; for each BLOCK_V block it
@@ -47,18 +47,10 @@ default 256 MiB of gradient-of-logits; C = 8192 at N = 16384 in bf16):
 Chunking the vocabulary rather than the tokens is what makes dW single-pass: the saved lse
 is known before the backward starts, so any vocabulary chunk can be finished on its own.
 
-Costs (2 N d V = 2.0e13 FLOPs per GEMM at N = 16384, d = 4096, V = 151936):
-    forward   1 GEMM + ~8 N V fp32 epilogue ops; HBM: hidden (N d e) and weight (V d e)
-              once each in the ideal, ~S and ~N / (BLOCK_N GROUP) times through L2 in
-              practice; writes 12 N bytes.
-    backward  3 GEMMs; HBM beyond the inputs: G written once and read by both GEMMs,
-              >= 3 N V e bytes (15 GB in bf16), dh32 traffic as above, dW written once
-              (4 V d bytes).
-    logits    (N V e) bytes read forward; read + (N V e) written backward; ~10 flops/elem.
 Extra device memory: G (<= MRTPO_CHUNK_BYTES), dh32 (4 N d bytes, none for fp32 hidden),
-the (4, S, N) fp32 partials.
+the (4, S, N) fp32 partials. Costs at the target shape: docs/kernels.md.
 
-Tiles (fixed, not autotuned: no GPU was available when this was written): bf16/fp16 dots
+Tiles (fixed, not autotuned; see docs/kernels.md): bf16/fp16 dots
 BLOCK_N = BLOCK_V = 128, BLOCK_D = 64, 8 warps, 3 stages; fp32 dots 64/64/32, 4 warps,
 2 stages; the GEMMs 128 x 128 x 64 (fp32: 64 x 64 x 32), GROUP_M = 8. Under the
 interpreter the tiles are chosen for few program launches. fp32 dots use IEEE fp32 unless

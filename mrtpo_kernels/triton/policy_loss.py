@@ -10,30 +10,19 @@ Math (per token t; logp_t from ``logprobs.lse_stats``, 0 on ignored tokens):
 The gradients of hidden, weight and bias are those of sum_t g_t logp_t, i.e. the log-prob
 backward with upstream g and no entropy term: dlogits = g ([v == y] - p) / tau.
 
-Shapes: hidden (N, d), weight (V, d) fp32/bf16/fp16 (fp64 goes to the "torch" backend);
+Shapes: hidden (N, d), weight (V, d) fp32/bf16/fp16 (the dispatcher sends fp64 to "torch");
 bias (V,); labels (N,) int64; old_logp, advantages, token_weight (N,) fp32; ref_logp (N,) or
 (0,) fp32. Returns loss () fp32, logp (N,) fp32, clipped (N,) fp32 and, with need_grad,
 grad_hidden (N, d) in hidden's dtype, grad_weight (V, d) fp32, grad_bias (V,) fp32 or (0,).
 Nothing is saved for a backward: the autograd op only scales these by the upstream scalar.
 
-GEMM count (each 2 N d V FLOPs = 2.0e13 at N = 16384, d = 4096, V = 151936) and the pick:
-  (a) keep a token chunk of fp32 logits between its two uses: 3 GEMMs (logits, dh, dW).
-      The softmax needs the whole row's lse before any dlogits, so a chunk of C tokens
-      keeps C x V fp32 logits; the 1 GB extra-memory target caps C near 1024 at V = 151936,
-      and dW (fp32, V d 4 = 2.5 GB) is then read and written once per token chunk:
-      16 x 5 GB = 80 GB, plus ~16 V bytes per token of logits / dlogits traffic (40 GB):
-      ~120 GB, ~25 ms of HBM at 4.8 TB/s.
-  (b) recompute: 4 GEMMs (forward lse; then per vocabulary chunk: logits again -> dlogits,
-      dW[chunk] = G^T h finished in one pass, dh += G W[chunk]); HBM beyond the GEMMs'
-      operands ~15 GB (G in hidden's dtype, the fp32 dh accumulator), ~3 ms.
-  At d = 4096 one GEMM is ~29 ms at 700 TFLOP/s: (a) ~ 3 x 29 + 25 = 112 ms, (b) ~ 4 x 29 +
-  3 = 119 ms, within the error of this estimate; at d = 896 a GEMM is ~6 ms and (a)'s
-  traffic (dW 16 x 1.1 GB + 40 GB) ~12 ms, so (b) wins there. Counting does not separate
-  them at d = 4096, so both are here: (b) is the default (it shares the log-prob backward
-  ``logprobs.linear_grad``, needs the least memory and never re-reads dW); (a) runs with
-  MRTPO_POLICY_KEEP_LOGITS=1 (its token chunk holds MRTPO_CHUNK_BYTES of fp32 logits: give
-  it ~768 MiB at V = 151936 so that dW is re-read fewer times). Flip the default by what an
-  H200 measures; neither has been timed yet.
+Design: two variants, because counting does not separate them at d = 4096 (the counting:
+docs/kernels.md). (b), the default, recomputes: 4 GEMMs (forward lse; then per vocabulary
+chunk logits again -> dlogits, dW[chunk] = G^T h in one pass, dh += G W[chunk]); it shares
+the log-prob backward ``logprobs.linear_grad``, needs the least memory and never re-reads
+dW. (a), with MRTPO_POLICY_KEEP_LOGITS=1, keeps a token chunk of fp32 logits (its size
+from MRTPO_CHUNK_BYTES) between their two uses: 3 GEMMs, dW read and written once per
+token chunk.
 
 Kernels: (b) ``lse_stats`` (forward log-sum-exp, 1 GEMM), ``_policy_token_kernel``
 (per-token surrogate, KL, clip flag and g; O(N)), ``linear_grad`` (3 GEMMs): 4 x 2 N d V
