@@ -1,11 +1,11 @@
-"""The ``mrtpo`` command line: help, argument errors, forwarding, and a short real run."""
+"""The ``mrtpo`` command line: help, argument errors (one line, exit 2, before any model is
+built), and short real runs."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -25,8 +25,9 @@ def _run(argv, capsys):
 def test_help_lists_every_command_and_flag(capsys):
     code, out, _ = _run(["--help"], capsys)
     assert code == 0
-    for cmd in ("train", "compare", "demo", "bench"):
+    for cmd in ("train", "compare", "demo"):
         assert cmd in out
+    assert "bench" not in out
     code, out, _ = _run(["train", "--help"], capsys)
     assert code == 0
     parser = build_parser()
@@ -42,41 +43,85 @@ def test_help_lists_every_command_and_flag(capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["train", "--algo", "ppo"], "invalid choice: 'ppo'"),
-        (["train", "--task", "chess"], "invalid choice: 'chess'"),
-        (["train", "--steps", "0"], "positive integer"),
+        (["train", "--algo", "ppo"], "--algo: expected one of grpo, gdpo, mrtpo"),
+        (["train", "--task", "chess"], "--task: expected one of"),
+        (["train", "--task", "constraints:no_such_kind"], "unknown constraint kind"),
+        (["train", "--steps", "0"], "--steps: expected a number in [1"),
         (["train", "--alpha", "1.5"], "--alpha"),
         (["train", "--temperature", "-1"], "--temperature"),
-        (["train", "--group-size", "x"], "positive integer"),
-        (["compare", "--algos", "gdpo,foo"], "comma-separated list"),
-        (["train", "--model", "/no/such/folder"], "model:"),
-        (["train", "--group-size", "1"], "group_size"),
+        (["train", "--group-size", "x"], "--group-size: expected an integer"),
+        (["compare", "--algos", "gdpo,foo"], "--algos: expected a comma-separated list"),
+        (["compare", "--task", "sqll"], "--task"),
+        (["compare", "--lr", "nan"], "--lr: expected a finite number"),
+        (["train", "--model", "/no/such/folder"], "--model:"),
+        (["train", "--group-size", "1"], "--group-size"),
+        (["train", "--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N"),
+        (["train", "--weight-decay", "inf"], "--weight-decay: expected a finite number"),
+        (["train", "--weight-decay", "1e308"], "--weight-decay: lr x weight_decay"),
+        (["train", "--lr", "10"], "--lr"),
+        (["train", "--resume", "--overwrite"], "--overwrite"),
         ([], "COMMAND"),
     ],
 )
-def test_bad_arguments_give_clear_errors(argv, needle, capsys):
+def test_bad_arguments_give_one_line_and_exit_2(argv, needle, capsys):
     code, _, err = _run(argv, capsys)
     assert code == 2
     assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
-def test_demo_and_bench_forward_their_arguments(monkeypatch):
+def _train_argv(tmp_path, *extra):
+    return ["train", "--cache-dir", str(tmp_path / "cache"), "--steps", "1", "--quiet", *extra]
+
+
+def test_bad_paths_fail_before_any_model_is_built(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        (["--out", str(a_file)], "--out: "),
+        (["--out", str(a_file / "run")], "--out: "),
+        (["--out", str(tmp_path / "run"), "--cache-dir", str(a_file)], "--cache-dir: "),
+    ]
+    for extra, needle in cases:
+        code, _, err = _run(_train_argv(tmp_path, *extra), capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    code, _, err = _run(_train_argv(tmp_path, "--out", str(run)), capsys)
+    assert code == 2 and "already holds a run" in err and "--overwrite" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+    assert not (tmp_path / "cache").exists()  # no model was built for any of them
+
+
+def test_demo_forwards_its_arguments(monkeypatch):
+    import types
+
     seen = {}
-    bench_main = types.ModuleType("bench.__main__")
-    bench_main.main = lambda argv=None: seen.setdefault("bench", argv) and 0
     demo = types.ModuleType("mrtpo.demo")
     demo.main = lambda argv=None: seen.setdefault("demo", argv) and 0
-    monkeypatch.setitem(sys.modules, "bench.__main__", bench_main)
     monkeypatch.setitem(sys.modules, "mrtpo.demo", demo)
-    assert main(["bench", "--op", "js", "--quick"]) == 0
     assert main(["demo", "--help"]) == 0
-    assert seen == {"bench": ["--op", "js", "--quick"], "demo": ["--help"]}
+    assert seen == {"demo": ["--help"]}
 
 
-def test_missing_bench_package_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "bench.__main__", None)  # import raises ImportError
-    assert main(["bench"]) == 2
-    assert "benchmark package is not available" in capsys.readouterr().err
+def test_every_config_field_has_a_flag_and_round_trips():
+    from mrtpo.config import CompareConfig, TrainConfig
+    from mrtpo.config import from_namespace as config_from_namespace
+
+    argv = ["train", "--lr", "0.001", "--no-baseline-replay", "--warm-steps", "3"]
+    args = build_parser().parse_args([*argv, "--task", "constraints:title,no_commas"])
+    cfg = config_from_namespace(TrainConfig(), args)
+    assert cfg.lr == 0.001 and cfg.replay_for_baselines is False and cfg.tiny.warm_steps == 3
+    assert cfg.task == "constraints:title,no_commas"
+    assert (
+        config_from_namespace(TrainConfig(), build_parser().parse_args(["train"])) == TrainConfig()
+    )
+    args = build_parser().parse_args(["compare", "--task", "constraints-full", "--lr", "0.001"])
+    cmp = config_from_namespace(CompareConfig(), args)
+    assert cmp.task == "constraints-full" and cmp.train.lr == 0.001 and cmp.train.threads == 1
+    assert cmp.run_config("gdpo", 2).task == "constraints-full"
+    assert not hasattr(args, "algo") and not hasattr(args, "train.algo")  # fixed by compare
 
 
 def test_python_dash_m_entry_point():
@@ -117,9 +162,14 @@ def test_train_on_the_builtin_constraints_task(tmp_path, capsys):
         ]
     )
     assert code == 0
+    again = ["--cache-dir", str(tmp_path / "cache"), "--warm-steps", "2", "--prompts-per-step",
+             "2", "--group-size", "2", "--max-new-tokens", "8", "--quiet"]  # fmt: skip
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2", *again]) == 0
     printed = capsys.readouterr().out
     assert str(out) in printed and "tokens.html" in printed
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    row = rows[0]
     assert {"pass/start_phrase", "pass/keyword_include", "pass/end_phrase"} <= row.keys()
     assert (out / "curves.png").exists() and (out / "tokens.html").exists()
 
@@ -136,6 +186,7 @@ def test_steps_to_target_needs_a_full_window():
 def test_compare_writes_table_and_plot(tmp_path):
     from test_trainer import TINY, standin_task
 
+    from mrtpo.cli import config_from_args
     from mrtpo.compare import run_compare
 
     args = build_parser().parse_args([
@@ -144,7 +195,7 @@ def test_compare_writes_table_and_plot(tmp_path):
         "--cache-dir", str(tmp_path / "cache"), "--warm-steps", str(TINY.warm_steps),
         "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "8",
     ])  # fmt: skip
-    summary = run_compare(args, task=standin_task(), log=lambda msg: None)
+    summary = run_compare(config_from_args(args), task=standin_task(), log=lambda msg: None)
     assert [len(summary["runs"][a]) for a in ("gdpo", "mrtpo")] == [2, 2]
     md = (tmp_path / "res" / "compare_constraints.md").read_text()
     assert "## The claim" in md and "| gdpo |" in md and "| mrtpo |" in md
