@@ -18,7 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mrtpo_kernels import TokenAdvantages, linear_js_distance, mrtpo_token_advantages
+from mrtpo_kernels import (
+    TokenAdvantages,
+    check_tensor,
+    linear_js_distance,
+    mrtpo_token_advantages,
+)
 
 __all__ = [
     "consecutive_group_ids",
@@ -32,20 +37,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def check_tensor(name: str, t, *, ndim=None, floating: bool | None = None) -> torch.Tensor:
-    """ValueError naming ``name`` unless ``t`` is a tensor of the given rank and kind."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None:
-        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            want = " or ".join(f"{a}-D" for a in allowed)
-            raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
-    if floating is True and not t.dtype.is_floating_point:
-        raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-    return t
 
 
 def check_shape(name: str, t: torch.Tensor, shape, what: str) -> None:
