@@ -17,7 +17,7 @@ Span = tuple[int, int]  # [start, end) character offsets into Example.prompt
 # A closing fence: three backticks followed by nothing but spaces up to the end of the line.
 # Inside a JSON (or SQL) string, ``` is followed by more of the string, so it never closes.
 _FENCE_CLOSE = re.compile(r"```[ \t]*(?:\r?\n|\Z)")
-_ONE_LINE_LANG = re.compile(r"([A-Za-z][\w.+#-]*)(?=[\s{\[])")
+_ONE_LINE_LANG = re.compile(r'([A-Za-z][\w.+#-]*)(?=[\s{\["])')
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,11 @@ def find_fence(text: str) -> Fence | None:
     """The first fenced code block of ``text``, or None when it has no ```.
 
     The block opens at the first ```. If that line ends with ``` after some content, the
-    block is that one line (````json {"a": 1}````; a leading word followed by a space or a
-    bracket is its language). Otherwise the info string runs to the end of the line and the
-    block closes at the first ``` followed only by spaces up to a line end (or the end of
-    the text), so a ``` inside a string of the body does not close it. Unclosed blocks run
+    block is that one line. Otherwise the block closes at the first ``` after the opening
+    line that is followed only by spaces up to a line end (or the end of the text), so a
+    ``` inside a string of the body does not close it. A leading word on the opening line
+    followed by a space, a bracket or the line end is the block's language (````json````,
+    ````json {"a": 1}````); the rest of that line belongs to the body. Unclosed blocks run
     to the end of the text. Linear time whatever the input.
     """
     start = text.find("```")
@@ -54,17 +55,22 @@ def find_fence(text: str) -> Fence | None:
     line = text[start + 3 : line_end].rstrip()
     if len(line) >= 3 and line.endswith("```"):  # a one-line block
         inner = line[:-3]
-        m = _ONE_LINE_LANG.match(inner)
+        m = _ONE_LINE_LANG.match(inner.lstrip(" \t"))
         lang = m.group(1) if m else ""
-        body = inner[m.end() :] if m else inner
+        body = inner.lstrip(" \t")[m.end() :] if m else inner
         return Fence(lang, body, start, start + 3 + len(line), True)
-    lang = line.strip()
-    if nl < 0:
-        return Fence(lang, "", start, len(text), False)
-    m = _FENCE_CLOSE.search(text, nl + 1)
+    # The info string is a language word; anything else on the opening line (``` {"a": 1})
+    # already belongs to the body.
+    indent = len(line) - len(line.lstrip(" \t"))
+    m = _ONE_LINE_LANG.match(line[indent:] + " ")
+    lang = m.group(1) if m else ""
+    body_start = start + 3 + (indent + m.end() if m else 0)
+    if not text[body_start:line_end].strip():  # nothing else on the opening line
+        body_start = min(line_end + 1, len(text))
+    m = _FENCE_CLOSE.search(text, line_end)
     if m is None:
-        return Fence(lang, text[nl + 1 :], start, len(text), False)
-    return Fence(lang, text[nl + 1 : m.start()], start, m.start() + 3, True)
+        return Fence(lang, text[body_start:], start, len(text), False)
+    return Fence(lang, text[body_start : m.start()], start, m.start() + 3, True)
 
 
 def json_nesting_depth(text: str, limit: int) -> int:

@@ -39,7 +39,7 @@ import logging
 import re
 from typing import Any
 
-from .base import Example, Span, Verdict, json_nesting_depth
+from .base import Example, Span, Verdict, find_fence, json_nesting_depth
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,11 @@ _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
 _BULLET = re.compile(r"^[ \t]*([*-])[ \t]+\S", re.M)
 _DIVIDER = re.compile(r"\*\*\*")
 _PLACEHOLDER = re.compile(r"\[[^\[\]\n]{1,40}\]")
-_TITLE = re.compile(r"<<[^<>\n]{1,80}>>")
-_SECTION = re.compile(r"^[ \t]*SECTION[ \t]+\d+", re.M)
-_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.S)
+# A title: 1-80 characters, not all blank, without brackets or a line break.
+_TITLE = re.compile(r"<<(?=[^<>\n]*[^\s<>])[^<>\n]{1,80}>>")
+# A section header: a line starting with SECTION k, optionally as a Markdown heading
+# (``## SECTION 1``) or in bold/italics (``**SECTION 1**``).
+_SECTION = re.compile(r"^[ \t]*(?:#{1,6}[ \t]+|\*\*|__|\*|_)?SECTION[ \t]*\d+", re.M)
 
 
 def _word_re(word: str) -> re.Pattern:
@@ -61,6 +63,10 @@ def _word_re(word: str) -> re.Pattern:
 
 def _spans_of(pattern: re.Pattern, text: str, group: int = 0) -> list[Span]:
     return [m.span(group) for m in pattern.finditer(text)]
+
+
+def _has_letter(text: str) -> bool:
+    return any(ch.isalpha() for ch in text)
 
 
 def _stripped_bounds(text: str) -> Span:
@@ -78,7 +84,13 @@ class Constraint:
         raise NotImplementedError
 
     def check(self, text: str, p: dict) -> str | None:
-        """None if ``text`` satisfies the constraint, else the reason it does not."""
+        """None if ``text`` satisfies the constraint, else the reason it does not. An empty
+        or whitespace-only answer satisfies no constraint."""
+        if not text.strip():
+            return "empty answer"
+        return self._check(text, p)
+
+    def _check(self, text: str, p: dict) -> str | None:
         raise NotImplementedError
 
     def relevant(self, text: str, p: dict) -> list[Span]:
@@ -91,8 +103,10 @@ class WordCount(Constraint):
     def sentence(self, p):
         return f"Answer with {p['relation']} {p['n']} words."
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = sum(1 for _ in _WORD.finditer(text))
+        if p["relation"] == "at most" and not _has_letter(text):
+            return "no words with letters"
         if p["relation"] == "at most" and n > p["n"]:
             return f"{n} words, more than {p['n']}"
         if p["relation"] == "at least" and n < p["n"]:
@@ -109,7 +123,7 @@ class KeywordInclude(Constraint):
     def sentence(self, p):
         return f'Include the word "{p["word"]}".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         return None if _word_re(p["word"]).search(text) else f"the word {p['word']!r} is missing"
 
     def relevant(self, text, p):
@@ -122,7 +136,9 @@ class KeywordExclude(Constraint):
     def sentence(self, p):
         return f'Do not use the word "{p["word"]}".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
+        if not _has_letter(text):
+            return "no words with letters"
         return f"uses the word {p['word']!r}" if _word_re(p["word"]).search(text) else None
 
     def relevant(self, text, p):
@@ -135,7 +151,7 @@ class LetterFrequency(Constraint):
     def sentence(self, p):
         return f'Use the letter "{p["letter"]}" at least {p["n"]} times.'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = text.lower().count(p["letter"].lower())
         return None if n >= p["n"] else f"letter {p['letter']!r} {n} times, fewer than {p['n']}"
 
@@ -149,9 +165,11 @@ class NoCommas(Constraint):
     def sentence(self, p):
         return "Do not use any commas."
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = text.count(",")
-        return f"{n} commas" if n else None
+        if n:
+            return f"{n} commas"
+        return None if _has_letter(text) else "no words with letters"
 
     def relevant(self, text, p):
         return [(i, i + 1) for i, ch in enumerate(text) if ch == ","]
@@ -163,8 +181,12 @@ class Lowercase(Constraint):
     def sentence(self, p):
         return "Write only in lowercase letters."
 
-    def check(self, text, p):
-        return None if text == text.lower() else "contains uppercase letters"
+    def _check(self, text, p):
+        if text != text.lower():
+            return "contains uppercase letters"
+        # At least one letter that has case: digits, symbols or caseless scripts alone
+        # are not "lowercase".
+        return None if any(ch != ch.upper() for ch in text) else "no lowercase letter"
 
     def relevant(self, text, p):
         return [(i, i + 1) for i, ch in enumerate(text) if ch != ch.lower()]
@@ -176,8 +198,10 @@ class Uppercase(Constraint):
     def sentence(self, p):
         return "Write only in capital letters."
 
-    def check(self, text, p):
-        return None if text == text.upper() else "contains lowercase letters"
+    def _check(self, text, p):
+        if text != text.upper():
+            return "contains lowercase letters"
+        return None if any(ch != ch.lower() for ch in text) else "no uppercase letter"
 
     def relevant(self, text, p):
         return [(i, i + 1) for i, ch in enumerate(text) if ch != ch.upper()]
@@ -189,9 +213,19 @@ class JsonFormat(Constraint):
     def sentence(self, p):
         return "Wrap your whole answer in JSON."
 
-    def check(self, text, p):
-        m = _FENCE.search(text)
-        body = (m.group(1) if m and not text.lstrip().startswith(("{", "[")) else text).strip()
+    def _check(self, text, p):
+        t = text.strip()
+        if t.startswith("```"):
+            fence = find_fence(t)
+            if fence is None or not fence.closed or fence.end != len(t):
+                return "text after the fenced block, or the fence is not closed"
+            if fence.lang.lower() not in ("", "json"):
+                return f"fence language {fence.lang[:20]!r}, expected json or none"
+            body = fence.body.strip()
+        elif t.endswith("```"):
+            return "a closing fence without an opening one"
+        else:
+            body = t
         if not body:
             return "empty answer"
         if json_nesting_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
@@ -213,7 +247,7 @@ class BulletCount(Constraint):
     def sentence(self, p):
         return f'Use exactly {p["n"]} bullet points like "* item".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = sum(1 for _ in _BULLET.finditer(text))
         return None if n == p["n"] else f"{n} bullet points, expected {p['n']}"
 
@@ -227,8 +261,13 @@ class ParagraphCount(Constraint):
     def sentence(self, p):
         return f'Write exactly {p["n"]} paragraphs separated by "***".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         parts = _DIVIDER.split(text)
+        # A divider at the very start or end does not open an empty paragraph.
+        if len(parts) > 1 and not parts[-1].strip():
+            parts.pop()
+        if len(parts) > 1 and not parts[0].strip():
+            parts.pop(0)
         if any(not part.strip() for part in parts):
             return "an empty paragraph between dividers"
         return None if len(parts) == p["n"] else f"{len(parts)} paragraphs, expected {p['n']}"
@@ -243,7 +282,7 @@ class StartPhrase(Constraint):
     def sentence(self, p):
         return f'Start your answer with "{p["phrase"]}".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         return None if text.lstrip().startswith(p["phrase"]) else "does not start with the phrase"
 
     def relevant(self, text, p):
@@ -257,7 +296,7 @@ class EndPhrase(Constraint):
     def sentence(self, p):
         return f'End your answer with "{p["phrase"]}".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         return None if text.rstrip().endswith(p["phrase"]) else "does not end with the phrase"
 
     def relevant(self, text, p):
@@ -272,7 +311,7 @@ class Placeholders(Constraint):
         noun = "placeholder" if p["n"] == 1 else "placeholders"
         return f"Include at least {p['n']} {noun} in square brackets like [name]."
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = sum(1 for _ in _PLACEHOLDER.finditer(text))
         return None if n >= p["n"] else f"{n} placeholders, fewer than {p['n']}"
 
@@ -286,7 +325,7 @@ class Title(Constraint):
     def sentence(self, p):
         return "Give your answer a title in double angular brackets like <<title>>."
 
-    def check(self, text, p):
+    def _check(self, text, p):
         return None if _TITLE.search(text) else "no <<title>>"
 
     def relevant(self, text, p):
@@ -299,7 +338,7 @@ class Sections(Constraint):
     def sentence(self, p):
         return f'Divide your answer into {p["n"]} sections that start with "SECTION X".'
 
-    def check(self, text, p):
+    def _check(self, text, p):
         n = sum(1 for _ in _SECTION.finditer(text))
         return None if n == p["n"] else f"{n} sections, expected {p['n']}"
 
@@ -313,10 +352,12 @@ class Quotation(Constraint):
     def sentence(self, p):
         return "Wrap your whole answer in double quotes."
 
-    def check(self, text, p):
+    def _check(self, text, p):
         t = text.strip()
         ok = len(t) >= 2 and t[0] == '"' and t[-1] == '"'
-        return None if ok else "not wrapped in double quotes"
+        if not ok:
+            return "not wrapped in double quotes"
+        return None if t[1:-1].strip() else "nothing inside the quotes"
 
     def relevant(self, text, p):
         s, e = _stripped_bounds(text)
