@@ -192,3 +192,53 @@ def test_fast_enough():
                 calls += 1
     rate = calls / (time.perf_counter() - t0)
     assert rate > 2000, f"{rate:.0f} calls/s"
+
+
+_FARMING = [
+    # (kind, params, response): none of these may earn the reward.
+    *[(k, p, r) for k, p, *_ in CASES for r in ("", "   ", "\n\t \n")],
+    ("no_commas", {}, "..."),
+    ("no_commas", {}, "123 456"),
+    ("keyword_exclude", {"word": "river"}, "!!!"),
+    ("word_count", {"relation": "at most", "n": 5}, "?"),
+    ("lowercase", {}, "123 ..."),
+    ("lowercase", {}, "\u4f60\u597d"),  # letters without case
+    ("uppercase", {}, "123 ..."),
+    ("uppercase", {}, "\u4f60\u597d"),
+    ("json_format", {}, 'Here it is:\n```json\n{"a": 1}\n```'),
+    ("json_format", {}, '```json\n{"a": 1}\n```\nHope this helps'),
+    ("json_format", {}, '```python\n{"a": 1}\n```'),
+    ("title", {}, "<< >>\nbody"),
+    ("quotation", {}, '"  "'),
+]
+
+
+@pytest.mark.parametrize("kind, params, response", _FARMING)
+def test_empty_or_letter_free_answers_earn_nothing(kind, params, response):
+    out = ConstraintVerifier(kind)(_example(kind, params), response)
+    assert out.score == 0.0 and out.reason
+
+
+@pytest.mark.parametrize(
+    "kind, params, response",
+    [
+        ("lowercase", {}, "\u4f60\u597d hello"),
+        ("uppercase", {}, "\u4f60\u597d HELLO 123"),
+        ("json_format", {}, '```json\n{"s": "a ``` b", "t": "```"}\n```'),
+        ("json_format", {}, '```json {"a": 1}```'),
+        ("json_format", {}, "```JSON\n[1, 2]\n```\n"),
+        ("json_format", {}, '```\n{"a": 1}\n```'),
+        ("sections", {"n": 2}, "## SECTION 1\na\n## SECTION 2\nb"),
+        ("sections", {"n": 2}, "**SECTION 1**\na\n**SECTION 2**\nb"),
+        ("paragraph_count", {"n": 2}, "***\none\n***\ntwo\n***"),
+        ("title", {}, "<<a title>>\nbody"),
+    ],
+)
+def test_well_formed_answers_still_pass(kind, params, response):
+    out = ConstraintVerifier(kind)(_example(kind, params), response)
+    assert out.score == 1.0, out.reason
+
+
+def test_sections_count_is_exact_and_only_headers_count():
+    assert check("sections", "SECTION 1\na\nsee SECTION 2 below", {"n": 2}) is not None
+    assert check("sections", "SECTION 1\nSECTION 2\nSECTION 3", {"n": 2}) is not None

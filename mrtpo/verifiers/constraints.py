@@ -12,24 +12,26 @@ that its constraint concerns, used to measure credit precision. What each type r
 |---|---|---|
 | ``word_count`` | at most / at least n words | every word |
 | ``keyword_include`` | the word occurs (case-insensitive, whole word) | its occurrences |
-| ``keyword_exclude`` | the word does not occur | its occurrences (the violations) |
+| ``keyword_exclude`` | the word does not occur (needs a letter) | its occurrences (violations) |
 | ``letter_frequency`` | the letter occurs at least n times (case-insensitive) | its occurrences |
-| ``no_commas`` | no ``,`` | the commas (the violations) |
-| ``lowercase`` | no uppercase letter | the uppercase letters (the violations) |
-| ``uppercase`` | no lowercase letter | the lowercase letters (the violations) |
-| ``json_format`` | the text (or its fenced block) parses as JSON | the stripped text |
+| ``no_commas`` | no ``,`` (needs a letter) | the commas (the violations) |
+| ``lowercase`` | no uppercase letter, one cased lowercase | the uppercase letters (violations) |
+| ``uppercase`` | no lowercase letter, one cased uppercase | the lowercase letters (violations) |
+| ``json_format`` | the text, or one fenced block that is all of it, is JSON | the stripped text |
 | ``bullet_count`` | exactly n lines start with ``* `` or ``- `` | the bullet markers |
-| ``paragraph_count`` | exactly n non-empty paragraphs split by ``***`` | the ``***`` dividers |
+| ``paragraph_count`` | exactly n paragraphs split by ``***`` (ends ignored) | the dividers |
 | ``start_phrase`` | the stripped text starts with the phrase | its first len(phrase) chars |
 | ``end_phrase`` | the stripped text ends with the phrase | its last len(phrase) chars |
 | ``placeholders`` | at least n ``[placeholders]`` | the placeholders |
-| ``title`` | a title ``<<like this>>`` | the titles |
-| ``sections`` | exactly n lines start with ``SECTION k`` | the section markers |
+| ``title`` | a non-blank title ``<<like this>>`` | the titles |
+| ``sections`` | exactly n header lines ``SECTION k`` (``##``, ``**`` allowed) | the headers |
 | ``quotation`` | the stripped text is wrapped in double quotes | the two quote characters |
 
-Words are maximal runs of letters and digits (apostrophes inside a word allowed).
-Prohibitions point at what breaks them (empty when satisfied); prescriptions point at
-where the required text is, or must be. Responses longer than `MAX_RESPONSE_CHARS` score 0.
+Words are maximal runs of letters and digits (apostrophes inside a word allowed). An
+empty or whitespace-only response satisfies no constraint. Prohibitions point at what
+breaks them (empty when satisfied); prescriptions point at where the required text is, or
+must be. Responses longer than `MAX_RESPONSE_CHARS` score 0. docs/verifiers.md lists every
+rule and its intended differences from the IFEval checkers.
 """
 
 from __future__ import annotations
