@@ -206,6 +206,18 @@ def test_config_validation_names_the_argument():
         TrainConfig(group_size=1).validate()
     with pytest.raises(ValueError, match="alpha"):
         TrainConfig(alpha=2.0).validate()
+    with pytest.raises(ValueError, match="weight_decay: expected a finite"):
+        TrainConfig(weight_decay=float("nan")).validate()
+    with pytest.raises(ValueError, match="weight_decay: lr x weight_decay"):
+        TrainConfig(lr=0.1, weight_decay=20.0).validate()
+    with pytest.raises(ValueError, match="device"):
+        TrainConfig(device="tpu").validate()
+    with pytest.raises(ValueError, match="task"):
+        TrainConfig(task="chess").validate()
+    with pytest.raises(ValueError, match="tiny.warm_steps"):
+        TrainConfig(tiny=TinyConfig(warm_steps=-1)).validate()
+    TrainConfig(task="constraints:title,no_commas").validate()
+    TrainConfig(task="standin").validate(builtin_task=False)
 
 
 def test_any_local_causal_lm_untied_head(tmp_path):
