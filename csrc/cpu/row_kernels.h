@@ -5,10 +5,11 @@
 // times while it sits in L2 (a 151936-entry fp32 row is 594 KiB). No temporaries.
 //
 // Scaling: with M = max z (raw), x_v = (z_v - M) / tau = a_v - max a is formed as one
-// rounded difference times 1/tau (an operation pair that cannot be contracted into an FMA,
-// and the max entry gives exactly 0). z_v - M <= 0 only overflows towards -inf (p_v = 0),
-// so finite logits whose z / tau exceeds the float range still give exact log-probs (a row
-// of equal values near float max at tau < 1: -log V); only lse = M / tau + log s may be inf.
+// rounded difference times the scale (shifted(): nothing an FMA can fold a rounded max
+// into, and the max entry gives exactly 0). x_v <= 0 only overflows towards -inf when the
+// true value is beyond the float range (p_v = 0), so finite logits whose z / tau exceeds
+// the range still give exact log-probs (a row of equal values near float max at tau < 1:
+// -log V); only lse = M / tau + log s may be inf.
 // Non-finite rows (README "Numerics"): a NaN or a +inf anywhere, or every entry -inf, makes
 // the row's outputs NaN (gradient rows too); -inf entries alone are masked (p = 0).
 // Labels: y outside [0, V) (value checks off) is never used as an index: the row's log-prob
@@ -44,6 +45,14 @@ namespace mrtpo {
 
 constexpr double kLn2 = 0.69314718055994530942;
 
+// x = (z - M) / tau as (z/2 - M/2) (2/tau): halving is exact, so this is one rounded
+// difference times the scale (no FMA can fold a rounded max into it, the max entry gives
+// exactly 0), and z/2 - M/2 cannot overflow for finite z, M (z - M can, at tau > 1).
+template <typename T>
+MRTPO_INLINE T shifted(T z, T m, T inv_t) {
+  return (z * T(0.5) - m * T(0.5)) * (inv_t * T(2));
+}
+
 // Raw row max M (NaN entries are skipped by the comparison) and whether the row holds NaN.
 template <typename T>
 MRTPO_INLINE T row_max_raw(const T* z, int64_t V, bool* has_nan) {
@@ -72,14 +81,14 @@ MRTPO_INLINE T row_sum_exp(const T* z, int64_t V, T inv_t, T m, T* u, bool want_
   if (want_u) {
 #pragma omp simd reduction(+ : s, t)
     for (int64_t v = 0; v < V; ++v) {
-      const T x = (z[v] - m) * inv_t;
+      const T x = shifted(z[v], m, inv_t);
       const T e = vexp(x);
       s += e;
       t += e > T(0) ? e * x : T(0);  // masked (-inf) logits: 0, not 0 * inf
     }
   } else {
 #pragma omp simd reduction(+ : s)
-    for (int64_t v = 0; v < V; ++v) s += vexp((z[v] - m) * inv_t);
+    for (int64_t v = 0; v < V; ++v) s += vexp(shifted(z[v], m, inv_t));
   }
   *u = t;
   return s;
@@ -139,7 +148,7 @@ MRTPO_INLINE RowStats row_stats(const T* z, int64_t V, T inv_t, int64_t label, b
   } else if (!label_in_row(label, V) || !sh.ok) {
     r.logp = nan;
   } else {
-    r.logp = static_cast<double>((z[label] - sh.m) * inv_t) - sh.log_s;
+    r.logp = static_cast<double>(shifted(z[label], sh.m, inv_t)) - sh.log_s;
   }
   r.entropy = with_ent ? sh.log_s - sh.u_over_s : 0.0;
   return r;
@@ -165,13 +174,13 @@ MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_l
   if (g_ent != 0) {
 #pragma omp simd
     for (int64_t v = 0; v < V; ++v) {
-      const T lp = (z[v] - m) * inv_t - log_s;
+      const T lp = shifted(z[v], m, inv_t) - log_s;
       const T p = vexp(lp);
       z[v] = p > T(0) ? -p * (c_lp + c_ent * (lp + ent)) : T(0);
     }
   } else {
 #pragma omp simd
-    for (int64_t v = 0; v < V; ++v) z[v] = -vexp((z[v] - m) * inv_t - log_s) * c_lp;
+    for (int64_t v = 0; v < V; ++v) z[v] = -vexp(shifted(z[v], m, inv_t) - log_s) * c_lp;
   }
   z[label] += c_lp;
 }
@@ -187,8 +196,8 @@ MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T mp, T lsp,
   T acc = 0;
 #pragma omp simd reduction(+ : acc)
   for (int64_t v = 0; v < V; ++v) {
-    const T a = (zp[v] - mp) * inv_t - lsp;
-    const T b = (zq[v] - mq) * inv_t - lsq;
+    const T a = shifted(zp[v], mp, inv_t) - lsp;
+    const T b = shifted(zq[v], mq, inv_t) - lsq;
     const T p = vexp(a);
     const T q = vexp(b);
     const T s = p + q;
@@ -240,12 +249,12 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
     return PolicyOut{nan, nan, 0.0};
   }
   T s = 0;
-  const T x_label = (z[label] - m) * inv_t;
+  const T x_label = shifted(z[label], m, inv_t);
   if (need_grad) {
     // keep e_v = exp(x_v) in the row: the gradient pass needs p_v = e_v / s
 #pragma omp simd reduction(+ : s)
     for (int64_t v = 0; v < V; ++v) {
-      const T e = vexp((z[v] - m) * inv_t);
+      const T e = vexp(shifted(z[v], m, inv_t));
       z[v] = e;
       s += e;
     }
