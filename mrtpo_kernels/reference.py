@@ -67,9 +67,11 @@ def logprobs_from_logits_ref(
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """(logits - max) / temperature per row: equal to logits / temperature up to a per-row
-    constant (which log_softmax drops), but it cannot overflow for finite logits. A row
-    with a NaN or a +inf, or all -inf, becomes NaN (inf - inf, NaN - NaN)."""
-    return (logits - logits.amax(-1, keepdim=True)) / temperature
+    constant (which log_softmax drops), but it cannot overflow for finite logits unless the
+    true value is beyond the float range (halved first: logits/2 - max/2 never overflows).
+    A row with a NaN or a +inf, or all -inf, becomes NaN (inf - inf, NaN - NaN)."""
+    half_max = 0.5 * logits.amax(-1, keepdim=True)
+    return (0.5 * logits - half_max) / (0.5 * temperature)
 
 
 def _plogp(logp: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,20 @@ LN2 = math.log(2.0)
 
 
 def _shift(z, inv_t):
-    """x = (z - M) / tau with M the raw row max (one rounded difference, then the scale: no
-    overflow of z / tau, and the max entry gives exactly 0), log s = logsumexp(x), M, and
-    whether each row is defined (no NaN, no +inf, not all -inf; README "Numerics")."""
+    """x = (z - M) / tau with M the raw row max, log s = logsumexp(x), M, and whether each
+    row is defined (no NaN, no +inf, not all -inf; README "Numerics"). x is formed as
+    (z/2 - M/2) (2/tau), as in the C++ kernels: one rounded difference (halving is exact)
+    times the scale, so the max entry gives exactly 0 and finite logits never overflow
+    unless the true x is beyond the float range."""
     m = z.amax(-1)  # propagates NaN
     ok = torch.isfinite(m)
     m_safe = torch.where(ok, m, torch.zeros_like(m))
-    x = (z - m_safe[:, None]) * inv_t
+    x = _scaled_diff(z, m_safe, inv_t)
     return x, torch.logsumexp(x, -1), m_safe, ok
+
+
+def _scaled_diff(z, m, inv_t):
+    return (z * 0.5 - (m * 0.5)[:, None]) * (2.0 * inv_t)
 
 
 def _label_masks(labels, ignore_index, vocab):
@@ -98,7 +104,7 @@ class _TorchChunkKernel:
             _, lsp, mp, okp = _shift(zp, inv_t)
             lse_p = (mp, lsp, okp)
         mp, lsp, okp = lse_p
-        a = (zp - mp[:, None]) * inv_t - lsp[:, None]
+        a = _scaled_diff(zp, mp, inv_t) - lsp[:, None]
         xq, lsq, _, okq = _shift(zq, inv_t)
         b = xq - lsq[:, None]
         p, q = a.exp(), b.exp()
