@@ -10,6 +10,7 @@ benchmark):
 - ``js_distance``: the same from existing logits.
 - ``linear_policy_loss``: clipped surrogate with the gradient computed in the forward pass.
 - ``gdpo_advantages``, ``mrtpo_token_advantages``: GDPO and MRTPO advantages.
+- ``specific_relevance``: the sharper relevance of METHOD.md section 3b (specific, control).
 
 Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
 Validation helper: ``check_tensor`` (ValueError naming the argument).
@@ -18,7 +19,7 @@ Validation helper: ``check_tensor`` (ValueError naming the argument).
 from ._dispatch import available_backends, backend_status, resolve_backend
 from ._optable import OPS, Op
 from ._validation import check_tensor
-from .advantages import gdpo_advantages, mrtpo_token_advantages
+from .advantages import gdpo_advantages, mrtpo_token_advantages, specific_relevance
 from .js import js_distance, linear_js_distance
 from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import linear_policy_loss
@@ -42,4 +43,5 @@ __all__ = [
     "logprobs_from_logits",
     "mrtpo_token_advantages",
     "resolve_backend",
+    "specific_relevance",
 ]

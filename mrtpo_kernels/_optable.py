@@ -139,6 +139,13 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 ),
                 ("advantages",),  # credit_assignment_step runs it on the auto backend
             ),
+            _op(
+                "specific_relevance",
+                (),  # a few elementwise ops and a (K, K) matmul, in the public function itself
+                {"torch": "mrtpo_kernels/advantages.py"},
+                "specific_relevance_ref",
+                ("tests/test_relevance.py",),
+            ),
         )
     }
 )

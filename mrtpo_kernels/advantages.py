@@ -249,3 +249,73 @@ def mrtpo_token_advantages(
         alloc_p[:, mask] = alloc
         token, alloc = token_p, alloc_p
     return TokenAdvantages(token, alloc, g.per_reward, g.sequence, g.mean, g.std)
+
+
+def specific_relevance(
+    relevance: torch.Tensor,
+    has_info: torch.Tensor,
+    *,
+    control: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sharper relevance (METHOD.md section 3b): what reward k's span removal moves beyond
+    what any removal moves. Feed the result to ``mrtpo_token_advantages`` as ``relevance``.
+
+    Args:
+        relevance: the JS distances d_k, padded (K, n, T) or packed (K, N) with
+            ``cu_seqlens`` (n+1,) (response i owns tokens cu[i]:cu[i+1]).
+        has_info: (n, K) bool, whether reward k has verifier spans for response i.
+        control: None for "specific": r_k = max(0, d_k - mean_{j != k with spans} d_j)
+            (no extra forward; r_k = d_k when no other reward has spans). Or d_ctrl, the JS
+            distance under removal of a prompt span no verifier checks, (n, T) padded or
+            (N,) packed, for "control": r_k = max(0, d_k - d_ctrl).
+
+    Returns:
+        r, the same shape and dtype as ``relevance``; a reward without spans keeps d_k.
+        NaN in the input stays NaN.
+    """
+    check.float_tensor("relevance", relevance, ndim=(2, 3))
+    k = relevance.shape[0]
+    check.check_tensor("has_info", has_info, ndim=2)
+    n = has_info.shape[0]
+    check.shape_eq("has_info", has_info, (n, k), f"(n, K) with K = {k} from relevance")
+    check.same_device(relevance=relevance, has_info=has_info, control=control)
+    info = has_info.bool()
+    if relevance.dim() == 3:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: padded relevance (K, n, T) takes no cu_seqlens")
+        check.shape_eq("relevance", relevance, (k, n, relevance.shape[2]), "(K, n, T)")
+        tok_info = info.t()[:, :, None].expand(relevance.shape)
+    else:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens: packed relevance (K, N) needs cu_seqlens (n+1,)")
+        check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
+        check.shape_eq("cu_seqlens", cu_seqlens, (n + 1,), "n + 1 boundaries")
+        check.same_device(relevance=relevance, cu_seqlens=cu_seqlens)
+        cu = cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        if check.value_checks_enabled() and (
+            int(cu[0]) != 0 or int(cu[-1]) != relevance.shape[1] or bool((lengths < 0).any())
+        ):
+            raise ValueError(
+                f"cu_seqlens: expected non-decreasing boundaries from 0 to N = "
+                f"{relevance.shape[1]}, got {cu.tolist()[:8]}..."
+            )
+        tok_info = info.t().repeat_interleave(lengths, dim=1)
+    if control is not None:
+        check.float_tensor("control", control, ndim=relevance.dim() - 1)
+        check.shape_eq("control", control, relevance.shape[1:], "one d_ctrl per token")
+        base = control.to(relevance.dtype).unsqueeze(0).expand(relevance.shape)
+        sharp = torch.clamp(relevance - base, min=0.0)
+        return torch.where(tok_info, sharp, relevance)
+    # mean over the OTHER rewards with spans, summed directly (no d_k subtracted back out)
+    flat = relevance.reshape(k, -1)
+    fi = tok_info.reshape(k, -1)
+    masked = torch.where(fi, flat, torch.zeros_like(flat))
+    others = 1.0 - torch.eye(k, dtype=relevance.dtype, device=relevance.device)
+    other_sum = others @ masked
+    other_cnt = others @ fi.to(relevance.dtype)
+    base = other_sum / other_cnt.clamp(min=1.0)
+    sharp = torch.clamp(flat - base, min=0.0)
+    out = torch.where(fi & (other_cnt > 0), sharp, flat)
+    return out.reshape(relevance.shape)

@@ -28,6 +28,7 @@ __all__ = [
     "linear_policy_loss_ref",
     "gdpo_advantages_ref",
     "mrtpo_token_advantages_ref",
+    "specific_relevance_ref",
 ]
 
 LN2 = math.log(2.0)
@@ -353,3 +354,35 @@ def mrtpo_token_advantages_ref(
             total = total + lam[j] * g.per_reward[i, j] * w
         out.append((total - g.mean) / (g.std + eps_batch))
     return out, g
+
+
+def specific_relevance_ref(
+    relevance: list[torch.Tensor],
+    has_info: torch.Tensor,
+    *,
+    control: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Sharper relevance (METHOD.md section 3b), one response and one reward at a time.
+
+    relevance: a list of n tensors, response i's of shape (K, T_i) (d_k over its tokens);
+    has_info: (n, K) bool. Without ``control`` ("specific"): for reward k with spans,
+    r_k = max(0, d_k - mean of d_j over the other rewards j with spans), r_k = d_k when no
+    other reward has spans. With ``control`` (a list of n (T_i,) tensors, d_ctrl):
+    r_k = max(0, d_k - d_ctrl). A reward without spans keeps d_k (its weights are uniform).
+    """
+    out = []
+    for i, rel in enumerate(relevance):
+        r = rel.clone()
+        k = rel.shape[0]
+        for j in range(k):
+            if not bool(has_info[i, j]):
+                continue
+            if control is not None:
+                r[j] = torch.clamp(rel[j] - control[i].to(rel.dtype), min=0.0)
+                continue
+            others = [m for m in range(k) if m != j and bool(has_info[i, m])]
+            if others:
+                base = torch.stack([rel[m] for m in others]).mean(0)
+                r[j] = torch.clamp(rel[j] - base, min=0.0)
+        out.append(r)
+    return out

@@ -161,6 +161,7 @@ SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.OPS} | {
     "mrtpo_token_advantages": Serves((ANY_DEVICE,)),
     # computed by the public function itself in PyTorch ops (a few O(n K) reductions)
     "gdpo_advantages": Serves((ANY_DEVICE,)),
+    "specific_relevance": Serves((ANY_DEVICE,)),
 }
 
 linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
