@@ -265,6 +265,16 @@ MRTPO_UNROLL
   return acc;
 }
 
+// A row with a NaN or +inf (log s NaN) or nothing but -inf (m = -inf) has no distribution:
+// its JS distance is NaN, never the 0 that js_term's both-underflow rule would sum to
+// (README "Numerics").
+MRTPO_HD bool js_row_defined(const LogNorm& a, const LogNorm& b) {
+  // |x| <= FLT_MAX is false for NaN and +-inf (a comparison: no library call, fast-math safe)
+  constexpr float kMax = 3.402823466e38f;
+  return fabsf(a.m) <= kMax && fabsf(a.log_s) <= kMax && fabsf(b.m) <= kMax &&
+         fabsf(b.log_s) <= kMax;
+}
+
 // ---- kernel
 
 // out[k, n] = JS distance between softmax(logits_p[n] / tau) and softmax(logits_q[k, n] / tau).
@@ -295,8 +305,13 @@ MRTPO_UNROLL
           js_pass2_partial<T, BLOCK, KB>(rows, kb, vocab, inv_temp, np, nq, threadIdx.x);
       acc = block_allreduce<BLOCK>(acc, FloatArraySum<KB>(), scratch2);
       if (threadIdx.x == 0) {
-        for (int j = 0; j < kb; ++j) {
-          out[(k0 + j) * n_rows + row] = js_distance_from_sum(acc.v[j]);
+        // unrolled over KB with a guard: nq stays in registers (no dynamic index)
+MRTPO_UNROLL
+        for (int j = 0; j < KB; ++j) {
+          if (j < kb) {
+            out[(k0 + j) * n_rows + row] =
+                js_row_defined(np, nq[j]) ? js_distance_from_sum(acc.v[j]) : NAN;
+          }
         }
       }
     }

@@ -8,7 +8,9 @@
 //   dlogp/dz_v = [v == y] - p_v,   dH/dz_v = -p_v (log p_v + H)
 //   dL/dlogits[n, v] = (g ([v == y] - p_v) - g_H p_v (log p_v + H)) / tau
 // Rows with y == ignore_index are not read: logp = H = lse = 0 and their gradient row is 0
-// (their lse is never used: the gradient of an ignored row does not depend on it).
+// (their lse is never used: the gradient of an ignored row does not depend on it). A label
+// outside [0, V) that is not ignore_index (value checks off) is never used as an index:
+// logp = NaN, gradient row 0 (the GPU rule of README "Numerics").
 //
 // Shapes and dtypes: logits (N, V) row-major contiguous, fp32 / bf16 / fp16; labels (N,)
 // int64; logp, entropy, lse, grad_logp, grad_entropy (N,) fp32; grad_logits (N, V) in the
@@ -127,7 +129,9 @@ __global__ void __launch_bounds__(BLOCK)
                         float inv_temp, int64_t ignore_index, T* __restrict__ grad_logits) {
   for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
     const int64_t y = labels[row];
-    const bool ignored = y == ignore_index;
+    // an out-of-range label (value checks off) gets a zero gradient, like an ignored row
+    // (its forward log-prob is NaN): no index, and no -p g row from a label never matched
+    const bool ignored = y == ignore_index || y < 0 || y >= vocab;
     const float l = ignored ? 0.f : lse[row];
     const float g = ignored ? 0.f : grad_logp[row];
     const float h = WITH_ENT && !ignored ? entropy[row] : 0.f;
