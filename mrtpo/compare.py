@@ -24,11 +24,14 @@ seeds, and its credit precision is well above uniform.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
+from dataclasses import fields
 from pathlib import Path
 
-from .config import CompareConfig
+from .checkpoint import write_atomic
+from .config import COMPARE_FIXED, CompareConfig, flag_of, task_slug
 from .model import default_model
 from .report import pyplot
 from .tasks import load_task
@@ -61,12 +64,36 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def auc(metrics: list[dict]) -> float:
+    """Area under the all-pass curve per step: the mean batch all-pass rate over the run
+    (1.0 = every response passed every reward at every step)."""
+    return statistics.fmean(m["all_pass"] for m in metrics)
+
+
+def bootstrap_ratio(a: list[float], b: list[float], *, draws=4000, seed=0, diff=False):
+    """Percentile 95% interval of mean(a) / mean(b) (or mean(a) - mean(b) with ``diff``),
+    resampling the seeds of a and of b independently with replacement."""
+    rng = random.Random(seed)
+    stat = (lambda x, y: x - y) if diff else (lambda x, y: x / y)
+    vals = []
+    for _ in range(draws):
+        ra = [a[rng.randrange(len(a))] for _ in a]
+        rb = [b[rng.randrange(len(b))] for _ in b]
+        vals.append(stat(statistics.fmean(ra), statistics.fmean(rb)))
+    vals.sort()
+    return vals[int(0.025 * draws)], vals[min(draws - 1, int(0.975 * draws))]
+
+
 def summarize_run(metrics: list[dict], names, target: float, window: int) -> dict:
     tail = metrics[-window:]
+    first = metrics[0]
     out = {
         "steps_to_target": steps_to_target(metrics, target, window),
+        "auc": auc(metrics),
         "final_all_pass": _mean([m["all_pass"] for m in tail]),
         "final_pass": {n: _mean([m[f"pass/{n}"] for m in tail]) for n in names},
+        "start_all_pass": first["all_pass"],
+        "start_pass": {n: first[f"pass/{n}"] for n in names},
         "credit_precision": _mean([m.get("credit_precision") for m in metrics]),
         "uniform_share": _mean([m.get("uniform_share") for m in metrics]),
         "relevance_precision": _mean([m.get("relevance_precision") for m in metrics]),
@@ -74,6 +101,11 @@ def summarize_run(metrics: list[dict], names, target: float, window: int) -> dic
         "uniform": {n: _mean([m.get(f"uniform/{n}") for m in metrics]) for n in names},
         "initial_all_pass": _mean([m["all_pass"] for m in metrics[:window]]),
         "curve": [m["all_pass"] for m in metrics],
+        "curves": {n: [m[f"pass/{n}"] for m in metrics] for n in names},
+        "step_time": _mean(
+            [sum(v for k, v in m["time"].items() if k != "replays") for m in metrics]
+        ),
+        "replay_time": _mean([m["time"]["replay"] for m in metrics]),
     }
     return out
 
@@ -89,31 +121,51 @@ def _stats(xs):
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def task_slug(task: str) -> str:
-    """A file-name form of a task name (``constraints:a,b`` -> ``constraints-a-b``)."""
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task)
+def _done_path(run_cfg) -> Path:
+    return Path(run_cfg.out) / "compare_run.json"
 
 
-def _train_seed(cfg: CompareConfig, seed: int, task=None) -> list[tuple[str, dict, list[str]]]:
-    """Every algorithm of one seed (run in the parent or in a worker process)."""
+def _finished(run_cfg) -> dict | None:
+    """The saved summary of a finished run with the same settings, or None."""
+    path = _done_path(run_cfg)
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("trajectory") != json.loads(json.dumps(run_cfg.trajectory())):
+        return None
+    return saved
+
+
+def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
+    """One (algo, seed) run, or its saved summary when it already finished (unless
+    ``cfg.rerun``); runs in the parent or in a worker process."""
     import torch
 
+    run_cfg = cfg.run_config(algo, seed)
+    if not cfg.rerun:
+        saved = _finished(run_cfg)
+        if saved is not None:
+            saved["reused"] = True
+            return saved
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    out = []
-    for algo in cfg.algos:
-        t0 = time.perf_counter()
-        res = train(cfg.run_config(algo, seed), task=task, progress=False)
-        names = [k[len("pass/") :] for k in res.metrics[0] if k.startswith("pass/")]
-        s = summarize_run(res.metrics, names, cfg.target, cfg.window)
-        s["seed"], s["wall_s"] = seed, time.perf_counter() - t0
-        out.append((algo, s, names))
-    return out
+    t0 = time.perf_counter()
+    res = train(run_cfg, task=task, progress=False)
+    names = [k[len("pass/") :] for k in res.metrics[0] if k.startswith("pass/")]
+    s = summarize_run(res.metrics, names, cfg.target, cfg.window)
+    s["seed"], s["wall_s"] = seed, time.perf_counter() - t0
+    done = {"algo": algo, "names": names, "summary": s, "trajectory": run_cfg.trajectory()}
+    write_atomic(_done_path(run_cfg), json.dumps(done))
+    done["reused"] = False
+    return done
 
 
 def _prepare_models(cfg: CompareConfig, task, log):
     """Warm-start (or find in the cache) every initial model before any run starts, so
-    parallel seeds never build the same cache entry at once."""
+    parallel runs never build the same cache entry at once."""
     if cfg.train.model is not None:
         return
     seeds = {cfg.init_seed} if cfg.init_seed is not None else set(range(cfg.seeds))
@@ -122,46 +174,100 @@ def _prepare_models(cfg: CompareConfig, task, log):
         default_model(t, seed=s, cache_dir=cfg.train.cache_dir, cfg=cfg.train.tiny, log=log)
 
 
+def results_dir(cfg: CompareConfig) -> Path:
+    """``<results>/<task>``: the task's Markdown table and plots."""
+    return Path(cfg.results) / task_slug(cfg.task)
+
+
 def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
-    """Train every (algo, seed) and write the table and plot; returns the summary. ``task``
-    replaces the built-in ``cfg.task`` (tests pass a small one)."""
+    """Train every (algo, seed) -- reusing finished runs -- and write the table and plots;
+    returns the summary. ``task`` replaces the built-in ``cfg.task`` (tests pass one)."""
     cfg.validate(builtin_task=task is None)
-    out = Path(cfg.out)
-    results = Path(cfg.results)
+    out = Path(cfg.out) / task_slug(cfg.task)
+    results = results_dir(cfg)
     runs: dict[str, list[dict]] = {a: [] for a in cfg.algos}
     names = None
     t_start = time.perf_counter()
     _prepare_models(cfg, task, log)
-    seeds = list(range(cfg.seeds))
-    if cfg.jobs > 1 and len(seeds) > 1:
+    todo = [(a, s) for s in range(cfg.seeds) for a in cfg.algos]
+    if cfg.jobs > 1 and len(todo) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
+        if task is not None:
+            raise ValueError("jobs: a task object runs in one process; use --jobs 1")
         ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(min(cfg.jobs, len(seeds)), mp_context=ctx) as pool:
-            per_seed = list(pool.map(_train_seed, [cfg] * len(seeds), seeds))
+        with ProcessPoolExecutor(min(cfg.jobs, len(todo)), mp_context=ctx) as pool:
+            futures = [pool.submit(_train_one, cfg, a, s) for a, s in todo]
+            done = [f.result() for f in futures]
     else:
-        per_seed = [_train_seed(cfg, seed, task) for seed in seeds]
-    for seed_runs in per_seed:
-        for algo, s, run_names in seed_runs:
-            names = run_names
-            runs[algo].append(s)
-            reached = s["steps_to_target"] or f">{cfg.steps}"
-            log(
-                f"{algo} seed {s['seed']}: steps to target {reached}, final all-pass "
-                f"{_fmt(s['final_all_pass'])}, credit precision {_fmt(s['credit_precision'])} "
-                f"(uniform {_fmt(s['uniform_share'])}), {s['wall_s']:.0f} s"
-            )
+        done = [_train_one(cfg, a, s, task) for a, s in todo]
+    for d in done:
+        s = d["summary"]
+        names = d["names"]
+        runs[d["algo"]].append(s)
+        reached = s["steps_to_target"] or f">{cfg.steps}"
+        log(
+            f"{d['algo']} seed {s['seed']}: steps to target {reached}, AUC {_fmt(s['auc'])}, "
+            f"final all-pass {_fmt(s['final_all_pass'])}, credit precision "
+            f"{_fmt(s['credit_precision'])} (uniform {_fmt(s['uniform_share'])}), "
+            f"{s['wall_s']:.0f} s" + (" (reused)" if d["reused"] else "")
+        )
     total = time.perf_counter() - t_start
-    summary = {"settings": _settings(cfg), "reward_names": names, "runs": runs, "wall_s": total}
+    summary = {
+        "settings": _settings(cfg),
+        "command": command_line(cfg),
+        "reward_names": names,
+        "runs": runs,
+        "wall_s": total,
+        "train_s": sum(r["wall_s"] for rs in runs.values() for r in rs),
+        "jobs": cfg.jobs,
+    }
     results.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    stem = f"compare_{task_slug(cfg.task)}"
-    md = write_markdown(summary, results / f"{stem}.md", cfg)
-    png = plot_compare(summary, results / f"{stem}.png", cfg)
+    (results / "summary.json").write_text(json.dumps(_without_curves(summary), indent=1))
+    md = write_markdown(summary, results / "compare.md", cfg)
+    png = plot_compare(summary, results / "compare.png", cfg)
     log(f"\nwrote {md} and {png} ({total / 60:.1f} min)")
     return summary
+
+
+def _without_curves(summary):
+    slim = dict(summary)
+    slim["runs"] = {
+        a: [{k: v for k, v in r.items() if k not in ("curve", "curves")} for r in rs]
+        for a, rs in summary["runs"].items()
+    }
+    return slim
+
+
+def command_line(cfg: CompareConfig) -> str:
+    """The ``mrtpo compare`` command that gives ``cfg`` (flags that differ from defaults)."""
+    default = CompareConfig()
+    parts = ["mrtpo compare", f"--task {cfg.task}"]
+    for f in fields(cfg):
+        if f.name in ("task", "train"):
+            continue
+        v, d = getattr(cfg, f.name), getattr(default, f.name)
+        if v != d:
+            if isinstance(v, bool):
+                parts.append(flag_of(f))
+            else:
+                parts.append(f"{flag_of(f)} {','.join(v) if isinstance(v, tuple) else v}")
+    for f in fields(cfg.train):
+        v, d = getattr(cfg.train, f.name), getattr(default.train, f.name)
+        if f.name in COMPARE_FIXED or f.metadata.get("cli") is False or v == d:
+            continue
+        if f.name == "tiny":
+            if v.warm_steps != d.warm_steps:
+                parts.append(f"--warm-steps {v.warm_steps}")
+            continue
+        if isinstance(v, bool):
+            parts.append(flag_of(f))
+        else:
+            parts.append(f"{flag_of(f)} {v}")
+    return " ".join(parts)
 
 
 def _settings(cfg: CompareConfig) -> dict:
@@ -183,32 +289,66 @@ def _settings(cfg: CompareConfig) -> dict:
         "minibatches": t.minibatches,
         "alpha": t.alpha,
         "gamma": t.gamma,
+        "relevance": t.relevance,
         "warm_steps": t.tiny.warm_steps,
         "model": t.model,
     }
 
 
-def claim_verdict(summary, steps: int) -> list[str]:
+def _steps(rs, budget):
+    return [r["steps_to_target"] or budget for r in rs]
+
+
+def compare_to_gdpo(summary, steps: int) -> dict[str, dict]:
+    """Per MRTPO variant: steps-to-target ratio to GDPO with its bootstrap 95% interval,
+    AUC difference with its interval, and whether the claim's conditions hold."""
     runs = summary["runs"]
+    if "gdpo" not in runs:
+        return {}
+    g_steps, g_auc = _steps(runs["gdpo"], steps), [r["auc"] for r in runs["gdpo"]]
+    out = {}
+    for algo, rs in runs.items():
+        if not algo.startswith("mrtpo"):
+            continue
+        m_steps, m_auc = _steps(rs, steps), [r["auc"] for r in rs]
+        ratio = statistics.fmean(m_steps) / statistics.fmean(g_steps)
+        lo, hi = bootstrap_ratio(m_steps, g_steps)
+        d_auc = statistics.fmean(m_auc) - statistics.fmean(g_auc)
+        a_lo, a_hi = bootstrap_ratio(m_auc, g_auc, diff=True)
+        out[algo] = {
+            "ratio": ratio,
+            "ci": (lo, hi),
+            "auc_diff": d_auc,
+            "auc_ci": (a_lo, a_hi),
+            "censored": any(r["steps_to_target"] is None for r in rs + runs["gdpo"]),
+            "holds": ratio <= CLAIM_RATIO and hi < 1.0 and d_auc > 0,
+        }
+    return out
+
+
+def claim_verdict(summary, steps: int) -> list[str]:
     lines = []
-    if "mrtpo" in runs and "gdpo" in runs:
-        m = [r["steps_to_target"] or steps for r in runs["mrtpo"]]
-        g = [r["steps_to_target"] or steps for r in runs["gdpo"]]
-        censored = any(r["steps_to_target"] is None for r in runs["mrtpo"] + runs["gdpo"])
-        ratio = statistics.fmean(m) / statistics.fmean(g)
-        ok = ratio <= CLAIM_RATIO
+    comp = compare_to_gdpo(summary, steps)
+    for algo, c in comp.items():
         lines.append(
-            f"- Steps to target, MRTPO / GDPO (mean over seeds): {statistics.fmean(m):.1f} / "
-            f"{statistics.fmean(g):.1f} = **{ratio:.2f}** (claim: <= {CLAIM_RATIO}): "
-            f"**{'holds' if ok else 'does not hold'}**"
-            + (" (runs that never reached the target count as the step budget)" if censored else "")
+            f"- {algo} / GDPO steps to target: **{c['ratio']:.2f}** (95% CI {c['ci'][0]:.2f}-"
+            f"{c['ci'][1]:.2f}); AUC difference {c['auc_diff']:+.3f} (95% CI "
+            f"{c['auc_ci'][0]:+.3f} to {c['auc_ci'][1]:+.3f}): claim (<= {CLAIM_RATIO}, upper "
+            f"end < 1, larger AUC) **{'holds' if c['holds'] else 'does not hold'}**"
+            + (
+                " (runs that never reached the target count as the step budget)"
+                if c["censored"]
+                else ""
+            )
         )
-    if "mrtpo" in runs:
-        p, _ = _stats([r["credit_precision"] for r in runs["mrtpo"]])
-        u, _ = _stats([r["uniform_share"] for r in runs["mrtpo"]])
-        if p is not None and u is not None:
+    for algo, rs in summary["runs"].items():
+        if not algo.startswith("mrtpo"):
+            continue
+        p, _ = _stats([r["credit_precision"] for r in rs])
+        u, _ = _stats([r["uniform_share"] for r in rs])
+        if p is not None and u:
             lines.append(
-                f"- MRTPO credit precision {p:.2f} vs uniform share {u:.2f} ({p / u:.1f}x uniform)"
+                f"- {algo} credit precision {p:.2f} vs uniform share {u:.2f} ({p / u:.1f}x uniform)"
             )
     return lines
 
@@ -227,16 +367,23 @@ def _start(args: CompareConfig) -> str:
 def write_markdown(summary, path: Path, args) -> Path:
     runs, names = summary["runs"], summary["reward_names"] or []
     st = summary["settings"]
+    all_runs = [r for rs in runs.values() for r in rs]
+    start = {n: _stats([r["start_pass"][n] for r in all_runs])[0] for n in names}
+    start_all = _stats([r["start_all_pass"] for r in all_runs])[0]
     lines = [
-        f"# MRTPO vs GDPO vs GRPO on the built-in {args.task} task",
+        f"# MRTPO vs GDPO on the built-in {args.task} task",
         "",
-        f"Generated by `mrtpo compare --task {args.task} --algos {','.join(args.algos)} "
-        f"--seeds {args.seeds}` "
-        f"({summary['wall_s'] / 60:.1f} min on CPU). Rewards: {', '.join(names)}. "
+        f"Command: `{summary['command']}` -- {summary['wall_s'] / 60:.1f} min wall "
+        f"({summary['train_s'] / 60:.1f} min of training summed over runs, "
+        f"{summary['jobs']} job(s), CPU). Rewards: {', '.join(names)}. "
         f"Each (algorithm, seed) trains {args.steps} steps from {_start(args)}; "
         f"{st.get('prompts_per_step')} prompts x "
         f"{st.get('group_size')} responses per step. Target: all-pass rate "
         f">= {args.target} (moving average over {args.window} training steps).",
+        "",
+        "Starting pass rates (step 1, mean over all runs): "
+        + ", ".join(f"{n} {_fmt(start[n])}" for n in names)
+        + f"; all pass {_fmt(start_all)}.",
         "",
         "## The claim",
         "",
@@ -244,30 +391,31 @@ def write_markdown(summary, path: Path, args) -> Path:
         "",
         "## Results (mean +- std over seeds)",
         "",
-        "| algo | steps to target (per seed) | initial all-pass | final all-pass | "
+        "| algo | steps to target (per seed) | AUC | final all-pass | "
         + " | ".join(f"final {n}" for n in names)
-        + " | credit precision | uniform share | relevance precision |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|",
+        + " | credit precision | uniform share | relevance precision | s/step | replay s/step |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
     for algo, rs in runs.items():
         per_seed = ", ".join(
             str(r["steps_to_target"]) if r["steps_to_target"] else f">{args.steps}" for r in rs
         )
-        mean_steps = statistics.fmean(r["steps_to_target"] or args.steps for r in rs)
+        mean_steps = statistics.fmean(_steps(rs, args.steps))
         cells = [algo, f"{mean_steps:.1f} ({per_seed})"]
-        for key in ("initial_all_pass", "final_all_pass"):
+        for key in ("auc", "final_all_pass"):
             m, s = _stats([r[key] for r in rs])
-            cells.append(f"{_fmt(m)} +- {_fmt(s)}")
+            cells.append(f"{_fmt(m, 3)} +- {_fmt(s, 3)}")
         for n in names:
             m, s = _stats([r["final_pass"][n] for r in rs])
             cells.append(f"{_fmt(m)} +- {_fmt(s)}")
         for key in ("credit_precision", "uniform_share", "relevance_precision"):
-            m, s = _stats([r[key] for r in rs])
-            cells.append(_fmt(m))
+            cells.append(_fmt(_stats([r[key] for r in rs])[0]))
+        for key in ("step_time", "replay_time"):
+            cells.append(_fmt(_stats([r.get(key) for r in rs])[0]))
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Credit precision per reward (MRTPO allocation mass on the tokens the constraint "
+        "Credit precision per reward (allocation mass on the response tokens the reward "
         "concerns / uniform share):",
         "",
         "| algo | " + " | ".join(names) + " |",
@@ -284,13 +432,17 @@ def write_markdown(summary, path: Path, args) -> Path:
         "",
         "Definitions: steps to target = first step where the trailing mean of the batch "
         "all-pass rate reaches the target (never reached: counted as the budget, shown as "
-        "`>N`); final = mean of the last window of steps; credit precision = share of a "
-        "reward's allocation-weight mass on the response tokens its verifier's "
-        "`relevant_chars` names (responses where those tokens are a proper non-empty "
-        "subset), uniform share = the same for uniform weights, relevance precision = the "
-        "same share of the JS-distance mass from contrastive replay.",
+        "`>N`); ratio interval = percentile bootstrap (4000 draws) resampling each "
+        "algorithm's seeds; AUC = mean batch all-pass rate over all steps; final = mean of "
+        "the last window of steps; credit precision = share of a reward's allocation-weight "
+        "mass on the response tokens it concerns (constraints: the verifier's "
+        "`relevant_chars`; SQL: identifiers of the schema / gold tables and, for sql_match, "
+        "literals; tools: the called name, the argument keys, the argument values; "
+        "responses where those tokens are a proper non-empty subset), uniform share = the "
+        "same for uniform weights, relevance precision = the same share of the JS-distance "
+        "mass; s/step = rollout + replay + update seconds per step.",
         "",
-        f"![curves](compare_{task_slug(args.task)}.png)",
+        "![curves](compare.png)",
         "",
         "Settings: `" + json.dumps(st) + "`",
         "",

@@ -19,6 +19,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
+RELEVANCES = ("js", "specific", "control")
+# what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
+VARIANT_KEYS = ("relevance", "gamma", "alpha")
 TASKS = ("constraints", "constraints-full", "sql", "tools")
 TASK_HELP = (
     "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (2-4 of "
@@ -75,10 +78,57 @@ def check_device(name) -> str | None:
     return None
 
 
+def parse_variant(label: str) -> tuple[str, dict]:
+    """``mrtpo:specific:gamma=2`` -> ("mrtpo", {"relevance": "specific", "gamma": 2.0}).
+
+    An algorithm, then optional ``:``-separated items: a relevance name (js, specific,
+    control) or ``key=value`` with key in relevance, gamma, alpha (MRTPO only)."""
+    algo, *items = label.split(":")
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algorithm {algo!r} in {label!r}")
+    over: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = "relevance", item
+        if key not in VARIANT_KEYS:
+            raise ValueError(f"unknown setting {key!r} in {label!r}; known: {VARIANT_KEYS}")
+        if algo != "mrtpo":
+            raise ValueError(f"{label!r}: only mrtpo takes settings")
+        if key == "relevance":
+            if value not in RELEVANCES:
+                raise ValueError(f"relevance {value!r} in {label!r}; expected one of {RELEVANCES}")
+            over[key] = value
+        else:
+            try:
+                over[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{key} in {label!r}: expected a number, got {value!r}") from None
+    return algo, over
+
+
+def task_slug(task: str) -> str:
+    """A file-name form of a task name (``constraints:a,b`` -> ``constraints-a-b``)."""
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task)
+
+
+def variant_slug(label: str) -> str:
+    """A folder-name form of a variant label (``mrtpo:control:gamma=2`` -> mrtpo-control-gamma2)."""
+    return label.replace(":", "-").replace("=", "")
+
+
 def check_algos(names) -> str | None:
-    bad = [a for a in names if a not in ALGOS]
-    if not names or bad or len(set(names)) != len(names):
-        return f"expected a comma-separated list of distinct {', '.join(ALGOS)}, got {names!r}"
+    want = (
+        f"a comma-separated list of distinct {', '.join(ALGOS)} or mrtpo variants "
+        f"(mrtpo:specific, mrtpo:control:gamma=2), got {names!r}"
+    )
+    if not names or len(set(names)) != len(names):
+        return f"expected {want}"
+    for a in names:
+        try:
+            parse_variant(a)
+        except ValueError as err:
+            return f"expected {want}: {err}"
     return None
 
 
@@ -261,7 +311,16 @@ class TrainConfig:
         group="MRTPO",
     )
     gamma: float = setting(
-        1.0, "sharpening exponent on the JS distance", lo=0.0, open_lo=True, group="MRTPO"
+        1.0, "sharpening exponent on the relevance", lo=0.0, open_lo=True, group="MRTPO"
+    )
+    relevance: str = setting(
+        "js",
+        "relevance that allocates each reward (METHOD.md 3, 3b): js (the JS distance d_k), "
+        "specific (d_k minus the mean of the other rewards' d, floored at 0; no extra "
+        "forward) or control (d_k minus the distance under removal of an unchecked prompt "
+        "span of similar length; one extra replay per response)",
+        choices=RELEVANCES,
+        group="MRTPO",
     )
     batch_norm: str = setting(
         "sequence",
@@ -373,7 +432,11 @@ class CompareConfig:
 
     task: str = setting("constraints", TASK_HELP, check=check_task)
     algos: tuple = setting(
-        ("grpo", "gdpo", "mrtpo"), "comma-separated algorithms", kind="algos", check=check_algos
+        ("grpo", "gdpo", "mrtpo"),
+        "comma-separated algorithms; an MRTPO variant adds ':'-separated settings, e.g. "
+        "mrtpo:specific, mrtpo:control:gamma=2, mrtpo:gamma=2 (relevance, gamma, alpha)",
+        kind="algos",
+        check=check_algos,
     )
     seeds: int = _pos(3, "number of seeds, 0..N-1")
     steps: int = _pos(50, "training steps per run")
@@ -387,8 +450,15 @@ class CompareConfig:
         lo=0,
     )
     out: str = setting("runs/compare", "folder for the runs", kind="path")
-    results: str = setting("docs/results", "folder for compare_<task>.md and .png", kind="path")
-    jobs: int = _pos(1, "seeds trained in parallel processes (results do not depend on it)")
+    results: str = setting(
+        "docs/results",
+        "parent of the task's results folder (<results>/<task>/compare.md and plots)",
+        kind="path",
+    )
+    jobs: int = _pos(1, "runs trained in parallel processes (results do not depend on it)")
+    rerun: bool = setting(
+        False, "train every run again (default: a finished (algo, seed) run in --out is reused)"
+    )
     train: TrainConfig = setting(
         help="settings of every run", factory=lambda: TrainConfig(threads=1), nested=None
     )
@@ -407,17 +477,19 @@ class CompareConfig:
         return self
 
     def run_config(self, algo: str, seed: int) -> TrainConfig:
-        """The TrainConfig of one (algorithm, seed) run: fresh, in its own folder."""
+        """The TrainConfig of one (algorithm or variant, seed) run: fresh, in its own folder."""
+        base, over = parse_variant(algo)
         return replace(
             self.train,
             task=self.task,
-            algo=algo,
+            algo=base,
             seed=seed,
             init_seed=self.init_seed,
             steps=self.steps,
-            out=str(Path(self.out) / f"{algo}-seed{seed}"),
+            out=str(Path(self.out) / task_slug(self.task) / f"{variant_slug(algo)}-seed{seed}"),
             resume=False,
             overwrite=True,
+            **over,
         )
 
 

@@ -3,6 +3,8 @@ precision (how much of a reward's allocation lands on them), and the one-line st
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .config import TrainConfig
@@ -12,19 +14,71 @@ from .rollouts import Rollouts
 PASS_THRESHOLD = 1.0 - 1e-6
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LITERAL = re.compile(r"'(?:[^']|'')*'|\b\d+(?:\.\d+)?\b")
+_TOOL_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGS_OPEN = re.compile(r'"arguments"\s*:\s*\{')
+_ARG_PAIR = re.compile(
+    r'("(?:[^"\\]|\\.)*")\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?'
+    r"|true|false|null)"
+)
+
+
+def _sql_chars(name: str, ex, text: str):
+    """The query's characters a SQL verifier checks: ``sql_schema`` the identifiers that name
+    a table or column of the schema; ``sql_runs`` those of the gold tables (its prompt spans
+    are their schema lines); ``sql_match`` those plus the literals (strings, numbers: where
+    the question's content lands)."""
+    schema = ex.fields.get("schema") or {}
+    gold = set(ex.fields.get("gold_tables") or ())
+    if name == "sql_schema":
+        names = {t.lower() for t in schema} | {c.lower() for cs in schema.values() for c in cs}
+    else:
+        names = {t.lower() for t in gold}
+        names |= {c.lower() for t in gold for c in schema.get(t, ())}
+    out = [m.span() for m in _IDENT.finditer(text) if m.group().lower() in names]
+    if name == "sql_match":
+        out += [m.span() for m in _LITERAL.finditer(text)]
+    return out
+
+
+def _tool_chars(name: str, text: str):
+    """The call's characters a tool verifier checks: ``tool_name`` the called name's string,
+    ``tool_schema`` the argument keys, ``tool_args`` the argument values."""
+    if name == "tool_name":
+        return [m.span(1) for m in _TOOL_NAME.finditer(text)]
+    start = _ARGS_OPEN.search(text)
+    if start is None:
+        return []
+    pairs = list(_ARG_PAIR.finditer(text, start.end()))
+    if name == "tool_schema":
+        return [m.span(1) for m in pairs]
+    if name == "tool_args":
+        return [m.span(2) for m in pairs]
+    return None
+
+
+def analogue_chars(verifier, ex, text: str):
+    """Response character spans for the SQL and tool verifiers, which name none themselves
+    (the clause or argument each checks, by the rules above); None for other verifiers."""
+    name = getattr(verifier, "name", "")
+    if name in ("sql_match", "sql_runs", "sql_schema"):
+        return _sql_chars(name, ex, text)
+    if name in ("tool_name", "tool_schema", "tool_args"):
+        return _tool_chars(name, text)
+    return None
+
+
 def relevant_token_masks(task, rollouts: Rollouts) -> list[list[torch.Tensor | None]]:
-    """(n, K): response tokens each constraint concerns (from the verifier's
-    ``relevant_chars``), or None where the verifier does not say."""
+    """(n, K): response tokens each reward concerns (the verifier's ``relevant_chars``, or
+    `analogue_chars` for SQL and tool calls), or None where neither says."""
     out = []
     for ex, text, off in zip(rollouts.examples, rollouts.texts, rollouts.offsets):
         row = []
         for v in task.verifiers:
             fn = getattr(v, "relevant_chars", None)
-            if fn is None:
-                row.append(None)
-                continue
             try:
-                chars = fn(ex, text)
+                chars = fn(ex, text) if fn is not None else analogue_chars(v, ex, text)
             except Exception:
                 chars = None
             row.append(None if chars is None else spans_to_token_mask(off, chars))

@@ -24,7 +24,7 @@ import torch
 from mrtpo_kernels import linear_js_distance, linear_logprobs
 
 from .model import last_hidden, lm_head
-from .prompting import ChatPrompter
+from .prompting import ChatPrompter, Span, merge_spans
 
 
 @dataclass
@@ -91,7 +91,38 @@ class ReplayResult:
     hidden_p: torch.Tensor  # (N, d) with-information hidden states
     old_logprobs: torch.Tensor  # (N,) log-probs of the response tokens at the temperature
     relevance: torch.Tensor | None  # (K, N) JS distances, or None when replay was skipped
-    replayed: int  # number of (response, reward) replays run
+    replayed: int  # number of (response, reward) replays run, control replays included
+    control: torch.Tensor | None = None  # (N,) d_ctrl (0 where no control span), if asked
+
+
+def control_span(prompt: str, spans_by_reward: Sequence[Sequence[Span]]) -> list[Span]:
+    """A prompt span that no verifier checks, of about the length the rewards remove
+    (METHOD.md 3b, "control"): the unchecked stretch of the prompt (whitespace trimmed) whose
+    length is closest to the mean removed length, cut to about that length at a space when
+    it is much longer. [] when every reward's spans are empty or the whole prompt is checked.
+    """
+    removed = [sum(e - s for s, e in merge_spans(row)) for row in spans_by_reward if row]
+    if not removed:
+        return []
+    want = sum(removed) / len(removed)
+    covered = merge_spans(s for row in spans_by_reward for s in row)
+    gaps, pos = [], 0
+    for s, e in [*covered, (len(prompt), len(prompt))]:
+        a, b = pos, min(s, len(prompt))
+        while a < b and prompt[a].isspace():
+            a += 1
+        while b > a and prompt[b - 1].isspace():
+            b -= 1
+        if b > a:
+            gaps.append((a, b))
+        pos = max(pos, e)
+    if not gaps:
+        return []
+    a, b = min(gaps, key=lambda g: (abs((g[1] - g[0]) - want), g[0]))
+    if b - a > 1.5 * want:
+        cut = prompt.find(" ", a + max(1, round(want)), b)
+        b = b if cut < 0 else cut
+    return [(a, b)]
 
 
 def prompt_without(prompter: ChatPrompter, prompt: str, spans, cache: dict) -> list[int]:
@@ -114,6 +145,7 @@ def contrastive_replay(
     temperature: float,
     micro_batch: int = 32,
     replay: bool = True,
+    control: Sequence[Sequence[Span]] | None = None,
 ) -> ReplayResult:
     """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans.
 
@@ -122,6 +154,9 @@ def contrastive_replay(
         prompt_ids: (n,) templated prompt token ids (with all information).
         responses: (n,) response token ids (T_i >= 1 each).
         spans: (n, K) per response and reward, the prompt spans its verdict names.
+        control: optional (n,) per response a prompt span no verifier checks
+            (``control_span``); its removal is replayed too and ``control`` holds the (N,)
+            JS distance d_ctrl (0 for a response whose control span is empty).
     """
     n = len(responses)
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
@@ -142,12 +177,15 @@ def contrastive_replay(
     starts = [0]
     for t in lengths:
         starts.append(starts[-1] + t)
-    hidden_q = hidden_p.unsqueeze(0).repeat(k, 1, 1)
+    rows = k + (control is not None)
+    hidden_q = hidden_p.unsqueeze(0).repeat(rows, 1, 1)
     jobs, cache = [], {}
     for i in range(n):
         for j in range(k):
             if spans[i][j]:
                 jobs.append((i, j, prompt_without(prompter, prompt_texts[i], spans[i][j], cache)))
+        if control is not None and control[i]:
+            jobs.append((i, k, prompt_without(prompter, prompt_texts[i], control[i], cache)))
     for s in range(0, len(jobs), micro_batch):
         chunk = jobs[s : s + micro_batch]
         h = forward_responses(
@@ -162,5 +200,6 @@ def contrastive_replay(
         for i, j, _ in chunk:
             hidden_q[j, starts[i] : starts[i + 1]] = h[pos : pos + lengths[i]]
             pos += lengths[i]
-    relevance = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
-    return ReplayResult(hidden_p, old, relevance, len(jobs))
+    dist = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
+    ctrl = dist[k] if control is not None else None
+    return ReplayResult(hidden_p, old, dist[:k], len(jobs), ctrl)

@@ -34,6 +34,7 @@ from mrtpo_kernels import (
     linear_logprobs,
     linear_policy_loss,
     mrtpo_token_advantages,
+    specific_relevance,
 )
 
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
@@ -41,7 +42,13 @@ from .config import TrainConfig
 from .metrics import format_step, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .prompting import ChatPrompter
-from .replay import contrastive_replay, forward_responses, response_hidden, teacher_batch
+from .replay import (
+    contrastive_replay,
+    control_span,
+    forward_responses,
+    response_hidden,
+    teacher_batch,
+)
 from .report import plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
 from .tasks import load_task
@@ -63,13 +70,29 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, cfg):
-    """Token advantages (N,) packed, and the allocation weights (K, N) actually applied."""
+def sharpen(relevance, has_info, lengths, mode: str, control=None):
+    """The relevance that allocates (METHOD.md 3, 3b): d itself ("js"), or
+    ``specific_relevance`` of it ("specific"; "control" with d_ctrl, which must be given)."""
+    if mode == "js":
+        return relevance
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lengths, 0)
+    if mode == "control" and control is None:
+        raise ValueError("relevance: 'control' needs the control replay's distances")
+    return specific_relevance(
+        relevance, has_info, control=control if mode == "control" else None, cu_seqlens=cu
+    )
+
+
+def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None):
+    """Token advantages (N,) packed, and the allocation weights (K, N) actually applied.
+    Under mrtpo, ``relevance`` (K, N) is sharpened per ``cfg.relevance`` first."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
     k, n_tok = rewards.shape[1], int(cu[-1])
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
+        relevance = sharpen(relevance, has_info, lengths, cfg.relevance, control)
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -215,6 +238,9 @@ class Trainer:
         ro = generate_rollouts(self.model, self.prompter, self.task, examples, cfg, self.device)
         t1 = time.perf_counter()
         want_replay = cfg.algo == "mrtpo" or cfg.replay_for_baselines
+        control = None
+        if want_replay and cfg.algo == "mrtpo" and cfg.relevance == "control":
+            control = [control_span(ex.prompt, sp) for ex, sp in zip(ro.examples, ro.spans)]
         rep = contrastive_replay(
             self.model,
             self.prompter,
@@ -225,6 +251,7 @@ class Trainer:
             temperature=cfg.temperature,
             micro_batch=cfg.micro_batch * 2,
             replay=want_replay,
+            control=control,
         )
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
@@ -233,8 +260,9 @@ class Trainer:
         if relevance is None:
             relevance = torch.zeros((self.k, int(lengths.sum())), dtype=torch.float32)
         relevance = relevance.float().cpu()
+        d_ctrl = None if rep.control is None else rep.control.float().cpu()
         adv, alloc = compute_advantages(
-            cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg
+            cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
         )
         ref_logp = None
         if self.ref is not None:

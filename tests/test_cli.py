@@ -197,8 +197,8 @@ def test_compare_writes_table_and_plot(tmp_path):
     ])  # fmt: skip
     summary = run_compare(config_from_args(args), task=standin_task(), log=lambda msg: None)
     assert [len(summary["runs"][a]) for a in ("gdpo", "mrtpo")] == [2, 2]
-    md = (tmp_path / "res" / "compare_constraints.md").read_text()
+    md = (tmp_path / "res" / "constraints" / "compare.md").read_text()
     assert "## The claim" in md and "| gdpo |" in md and "| mrtpo |" in md
-    assert (tmp_path / "res" / "compare_constraints.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "res" / "constraints" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     gdpo = summary["runs"]["gdpo"][0]
     assert gdpo["credit_precision"] == pytest.approx(gdpo["uniform_share"])  # uniform weights

@@ -1,0 +1,152 @@
+"""``mrtpo compare``: variants, bootstrap interval, resumable runs, per-task results folder,
+and a 2-step smoke run of every built-in task family and every relevance variant."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_trainer import TINY, standin_task
+
+from mrtpo.compare import bootstrap_ratio, run_compare
+from mrtpo.config import CompareConfig, TrainConfig, check_algos, parse_variant
+from mrtpo.metrics import analogue_chars
+from mrtpo.replay import control_span
+from mrtpo.tasks import load_task
+
+
+def _cfg(tmp_path, task="constraints", algos=("gdpo", "mrtpo"), seeds=1, **train):
+    base = dict(
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=6,
+        micro_batch=4,
+        device="cpu",
+        threads=1,
+        checkpoint_every=2,
+        html_samples=1,
+        cache_dir=str(tmp_path / "cache"),
+        tiny=TINY,
+    )
+    base.update(train)
+    return CompareConfig(
+        task=task,
+        algos=tuple(algos),
+        seeds=seeds,
+        steps=2,
+        window=1,
+        out=str(tmp_path / "runs"),
+        results=str(tmp_path / "res"),
+        train=TrainConfig(**base),
+    )
+
+
+def test_variant_labels():
+    assert parse_variant("mrtpo") == ("mrtpo", {})
+    assert parse_variant("mrtpo:specific") == ("mrtpo", {"relevance": "specific"})
+    assert parse_variant("mrtpo:control:gamma=2") == (
+        "mrtpo",
+        {"relevance": "control", "gamma": 2.0},
+    )
+    for bad in ("gdpo:specific", "mrtpo:sharp", "mrtpo:beta=1", "mrtpo:gamma=x", "foo"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+    assert check_algos(("gdpo", "mrtpo:specific", "mrtpo:gamma=2")) is None
+    assert "mrtpo:sharp" in check_algos(("mrtpo:sharp",))
+    cfg = CompareConfig(algos=("mrtpo:control:gamma=2",))
+    run = cfg.run_config("mrtpo:control:gamma=2", 1)
+    assert (run.algo, run.relevance, run.gamma, run.seed) == ("mrtpo", "control", 2.0, 1)
+    assert run.out.endswith("constraints/mrtpo-control-gamma2-seed1")
+
+
+def test_bootstrap_interval_contains_the_ratio_and_shrinks_with_spread():
+    lo, hi = bootstrap_ratio([30, 32, 28, 31, 29], [40, 41, 39, 42, 38])
+    assert lo < 30 / 40 < hi and hi < 1.0
+    wide = bootstrap_ratio([10, 50, 30, 45, 15], [40, 20, 60, 35, 45])
+    assert wide[1] - wide[0] > hi - lo
+    assert bootstrap_ratio([1.0], [1.0]) == (1.0, 1.0)
+    d_lo, d_hi = bootstrap_ratio([0.5, 0.6], [0.4, 0.4], diff=True)
+    assert 0.1 - 1e-12 <= d_lo <= d_hi <= 0.2 + 1e-12
+
+
+def test_control_span_is_unchecked_and_of_similar_length():
+    prompt = "Write about rain. Include the word cat. End with bye."
+    spans = [[(18, 39)], [(40, 53)], []]
+    ((a, b),) = control_span(prompt, spans)
+    assert prompt[a:b] == "Write about rain."
+    assert control_span(prompt, [[], []]) == []
+    assert control_span(prompt, [[(0, len(prompt))]]) == []
+    long = "word " * 40 + "Check this."
+    ((a, b),) = control_span(long, [[(len(long) - 11, len(long))]])
+    assert b <= len(long) - 11 and 8 <= b - a <= 20 and long[a:b].strip() == long[a:b]
+
+
+def test_sql_and_tool_credit_spans():
+    sql = load_task("sql", seed=0)
+    ex = next(e for e in sql.train if "WHERE" in e.reference and "'" in e.reference)
+    q = ex.reference
+    by = {v.name: analogue_chars(v, ex, q) for v in sql.verifiers}
+    literals = [q[a:b] for a, b in by["sql_match"] if q[a] == "'"]
+    assert literals and all(lit in q for lit in literals)
+    assert all(q[a:b].isidentifier() for a, b in by["sql_schema"])
+    assert set(by["sql_runs"]) <= set(by["sql_match"])
+    tools = load_task("tools", seed=0)
+    ex = tools.train[0]
+    call = ex.reference
+    by = {v.name: analogue_chars(v, ex, call) for v in tools.verifiers}
+    assert [call[a:b] for a, b in by["tool_name"]] == [json.dumps(ex.fields["gold"]["name"])]
+    keys = [json.loads(call[a:b]) for a, b in by["tool_schema"]]
+    assert keys == list(ex.fields["gold"]["arguments"])
+    vals = [json.loads(call[a:b]) for a, b in by["tool_args"]]
+    assert vals == list(ex.fields["gold"]["arguments"].values())
+    assert by["tool_format"] is None
+    assert analogue_chars(tools.verifiers[1], ex, "not json") == []
+
+
+def test_compare_variants_resume_and_results_folder(tmp_path):
+    algos = ("gdpo", "mrtpo", "mrtpo:specific", "mrtpo:control:gamma=2")
+    cfg = _cfg(tmp_path, algos=algos, seeds=1)
+    logs = []
+    summary = run_compare(cfg, task=standin_task(), log=logs.append)
+    assert [len(summary["runs"][a]) for a in algos] == [1, 1, 1, 1]
+    res = tmp_path / "res" / "constraints"
+    md = (res / "compare.md").read_text()
+    assert "## The claim" in md and "95% CI" in md and "| mrtpo:specific |" in md
+    assert "Starting pass rates" in md and "mrtpo compare --task constraints" in md
+    assert (res / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    g = summary["runs"]["gdpo"][0]
+    assert g["credit_precision"] == pytest.approx(g["uniform_share"])  # uniform weights
+    for a in algos:
+        for r in summary["runs"][a]:
+            assert 0.0 <= r["auc"] <= 1.0 and len(r["curve"]) == 2
+    # a second call reuses every finished run and gives the same numbers
+    logs2 = []
+    again = run_compare(cfg, task=standin_task(), log=logs2.append)
+    assert sum("(reused)" in line for line in logs2) == 4
+    assert (
+        again["runs"]["mrtpo:specific"][0]["curve"] == summary["runs"]["mrtpo:specific"][0]["curve"]
+    )
+    # another setting is not reused
+    other = _cfg(tmp_path, algos=("gdpo",), seeds=1, lr=1e-3)
+    logs3 = []
+    run_compare(other, task=standin_task(), log=logs3.append)
+    assert not any("(reused)" in line for line in logs3)
+
+
+@pytest.mark.parametrize(
+    "task,algos",
+    [
+        ("constraints-full", ("gdpo", "mrtpo:specific")),
+        ("sql", ("mrtpo:control",)),
+        ("tools", ("mrtpo",)),
+    ],
+)
+def test_two_step_smoke_on_builtin_tasks(tmp_path, task, algos):
+    cfg = _cfg(tmp_path, task=task, algos=algos)
+    summary = run_compare(cfg, log=lambda msg: None)
+    names = summary["reward_names"]
+    assert names == [v.name for v in load_task(task, seed=0).verifiers]
+    for a in algos:
+        (r,) = summary["runs"][a]
+        assert set(r["start_pass"]) == set(names) and len(r["curve"]) == 2
+    assert (tmp_path / "res" / task / "compare.md").is_file()
