@@ -16,6 +16,7 @@ predicts response token t of every row sits at column P - 1 + t whatever the pro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 
 from mrtpo_kernels import linear_js_distance, linear_logprobs
 
-from .model import last_hidden, lm_head
+from .model import decoder, last_hidden, lm_head
 from .prompting import ChatPrompter, Span, merge_spans
 
 
@@ -84,6 +85,75 @@ def forward_responses(model, prompts, responses, pad_id, *, micro_batch: int, de
         )
         out.append(response_hidden(model, tb))
     return torch.cat(out)
+
+
+@torch.no_grad()
+def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: int, device):
+    """What ``forward_responses`` computes, with each distinct prompt run once: its key/value
+    cache is shared by every response that follows it (the G responses of a group, and the
+    G replays of one prompt without a reward's spans). About ``micro_batch`` response rows
+    per forward. Returns the (N, d) packed hidden states in the order of the rows."""
+    if len(prompts) != len(responses):
+        raise ValueError(
+            f"responses: expected one per prompt ({len(prompts)}), got {len(responses)}"
+        )
+    if any(len(r) == 0 for r in responses):
+        raise ValueError("responses: every response needs at least one token")
+    rows_of: dict[tuple, list[int]] = {}
+    for r, p in enumerate(prompts):
+        rows_of.setdefault(tuple(p), []).append(r)
+    keys = list(rows_of)
+    chunks, cur, n_rows = [], [], 0
+    for key in keys:
+        cur.append(key)
+        n_rows += len(rows_of[key])
+        if n_rows >= micro_batch:
+            chunks.append(cur)
+            cur, n_rows = [], 0
+    if cur:
+        chunks.append(cur)
+    base = decoder(model)
+    per_row: list[torch.Tensor | None] = [None] * len(prompts)
+    for chunk in chunks:
+        p_width = max(len(k) for k in chunk)
+        b = len(chunk)
+        ids = torch.full((b, p_width), pad_id, dtype=torch.long)
+        mask = torch.zeros((b, p_width), dtype=torch.long)
+        for i, key in enumerate(chunk):
+            ids[i, p_width - len(key) :] = torch.as_tensor(key, dtype=torch.long)
+            mask[i, p_width - len(key) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        head = base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        rows = [r for key in chunk for r in rows_of[key]]
+        owner = torch.tensor(
+            [i for i, key in enumerate(chunk) for _ in rows_of[key]], dtype=torch.long
+        ).to(device)
+        cache = head.past_key_values
+        cache.batch_select_indices(owner)
+        r_width = max(len(responses[r]) for r in rows)
+        rid = torch.full((len(rows), r_width), pad_id, dtype=torch.long)
+        rmask = torch.zeros((len(rows), r_width), dtype=torch.long)
+        for j, r in enumerate(rows):
+            rid[j, : len(responses[r])] = torch.as_tensor(list(responses[r]), dtype=torch.long)
+            rmask[j, : len(responses[r])] = 1
+        rid, rmask = rid.to(device), rmask.to(device)
+        p_len = mask.sum(-1)[owner]
+        rpos = p_len[:, None] + torch.arange(r_width, device=device)[None, :]
+        with warnings.catch_warnings():  # the cache keyword's name changes across versions
+            warnings.simplefilter("ignore", FutureWarning)
+            tail = base(
+                input_ids=rid,
+                attention_mask=torch.cat([mask[owner], rmask], dim=1),
+                position_ids=rpos,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+        last = head.last_hidden_state[:, -1][owner]  # predicts each response's first token
+        for j, r in enumerate(rows):
+            t = len(responses[r])
+            per_row[r] = torch.cat([last[j : j + 1], tail[j, : t - 1]])
+    return torch.cat(per_row)
 
 
 @dataclass
@@ -165,7 +235,7 @@ def contrastive_replay(
     device = next(model.parameters()).device
     pad_id = prompter.tokenizer.pad_token_id
     weight, bias = lm_head(model)
-    hidden_p = forward_responses(
+    hidden_p = forward_shared_prompts(
         model, prompt_ids, responses, pad_id, micro_batch=micro_batch, device=device
     )
     labels = torch.cat([torch.as_tensor(list(r), dtype=torch.long) for r in responses]).to(device)
@@ -186,18 +256,18 @@ def contrastive_replay(
                 jobs.append((i, j, prompt_without(prompter, prompt_texts[i], spans[i][j], cache)))
         if control is not None and control[i]:
             jobs.append((i, k, prompt_without(prompter, prompt_texts[i], control[i], cache)))
-    for s in range(0, len(jobs), micro_batch):
-        chunk = jobs[s : s + micro_batch]
-        h = forward_responses(
+    if jobs:
+        # replays of one prompt without the same spans share its key/value cache
+        h = forward_shared_prompts(
             model,
-            [c[2] for c in chunk],
-            [responses[c[0]] for c in chunk],
+            [c[2] for c in jobs],
+            [responses[c[0]] for c in jobs],
             pad_id,
             micro_batch=micro_batch,
             device=device,
         )
         pos = 0
-        for i, j, _ in chunk:
+        for i, j, _ in jobs:
             hidden_q[j, starts[i] : starts[i + 1]] = h[pos : pos + lengths[i]]
             pos += lengths[i]
     dist = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)

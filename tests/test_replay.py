@@ -7,7 +7,12 @@ import torch
 
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head
 from mrtpo.prompting import ChatPrompter
-from mrtpo.replay import contrastive_replay, forward_responses, teacher_batch
+from mrtpo.replay import (
+    contrastive_replay,
+    forward_responses,
+    forward_shared_prompts,
+    teacher_batch,
+)
 from mrtpo_kernels.reference import js_distance_ref, logprobs_from_logits_ref
 
 PROMPTS = [
@@ -120,3 +125,20 @@ def test_replay_can_be_skipped():
         replay=False,
     )
     assert rep.relevance is None and rep.replayed == 0 and rep.old_logprobs.shape == (2,)
+
+
+def test_shared_prompt_cache_equals_separate_forwards():
+    """Each distinct prompt run once, its key/value cache shared by the rows after it:
+    the same hidden states as one full forward per row, in the rows' order."""
+    tok, model, pr = _setup()
+    a, b = (pr.encode(p).ids for p in PROMPTS)
+    prompts = [a, b, a, a, b, b[:-3]]  # interleaved repeats and a shorter prompt
+    responses = [[10, 11], [12], [13, 14, 15, tok.eos_token_id], [16], [17, 18, 19], [20, 21]]
+    want = forward_responses(
+        model, prompts, responses, tok.pad_token_id, micro_batch=1, device="cpu"
+    )
+    for mb in (1, 2, 16):
+        got = forward_shared_prompts(
+            model, prompts, responses, tok.pad_token_id, micro_batch=mb, device="cpu"
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
