@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_JS_SCRATCH_BYTES = 768 << 20
+DEFAULT_DW_BUDGET_BYTES = 8 << 30
+TRITON_VARIANTS = ("rows", "fused")
+LOW_MEMORY_MODES = ("auto", "0", "1")
 
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -72,6 +75,27 @@ SETTINGS: dict[str, Setting] = {
             "0",
             "1: the Triton policy loss keeps each token chunk's fp32 logits for the gradient "
             "(3 GEMMs, MRTPO_CHUNK_BYTES of logits) instead of recomputing them (4 GEMMs)",
+        ),
+        Setting(
+            "MRTPO_TRITON_VARIANT",
+            "rows",
+            "rows: the Triton backend runs the chunk driver (cuBLAS GEMMs into a reused fp32 "
+            "buffer, one Triton row kernel per chunk); fused: the older fused-GEMM Triton "
+            "kernels (kept to be measured side by side on a GPU)",
+        ),
+        Setting(
+            "MRTPO_LOW_MEMORY",
+            "auto",
+            "1: the chunk driver's backward recomputes the logits per vocabulary chunk and "
+            "writes each dW row block once in the weight's dtype (no fp32 dW accumulator); "
+            "0: never; auto: when the fp32 dW accumulator would pass MRTPO_DW_BUDGET_BYTES "
+            "(Triton row kernels only)",
+        ),
+        Setting(
+            "MRTPO_DW_BUDGET_BYTES",
+            str(DEFAULT_DW_BUDGET_BYTES),
+            "the largest fp32 weight-gradient accumulator (4 V d bytes) MRTPO_LOW_MEMORY=auto "
+            "allows before it switches to the low-memory backward",
         ),
         Setting("MRTPO_SKIP_CUDA_BUILD", "0", "build time: 1 never builds the CUDA extension"),
         Setting(
@@ -158,3 +182,25 @@ def js_gemm() -> tuple[int, int, int, int, int] | None:
 
 def policy_keep_logits() -> bool:
     return flag("MRTPO_POLICY_KEEP_LOGITS")
+
+
+def triton_variant() -> str:
+    value = raw("MRTPO_TRITON_VARIANT").lower()
+    if value not in TRITON_VARIANTS:
+        raise ValueError(f"MRTPO_TRITON_VARIANT: expected rows or fused, got {value!r}")
+    return value
+
+
+def dw_budget_bytes() -> int:
+    return positive_int("MRTPO_DW_BUDGET_BYTES")
+
+
+def low_memory(dw_accumulator_bytes: int) -> bool:
+    """Whether the backward runs in low-memory mode for an fp32 dW of this many bytes."""
+    value = raw("MRTPO_LOW_MEMORY").lower()
+    if value == "auto":
+        return dw_accumulator_bytes > dw_budget_bytes()
+    try:
+        return flag("MRTPO_LOW_MEMORY")
+    except ValueError:
+        raise ValueError(f"MRTPO_LOW_MEMORY: expected auto, 0 or 1, got {value!r}") from None

@@ -1,4 +1,15 @@
-"""The "triton" backend: fused Triton kernels (mrtpo_kernels/triton), one op per module.
+"""The "triton" backend: the chunk driver (backends/_chunked.py) with Triton row kernels
+(mrtpo_kernels/triton/rows.py), or the older fused-GEMM Triton kernels.
+
+Default variant (``MRTPO_TRITON_VARIANT=rows``): per token chunk, one cuBLAS GEMM
+(torch.mm with out_dtype=float32 where torch has it on the device, else fp32 operands)
+into a reused fp32 buffer, one Triton row kernel (statistics, and the logit gradient in
+place), then dh_c = G W and dW += G^T h_c with fp32 accumulation: 3 GEMMs for a policy-loss
+step, no recompute; 1 + K stacked rows in one GEMM for JS. ``MRTPO_LOW_MEMORY`` switches
+the backward to vocabulary chunks (no fp32 dW accumulator, one GEMM more).
+``MRTPO_TRITON_VARIANT=fused``: the fused-GEMM kernels of triton/logprobs.py, policy_loss.py
+and js.py (logits never leave the chip; 4 GEMMs for the policy loss), kept only until a
+GPU measurement compares the two (docs/kernels.md).
 
 On CUDA tensors this is the fast path. On CPU tensors the kernels run only under
 ``TRITON_INTERPRET=1`` (set before triton is imported), which the tests use. The kernels
@@ -8,9 +19,12 @@ the "torch" backend. The advantage kernel computes in its input's dtype, float64
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import KERNEL_DTYPES, Serves
+from .. import settings
+from . import KERNEL_DTYPES, Serves, _chunked
 
 try:
     import triton  # noqa: F401
@@ -31,26 +45,45 @@ def unavailable_reason() -> str:
 SERVES: dict[str, Serves] = {}
 
 if _ERR is None:
-    from ..triton._common import interpreting
+    from ..triton import js as _fused_js
+    from ..triton import logprobs as _fused_logprobs
+    from ..triton import policy_loss as _fused_policy
+    from ..triton._common import check_device, interpreting
     from ..triton.advantages import reallocate_packed  # noqa: F401
-    from ..triton.js import linear_js, logits_js  # noqa: F401
-    from ..triton.logprobs import (  # noqa: F401
-        linear_logprobs_bwd,
-        linear_logprobs_fwd,
-        logits_logprobs_bwd,
-        logits_logprobs_fwd,
+    from ..triton.rows import TritonRowKernel
+
+    _K = TritonRowKernel()
+
+    def _variant(name: str, fused, first_tensor_arg: str):
+        """The entry point ``name``: the chunk driver with the row kernels, or the fused
+        kernel when MRTPO_TRITON_VARIANT=fused (read at each call)."""
+        chunked = functools.partial(getattr(_chunked, name), _K)
+
+        @functools.wraps(fused)
+        def entry(*args, **kwargs):
+            if settings.triton_variant() == "fused":
+                return fused(*args, **kwargs)
+            check_device(first_tensor_arg, args[0])
+            return chunked(*args, **kwargs)
+
+        return entry
+
+    linear_logprobs_fwd = _variant(
+        "linear_logprobs_fwd", _fused_logprobs.linear_logprobs_fwd, "hidden"
     )
-    from ..triton.policy_loss import linear_policy_loss  # noqa: F401
+    linear_logprobs_bwd = _variant(
+        "linear_logprobs_bwd", _fused_logprobs.linear_logprobs_bwd, "hidden"
+    )
+    logits_logprobs_fwd = _variant(
+        "logits_logprobs_fwd", _fused_logprobs.logits_logprobs_fwd, "logits"
+    )
+    logits_logprobs_bwd = _variant(
+        "logits_logprobs_bwd", _fused_logprobs.logits_logprobs_bwd, "logits"
+    )
+    linear_js = _variant("linear_js", _fused_js.linear_js, "hidden_p")
+    logits_js = _variant("logits_js", _fused_js.logits_js, "logits_p")
+    linear_policy_loss = _variant("linear_policy_loss", _fused_policy.linear_policy_loss, "hidden")
 
     _DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
-    SERVES = {
-        op: Serves(_DEVICES, KERNEL_DTYPES)
-        for op in (
-            "linear_logprobs",
-            "logprobs_from_logits",
-            "linear_js_distance",
-            "js_distance",
-            "linear_policy_loss",
-        )
-    }
+    SERVES = {op: Serves(_DEVICES, KERNEL_DTYPES) for op in _chunked.OPS}
     SERVES["mrtpo_token_advantages"] = Serves(_DEVICES, (torch.float32, torch.float64))

@@ -1,0 +1,691 @@
+"""Triton row kernels: the chunk-kernel contract of mrtpo_kernels/backends/_chunked.py on
+the GPU (the same contract the C++ kernels of csrc/cpu and the PyTorch kernels of
+backends/torch_backend.py implement), so one chunk driver serves every device.
+
+The driver makes each token chunk's fp32 logits z [C, V] with one cuBLAS GEMM into a reused
+buffer; these kernels then make one program per row that streams the row once for its
+statistics and, where a gradient is asked for, a second time to write dL/dlogits in place.
+
+Per row (z the raw logits, tau the temperature, M the raw row max; README "Numerics"):
+    x_v = (z_v / 2 - M / 2) (2 / tau)       (halving is exact: finite z never overflows)
+    log s = log sum_v exp(x_v),  lse = M / tau + log s,  logp = x_y - log s
+    H = log s - (sum_v e^x_v x_v) / s
+  computed online in one pass (M, s and t = sum e^x x rescaled when M grows). A row with a
+  NaN or +inf, or nothing but -inf, is undefined: NaN log-prob, entropy, lse and gradient.
+  Ignored rows (label = ignore_index): logp = H = 0 and a zero gradient. A label outside
+  [0, V) (value checks off) gives a NaN log-prob and a zero gradient.
+Gradient (written over the row, or into ``out``, a 16-bit view of the same storage):
+    dz_v = (g ([v == y] - p_v) - e p_v (log p_v + H)) / tau,  p_v = exp(x_v - log s)
+  g and e the upstream gradients of logp and H. For the policy loss g is the per-token
+  derivative of the surrogate, known as soon as the row's log s is:
+    ratio = exp(logp - old),  r_c = clamp(ratio, 1 - clip_low, 1 + clip_high)
+    L = -min(ratio A, r_c A) + beta (exp(ref - logp) - (ref - logp) - 1)
+    g = w (-A ratio [ratio A <= r_c A] + beta (1 - exp(ref - logp)))
+  and the options of the contract: the dual clip caps the surrogate at -A clip_ratio_c for
+  A < 0 (g's surrogate part 0 where it binds); kl_iw multiplies the k3 term by the ratio.
+In-place 16-bit output: row r of ``out`` starts where row r of z does (row stride 2 V in
+16-bit elements); block j of a row writes bytes [2 j B, 2 (j + 1) B) of the row after its
+read of bytes [4 j B, 4 (j + 1) B): it only overwrites what this program already read.
+
+Row offsets are int64 (``_row_offset``): C x V passes 2^31 at V = 151936 beyond 14134 rows.
+JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM with the
+kernels of js.py (a per-row log-sum-exp, then the split sums of the terms).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_device, interpreting
+
+__all__ = ["TritonRowKernel"]
+
+
+@triton.jit
+def _row_offset(row, stride):
+    """Element offset of a row: int64, so rows x stride may pass 2^31."""
+    return row.to(tl.int64) * stride
+
+
+@triton.jit
+def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over a row: (M raw max, s, t, bad) with s = sum exp(x), t = sum e^x x
+    relative to M, bad = the row holds a NaN or +inf."""
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    t = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    bad = tl.max(tl.zeros([BLOCK], tl.int32), axis=0)
+    two_inv_t = 2.0 * inv_t
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        nonfinite = (z != z) | (z == float("inf"))
+        bad = tl.maximum(bad, tl.max(nonfinite.to(tl.int32), axis=0))
+        zc = tl.where(nonfinite, float("-inf"), z)  # the max and sums of the finite part
+        m_new = tl.maximum(m, tl.max(zc, axis=0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        shift = (m * 0.5 - base * 0.5) * two_inv_t  # -inf while m is -inf
+        alpha = tl.exp(shift)
+        x = (zc * 0.5 - base * 0.5) * two_inv_t
+        e = tl.exp(x)
+        if WITH_T:
+            shift0 = tl.where(m == float("-inf"), 0.0, shift)
+            t = alpha * (t + s * shift0) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+    return m, s, t, bad
+
+
+@triton.jit
+def _target_x(row_ptr, y, use, m, inv_t):
+    """x of the label's column (0 where the label is not used)."""
+    zy = tl.load(row_ptr + tl.where(use, y, 0).to(tl.int64)).to(tl.float32)
+    return tl.where(use, (zy * 0.5 - m * 0.5) * (2.0 * inv_t), 0.0)
+
+
+@triton.jit
+def _write_grad(
+    row_ptr,
+    out_ptr,
+    V,
+    y,
+    g,
+    e,
+    ent,
+    m,
+    log_s,
+    use,
+    ok,
+    inv_t,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Second pass: dz over the row into out (same row, any float dtype)."""
+    two_inv_t = 2.0 * inv_t
+    g_use = tl.where(use, g, 0.0)
+    e_use = tl.where(use, e, 0.0)
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        cmask = cols < V
+        z = tl.load(row_ptr + cols, mask=cmask, other=float("-inf")).to(tl.float32)
+        lp = (z * 0.5 - m * 0.5) * two_inv_t - log_s
+        p = tl.exp(lp)
+        grad = tl.where(cols == y, g_use, 0.0) - p * g_use
+        if HAS_ENT:
+            grad -= e_use * tl.where(p > 0.0, p * (lp + ent), 0.0)
+        grad = tl.where(use, grad * inv_t, 0.0)
+        grad = tl.where(use & (ok == 0), float("nan"), grad)
+        tl.store(out_ptr + cols, grad.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _stats_rows_kernel(
+    z_ptr,
+    labels_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    V,
+    stride_z,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    m, s, t, bad = _row_scan(row_ptr, V, inv_t, WITH_ENT, BLOCK)
+    ok = (bad == 0) & (m > float("-inf"))
+    y = tl.load(labels_ptr + r)
+    valid = y != ignore_index
+    use = valid & (y >= 0) & (y < V)
+    log_s = tl.log(s)
+    xy = _target_x(row_ptr, y, use, m, inv_t)
+    logp = tl.where(use & ok, xy - log_s, float("nan"))
+    tl.store(logp_ptr + r, tl.where(valid, logp, 0.0))
+    tl.store(lse_ptr + r, tl.where(ok, m * inv_t + log_s, float("nan")))
+    if WITH_ENT:
+        ent = tl.where(ok, log_s - t / s, float("nan"))
+        tl.store(ent_ptr + r, tl.where(valid, ent, 0.0))
+
+
+@triton.jit
+def _grad_rows_kernel(
+    z_ptr,
+    out_ptr,
+    labels_ptr,
+    ent_ptr,
+    g_logp_ptr,
+    g_ent_ptr,
+    V,
+    stride_z,
+    stride_out,
+    inv_t,
+    ignore_index,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    m, s, _, bad = _row_scan(row_ptr, V, inv_t, False, BLOCK)
+    ok = ((bad == 0) & (m > float("-inf"))).to(tl.int32)
+    y = tl.load(labels_ptr + r)
+    use = (y != ignore_index) & (y >= 0) & (y < V)
+    g = tl.load(g_logp_ptr + r).to(tl.float32)
+    e = 0.0
+    ent = 0.0
+    if HAS_ENT:
+        e = tl.load(g_ent_ptr + r).to(tl.float32)
+        ent = tl.load(ent_ptr + r).to(tl.float32)
+    _write_grad(
+        row_ptr,
+        out_ptr + _row_offset(r, stride_out),
+        V,
+        y,
+        g,
+        e,
+        ent,
+        m,
+        tl.log(s),
+        use,
+        ok,
+        inv_t,
+        HAS_ENT=HAS_ENT,
+        BLOCK=BLOCK,
+    )
+
+
+@triton.jit
+def _policy_terms(
+    logp,
+    valid,
+    use,
+    old,
+    adv,
+    tw,
+    ref,
+    clip_low,
+    clip_high,
+    clip_c,
+    beta,
+    HAS_REF: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL_IW: tl.constexpr,
+):
+    """(per-token loss L, clipped flag, g = w dL/dlogp) of one token; NaN in, NaN out.
+    DUAL_CLIP caps the surrogate at -A clip_c for A < 0 (gradient 0 where it binds); KL_IW
+    multiplies the k3 term by the ratio (its derivative is then ratio (logp - ref))."""
+    ratio = tl.exp(logp - old)
+    lo = 1.0 - clip_low
+    hi = 1.0 + clip_high
+    r_c = tl.where(ratio < lo, lo, tl.where(ratio > hi, hi, ratio))  # NaN stays NaN
+    a = ratio * adv
+    b = r_c * adv
+    unclipped = a <= b
+    loss = -tl.where(unclipped | (a != a), a, b)
+    dlogp = tl.where(unclipped, -adv * ratio, 0.0)
+    if DUAL_CLIP:
+        cap = -adv * clip_c
+        dual = (adv < 0.0) & (loss > cap)
+        loss = tl.where(dual, cap, loss)
+        dlogp = tl.where(dual, 0.0, dlogp)
+    if HAS_REF:
+        diff = ref - logp
+        k3 = tl.exp(diff) - diff - 1.0
+        if KL_IW:
+            loss += beta * ratio * k3
+            dlogp -= beta * ratio * diff
+        else:
+            loss += beta * k3
+            dlogp += beta * (1.0 - tl.exp(diff))
+    loss = tl.where(valid, loss, 0.0)
+    clipped = tl.where(valid & (~unclipped) & (logp == logp), 1.0, 0.0)
+    g = tl.where(use, dlogp * tw, 0.0)
+    return loss, clipped, g
+
+
+@triton.jit
+def _policy_rows_kernel(
+    z_ptr,
+    out_ptr,
+    labels_ptr,
+    old_ptr,
+    adv_ptr,
+    tw_ptr,
+    ref_ptr,
+    loss_ptr,
+    logp_ptr,
+    clipped_ptr,
+    V,
+    stride_z,
+    stride_out,
+    inv_t,
+    clip_low,
+    clip_high,
+    clip_c,
+    beta,
+    ignore_index,
+    HAS_REF: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL_IW: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    m, s, _, bad = _row_scan(row_ptr, V, inv_t, False, BLOCK)
+    ok = ((bad == 0) & (m > float("-inf"))).to(tl.int32)
+    y = tl.load(labels_ptr + r)
+    valid = y != ignore_index
+    use = valid & (y >= 0) & (y < V)
+    log_s = tl.log(s)
+    xy = _target_x(row_ptr, y, use, m, inv_t)
+    logp = tl.where(use & (ok != 0), xy - log_s, float("nan"))
+    logp = tl.where(valid, logp, 0.0)
+    ref = 0.0
+    if HAS_REF:
+        ref = tl.load(ref_ptr + r).to(tl.float32)
+    loss, clipped, g = _policy_terms(
+        logp,
+        valid,
+        use,
+        tl.load(old_ptr + r).to(tl.float32),
+        tl.load(adv_ptr + r).to(tl.float32),
+        tl.load(tw_ptr + r).to(tl.float32),
+        ref,
+        clip_low,
+        clip_high,
+        clip_c,
+        beta,
+        HAS_REF=HAS_REF,
+        DUAL_CLIP=DUAL_CLIP,
+        KL_IW=KL_IW,
+    )
+    tl.store(loss_ptr + r, loss)
+    tl.store(logp_ptr + r, logp)
+    tl.store(clipped_ptr + r, clipped)
+    if NEED_GRAD:
+        _write_grad(
+            row_ptr,
+            out_ptr + _row_offset(r, stride_out),
+            V,
+            y,
+            g,
+            0.0,
+            0.0,
+            m,
+            log_s,
+            use,
+            ok,
+            inv_t,
+            HAS_ENT=False,
+            BLOCK=BLOCK,
+        )
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def row_block(v: int) -> int:
+    """Columns per step of a row program: 2048 on a GPU; under the interpreter at most 1024
+    (so rows of a few thousand columns still take several steps in the tests)."""
+    if interpreting():
+        return min(1024, triton.next_power_of_2(max(v, 16)))
+    return 2048
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+def _clip_c(clip_ratio_c: float) -> float:
+    return float(clip_ratio_c) if math.isfinite(clip_ratio_c) else 0.0
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+class TritonRowKernel:
+    """The chunk-kernel contract (backends/_chunked.py) in Triton row kernels.
+
+    ``GRAD_OUT``: grad_ and policy_ accept ``out=``, a view with z's rows (the driver passes
+    a 16-bit view of z's storage so the two gradient GEMMs run on 16-bit operands)."""
+
+    GRAD_OUT = True
+
+    @staticmethod
+    def stats(z, labels, inv_t, ignore_index, with_ent):
+        check_device("z", z)
+        rows, v = z.shape
+        f32 = dict(dtype=torch.float32, device=z.device)
+        logp, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        ent = torch.empty(rows if with_ent else 0, **f32)
+        if rows:
+            block = row_block(v)
+            _stats_rows_kernel[(rows,)](
+                z,
+                labels.contiguous(),
+                logp,
+                ent if with_ent else lse,
+                lse,
+                V=v,
+                stride_z=z.stride(0),
+                inv_t=float(inv_t),
+                ignore_index=int(ignore_index),
+                WITH_ENT=bool(with_ent),
+                BLOCK=block,
+                num_warps=_warps(block),
+            )
+        return logp, (ent if with_ent else None), lse
+
+    @staticmethod
+    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, out=None):
+        """dL/dz over z in place, or into ``out`` (same rows). The row's max and sum are
+        recomputed from z (lse is not read: it is rounded at large |z / tau|)."""
+        check_device("z", z)
+        rows, v = z.shape
+        if rows == 0:
+            return
+        out = z if out is None else out
+        has_ent = ent is not None and g_ent is not None
+        g = _f32(g_logp)
+        block = row_block(v)
+        _grad_rows_kernel[(rows,)](
+            z,
+            out,
+            labels.contiguous(),
+            _f32(ent) if has_ent else g,
+            g,
+            _f32(g_ent) if has_ent else g,
+            V=v,
+            stride_z=z.stride(0),
+            stride_out=out.stride(0),
+            inv_t=float(inv_t),
+            ignore_index=int(ignore_index),
+            HAS_ENT=has_ent,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+
+    @staticmethod
+    def policy_(
+        z,
+        labels,
+        old,
+        adv,
+        tw,
+        ref,
+        inv_t,
+        clip_low,
+        clip_high,
+        beta,
+        ii,
+        need_grad,
+        clip_ratio_c=math.inf,
+        kl_iw=False,
+        out=None,
+    ):
+        check_device("z", z)
+        rows, v = z.shape
+        f32 = dict(dtype=torch.float32, device=z.device)
+        loss, logp, clipped = (torch.empty(rows, **f32) for _ in range(3))
+        if rows == 0:
+            return loss, logp, clipped
+        out = z if out is None else out
+        has_ref = ref is not None and beta != 0.0
+        old = _f32(old)
+        block = row_block(v)
+        _policy_rows_kernel[(rows,)](
+            z,
+            out,
+            labels.contiguous(),
+            old,
+            _f32(adv),
+            _f32(tw),
+            _f32(ref) if has_ref else old,
+            loss,
+            logp,
+            clipped,
+            V=v,
+            stride_z=z.stride(0),
+            stride_out=out.stride(0),
+            inv_t=float(inv_t),
+            clip_low=float(clip_low),
+            clip_high=float(clip_high),
+            clip_c=_clip_c(clip_ratio_c),
+            beta=float(beta),
+            ignore_index=int(ii),
+            HAS_REF=has_ref,
+            DUAL_CLIP=math.isfinite(clip_ratio_c),
+            KL_IW=bool(kl_iw),
+            NEED_GRAD=bool(need_grad),
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+        return loss, logp, clipped
+
+    @staticmethod
+    def js_many(z, inv_t):
+        """(K, C) distances between row block 0 of z (1 + K, C, V) fp32 (P) and each of the
+        K blocks after it (Q streams)."""
+        from .js import _js_sum_and_finish, _lse_block, _row_lse_kernel
+
+        check_device("z", z)
+        streams, rows, v = z.shape
+        k = streams - 1
+        out = torch.empty((k, rows), dtype=torch.float32, device=z.device)
+        if rows == 0 or k == 0:
+            return out
+        lse = torch.empty((streams, rows), dtype=torch.float32, device=z.device)
+        block = _lse_block(v)
+        _row_lse_kernel[(rows, streams)](
+            z,
+            lse,
+            cols=v,
+            stride_xs=z.stride(0),
+            stride_xr=z.stride(1),
+            stride_os=rows,
+            scale=float(inv_t),
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+        _js_sum_and_finish(z[0], z[1:], lse, out, 0, float(inv_t))
+        return out
+
+    @classmethod
+    def js(cls, zp, zq, inv_t, lse_p):
+        """One Q stream at a time (the per-stream form of the contract; lse_p unused)."""
+        return cls.js_many(torch.stack((zp, zq)), inv_t)[0], lse_p
+
+
+# --------------------------------------------------------------------------- low-memory mode
+
+
+@triton.jit
+def _grad_cols_kernel(
+    z_ptr,
+    out_ptr,
+    labels_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_logp_ptr,
+    g_ent_ptr,
+    W,
+    v_lo,
+    V,
+    stride_z,
+    stride_out,
+    inv_t,
+    ignore_index,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """dz on the columns [v_lo, v_lo + W) of a row from its saved lse (the row is split over
+    vocabulary chunks, so its max and sum cannot be recomputed here)."""
+    r = tl.program_id(0)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    o_ptr = out_ptr + _row_offset(r, stride_out)
+    y = tl.load(labels_ptr + r)
+    use = (y != ignore_index) & (y >= 0) & (y < V)
+    lse = tl.load(lse_ptr + r)
+    g = tl.where(use, tl.load(g_logp_ptr + r).to(tl.float32), 0.0)
+    e = 0.0
+    ent = 0.0
+    if HAS_ENT:
+        e = tl.where(use, tl.load(g_ent_ptr + r).to(tl.float32), 0.0)
+        ent = tl.load(ent_ptr + r)
+    for c0 in range(0, W, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        cmask = cols < W
+        z = tl.load(row_ptr + cols, mask=cmask, other=float("-inf"))
+        lp = z * inv_t - lse
+        p = tl.exp(lp)
+        grad = tl.where(cols + v_lo == y, g, 0.0) - p * g
+        if HAS_ENT:
+            grad -= e * tl.where(p > 0.0, p * (lp + ent), 0.0)
+        grad = tl.where(use, grad * inv_t, 0.0)
+        tl.store(o_ptr + cols, grad.to(o_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _policy_terms_kernel(
+    logp_ptr,
+    labels_ptr,
+    old_ptr,
+    adv_ptr,
+    tw_ptr,
+    ref_ptr,
+    loss_ptr,
+    clipped_ptr,
+    g_ptr,
+    N,
+    V,
+    clip_low,
+    clip_high,
+    clip_c,
+    beta,
+    ignore_index,
+    HAS_REF: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL_IW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    y = tl.load(labels_ptr + i, mask=mask, other=ignore_index)
+    valid = y != ignore_index
+    use = valid & (y >= 0) & (y < V)
+    ref = 0.0
+    if HAS_REF:
+        ref = tl.load(ref_ptr + i, mask=mask, other=0.0)
+    loss, clipped, g = _policy_terms(
+        tl.load(logp_ptr + i, mask=mask, other=0.0),
+        valid,
+        use,
+        tl.load(old_ptr + i, mask=mask, other=0.0),
+        tl.load(adv_ptr + i, mask=mask, other=0.0),
+        tl.load(tw_ptr + i, mask=mask, other=0.0),
+        ref,
+        clip_low,
+        clip_high,
+        clip_c,
+        beta,
+        HAS_REF=HAS_REF,
+        DUAL_CLIP=DUAL_CLIP,
+        KL_IW=KL_IW,
+    )
+    tl.store(loss_ptr + i, loss, mask=mask)
+    tl.store(clipped_ptr + i, clipped, mask=mask)
+    tl.store(g_ptr + i, g, mask=mask)
+
+
+def grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None):
+    """dL/dz of vocabulary columns [v_lo, v_lo + z.shape[1]) of every row, from the saved lse
+    (and entropy), in place or into ``out``."""
+    check_device("z", z)
+    rows, width = z.shape
+    if rows == 0:
+        return
+    out = z if out is None else out
+    has_ent = ent is not None and g_ent is not None
+    g = _f32(g_logp)
+    block = row_block(width)
+    _grad_cols_kernel[(rows,)](
+        z,
+        out,
+        labels.contiguous(),
+        _f32(lse),
+        _f32(ent) if has_ent else g,
+        g,
+        _f32(g_ent) if has_ent else g,
+        W=width,
+        v_lo=int(v_lo),
+        V=int(vocab),
+        stride_z=z.stride(0),
+        stride_out=out.stride(0),
+        inv_t=float(inv_t),
+        ignore_index=int(ignore_index),
+        HAS_ENT=has_ent,
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
+
+
+def policy_terms(
+    logp,
+    labels,
+    old,
+    adv,
+    tw,
+    ref,
+    vocab,
+    clip_low,
+    clip_high,
+    beta,
+    ii,
+    clip_ratio_c=math.inf,
+    kl_iw=False,
+):
+    """(per-token loss, clipped, g = w dL/dlogp) from the log-probs: the token terms of
+    ``policy_`` for the low-memory mode, where the gradient comes later."""
+    check_device("logp", logp)
+    n = logp.shape[0]
+    f32 = dict(dtype=torch.float32, device=logp.device)
+    loss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
+    if n == 0:
+        return loss, clipped, g
+    has_ref = ref is not None and beta != 0.0
+    old = _f32(old)
+    block = 256 if interpreting() else 1024
+    _policy_terms_kernel[(triton.cdiv(n, block),)](
+        _f32(logp),
+        labels.contiguous(),
+        old,
+        _f32(adv),
+        _f32(tw),
+        _f32(ref) if has_ref else old,
+        loss,
+        clipped,
+        g,
+        N=n,
+        V=int(vocab),
+        clip_low=float(clip_low),
+        clip_high=float(clip_high),
+        clip_c=_clip_c(clip_ratio_c),
+        beta=float(beta),
+        ignore_index=int(ii),
+        HAS_REF=has_ref,
+        DUAL_CLIP=math.isfinite(clip_ratio_c),
+        KL_IW=bool(kl_iw),
+        BLOCK=block,
+    )
+    return loss, clipped, g
+
+
+TritonRowKernel.grad_cols_ = staticmethod(grad_cols_)
+TritonRowKernel.policy_terms = staticmethod(policy_terms)
