@@ -225,17 +225,22 @@ def linear_policy_loss(
     beta: float,
     ignore_index: int,
     need_grad: bool,
+    clip_ratio_c: float,
+    kl_importance_weight: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # clip_ratio_c: the dual clip, inf for none; kl_importance_weight: KL term times ratio
     fn = _dispatch.get(backend, "linear_policy_loss")
     return fn(
         hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp,
         temperature, clip_low, clip_high, beta, ignore_index, need_grad,
+        clip_ratio_c=clip_ratio_c, kl_iw=kl_importance_weight,
     )  # fmt: skip
 
 
 @linear_policy_loss.register_fake
-def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need_grad, backend):
+def _(hidden, weight, bias, labels, old, adv, tw, ref, t, cl, ch, beta, ii, need_grad, cc, kiw,
+      backend):  # fmt: skip
     n = hidden.shape[0]
     v = weight.shape[0]
     f32 = acc_dtype(hidden)
@@ -273,7 +278,14 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     dh, dw, db = ctx.grads
     w_dtype, b_dtype = ctx.dtypes
     if g_loss is None:  # nothing flowed into the loss (only into the metrics outputs)
-        return (None,) * 15
+        return (None,) * 17
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the saved gradient is a constant, so a graph built from it
+        # would silently drop every second-order term
+        raise RuntimeError(
+            "linear_policy_loss: double backward (create_graph=True) is not supported: the "
+            "gradient is computed in the forward pass and has no graph of its own"
+        )
     if dw.numel() == 0:
         raise RuntimeError(
             "mrtpo::linear_policy_loss ran with need_grad=False, so it computed no gradient; "
@@ -296,7 +308,7 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     gh = out[0] if ctx.needs_input_grad[0] else None
     gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
     gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
-    return (gh, gw, gb) + (None,) * 12
+    return (gh, gw, gb) + (None,) * 14
 
 
 linear_policy_loss.register_autograd(_policy_backward, setup_context=_policy_setup)

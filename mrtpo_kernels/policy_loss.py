@@ -12,6 +12,8 @@ gradients by the upstream scalar: three GEMMs in all (logits, dH, dW), no recomp
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _dispatch, _ops
@@ -63,6 +65,8 @@ def linear_policy_loss(
     beta: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
     norm_len: float | None = None,
+    clip_ratio_c: float | None = None,
+    kl_importance_weight: bool = False,
     backend: str | None = None,
 ):
     """Clipped-surrogate policy loss with the LM head fused in; gradient in the forward.
@@ -80,10 +84,19 @@ def linear_policy_loss(
             over sequences of the token sum divided by ``norm_len``, default the longest
             sequence). The sequence rules need (B, T) inputs or ``cu_seqlens`` (n+1,).
         ref_logprobs, beta: optional k3 KL penalty to a reference policy.
+        clip_ratio_c: the dual clip (an option outside METHOD.md; verl's ``clip_ratio_c``,
+            e.g. 3): a token with A < 0 has its loss capped at -A clip_ratio_c, i.e.
+            L_t = min(-min(ratio A, r_c A), -A clip_ratio_c), with zero gradient where the
+            cap binds. Must be > 1; None: no dual clip.
+        kl_importance_weight: multiply each token's k3 KL term by the importance ratio
+            exp(logp - old), not detached (TRL's ``use_bias_correction_kl``; an option
+            outside METHOD.md): the term is beta r k3, its gradient beta r (logp - ref).
 
     Returns:
         (loss, metrics): a float32 scalar differentiable with respect to hidden, weight and
-        bias, and a dict of detached scalars: clip_fraction, mean_ratio (and kl with beta).
+        bias, and a dict of detached scalars: clip_fraction, mean_ratio (and kl with beta,
+        the mean KL term as weighted in the loss; dual_clip_fraction with clip_ratio_c, the
+        share of valid tokens whose loss the dual clip caps).
     """
     h, lab = check.flatten_tokens(hidden, labels)
     check.lm_head(hidden, weight, bias)
@@ -94,6 +107,8 @@ def linear_policy_loss(
     if ref_logprobs is not None:
         check.float_tensor("ref_logprobs", ref_logprobs)
         check.shape_eq("ref_logprobs", ref_logprobs, labels.shape, "labels' shape")
+    if cu_seqlens is not None:
+        check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
     check.same_device(
         hidden=hidden, weight=weight, labels=labels, old_logprobs=old_logprobs,
         advantages=advantages, bias=bias, ref_logprobs=ref_logprobs, cu_seqlens=cu_seqlens,
@@ -102,8 +117,25 @@ def linear_policy_loss(
     clip_low = check.non_negative("clip_low", clip_low)
     clip_high = check.non_negative("clip_high", clip_high)
     beta = check.non_negative("beta", beta)
+    ignore_index = check.integer("ignore_index", ignore_index)
+    if norm_len is not None:
+        norm_len = check.positive_finite("norm_len", norm_len)
+    if clip_ratio_c is not None:
+        clip_ratio_c = float(clip_ratio_c)
+        if not (clip_ratio_c > 1.0 and math.isfinite(clip_ratio_c)):
+            raise ValueError(
+                f"clip_ratio_c: expected a finite number > 1 (the dual clip) or None, "
+                f"got {clip_ratio_c}"
+            )
+    dual_c = math.inf if clip_ratio_c is None else clip_ratio_c
     check.non_empty("hidden", h.shape[0])
     check.labels_in_range(lab, weight.shape[0], ignore_index)
+    # ignored tokens' old log-probs, advantages and reference log-probs are never read
+    scored = lab != ignore_index
+    check.all_finite("old_logprobs", old_logprobs.reshape(-1), scored)
+    check.all_finite("advantages", advantages.reshape(-1), scored)
+    if ref_logprobs is not None and beta != 0.0:
+        check.all_finite("ref_logprobs", ref_logprobs.reshape(-1), scored)
     padded_shape = None
     if aggregation != "token-mean":
         if hidden.dim() == 3:
@@ -114,9 +146,7 @@ def linear_policy_loss(
                 "sequence boundaries cu_seqlens (n+1,), or pass (B, T, d) padded input"
             )
         else:
-            check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
-            if cu_seqlens.shape[0] < 2:
-                raise ValueError("cu_seqlens: expected at least 2 entries (0 and N)")
+            cu_seqlens = check.boundaries("cu_seqlens", cu_seqlens, h.shape[0])
 
     valid = lab != ignore_index
     acc = acc_dtype(hidden)
@@ -136,16 +166,26 @@ def linear_policy_loss(
     loss, logp, clipped, _, _, _ = _ops.linear_policy_loss(
         h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
         lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low, clip_high,
-        beta, int(ignore_index), bool(need_grad), be,
+        beta, int(ignore_index), bool(need_grad), dual_c, bool(kl_importance_weight), be,
     )  # fmt: skip
     with torch.no_grad():
         v = valid.to(acc)
         n = v.sum().clamp(min=1.0)
+        # ignored tokens are excluded before exp (their old log-prob may be -inf)
+        ratio = torch.exp(torch.where(valid, logp - old, torch.zeros_like(old)))
         metrics = {
             "clip_fraction": (clipped * v).sum() / n,
-            "mean_ratio": (torch.exp(logp - old) * v).sum() / n,
+            "mean_ratio": (ratio * v).sum() / n,
         }
+        if clip_ratio_c is not None:
+            cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+            surr = -torch.minimum(ratio * adv, cr * adv)
+            dual = (adv < 0) & (surr > -adv * clip_ratio_c)
+            metrics["dual_clip_fraction"] = (dual.to(acc) * v).sum() / n
         if ref.numel():
-            diff = ref - logp
-            metrics["kl"] = ((torch.exp(diff) - diff - 1.0) * v).sum() / n
+            diff = torch.where(valid, ref - logp, torch.zeros_like(ref))
+            kl = torch.exp(diff) - diff - 1.0
+            if kl_importance_weight:
+                kl = kl * ratio
+            metrics["kl"] = (kl * v).sum() / n
     return loss, metrics

@@ -184,21 +184,40 @@ def policy_loss_ref(
     seq_ids: torch.Tensor | None = None,
     num_seqs: int = 1,
     norm_len: float = 1.0,
+    clip_ratio_c: float | None = None,
+    kl_importance_weight: bool = False,
 ):
     """Token-level clipped surrogate (METHOD.md section 6) from per-token log-probs.
 
     All per-token tensors are (N,); seq_ids (N,) names each token's sequence for the
     sequence-level aggregations. Returns (loss, metrics) with metrics clip_fraction and
     mean_ratio over the valid tokens (and kl when beta != 0).
+
+    Two options outside METHOD.md: ``clip_ratio_c`` (> 1), the dual clip: a token with
+    A < 0 has its loss capped at -A clip_ratio_c (metric dual_clip_fraction, the tokens
+    where the cap binds); ``kl_importance_weight``: the k3 KL term of each token is
+    multiplied by the importance ratio exp(logp - old) (not detached).
     """
+    # ignored tokens are never read (an old log-prob there may be -inf): neutral values
+    old_logprobs = torch.where(mask, old_logprobs, logprobs)
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask, ref_logprobs, logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     per_token = -surrogate
+    dual = None
+    if clip_ratio_c is not None:
+        cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
     kl = None
     if ref_logprobs is not None and beta != 0.0:
         diff = ref_logprobs - logprobs
         kl = torch.exp(diff) - diff - 1.0
+        if kl_importance_weight:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     if seq_ids is None:
         seq_ids = torch.zeros_like(mask, dtype=torch.long)
@@ -210,6 +229,8 @@ def policy_loss_ref(
         "clip_fraction": (was_clipped * m).sum() / n,
         "mean_ratio": (ratio * m).sum() / n,
     }
+    if dual is not None:
+        metrics["dual_clip_fraction"] = (dual.to(per_token.dtype) * m).sum() / n
     if kl is not None:
         metrics["kl"] = (kl * m).sum() / n
     return loss, metrics
@@ -233,6 +254,8 @@ def linear_policy_loss_ref(
     seq_ids=None,
     num_seqs=1,
     norm_len=1.0,
+    clip_ratio_c=None,
+    kl_importance_weight=False,
 ):
     """policy_loss_ref on linear_logprobs_ref(hidden, weight, labels). All (N, ...) packed."""
     logp = linear_logprobs_ref(
@@ -252,10 +275,20 @@ def linear_policy_loss_ref(
         seq_ids=seq_ids,
         num_seqs=num_seqs,
         norm_len=norm_len,
+        clip_ratio_c=clip_ratio_c,
+        kl_importance_weight=kl_importance_weight,
     )
 
 
 # --------------------------------------------------------------------------- advantages
+
+
+def _standardize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps), computed on x / max|x| (the same value) so that no sum or
+    square overflows for values up to the float maximum."""
+    c = x.abs().max()
+    xs = x / c
+    return (xs - xs.mean()) / (xs.std() + eps / c)
 
 
 def gdpo_advantages_ref(
@@ -271,7 +304,8 @@ def gdpo_advantages_ref(
     """GDPO (METHOD.md section 1), written as loops over groups for readability.
 
     rewards (n, K); group_ids (n,); weights (K,) = lambda; lengths (n,) = T_i, needed for
-    batch_norm="token" (each response counted T_i times).
+    batch_norm="token" (each response counted T_i times). Zero variance is tested exactly
+    (a group's reward, or the batch's S, all equal): that advantage is 0, whatever eps.
     """
     eps_batch = eps if eps_batch is None else eps_batch
     n, k = rewards.shape
@@ -285,21 +319,24 @@ def gdpo_advantages_ref(
             x = r[idx, j]
             if x.max() == x.min():  # zero variance, tested exactly (no rounding residue)
                 continue
-            a[idx, j] = (x - x.mean()) / (x.std() + eps)
+            a[idx, j] = _standardize(x, eps)
     lam = torch.ones(k, dtype=r.dtype) if weights is None else weights.to(r.dtype)
     s = (a * lam).sum(-1)
     if batch_norm == "sequence":
-        mu = s.mean()
-        sigma = s.std() if n > 1 else torch.zeros((), dtype=r.dtype)
+        w = torch.ones_like(s)
     elif batch_norm == "token":
         w = lengths.to(r.dtype)
-        tot = w.sum()
-        mu = (w * s).sum() / tot
-        var = (w * (s - mu) ** 2).sum() / (tot - 1) if tot > 1 else torch.zeros((), dtype=r.dtype)
-        sigma = var.sqrt()
     else:
         raise ValueError(f"batch_norm: unknown {batch_norm!r}")
-    return GDPOAdvantages(a, (s - mu) / (sigma + eps_batch), mu, sigma)
+    if s.max() == s.min():  # every S equal (or n = 1): no spread to normalize
+        zero = torch.zeros((), dtype=r.dtype)
+        return GDPOAdvantages(a, torch.zeros_like(s), s[0], zero)
+    c = s.abs().max()  # scaled as in _standardize
+    xs = s / c
+    tot = w.sum()
+    mu = (w * xs).sum() / tot
+    sd = ((w * (xs - mu) ** 2).sum() / (tot - 1)).sqrt()
+    return GDPOAdvantages(a, (xs - mu) / (sd + eps_batch / c), mu * c, sd * c)
 
 
 def mrtpo_token_advantages_ref(
@@ -319,7 +356,8 @@ def mrtpo_token_advantages_ref(
 ):
     """MRTPO token advantages (METHOD.md sections 4-5), one response at a time.
 
-    relevance: a list of n tensors, response i's of shape (K, T_i) (d_k over its tokens).
+    relevance: a list of n tensors, response i's of shape (K, T_i) (d_k over its tokens;
+    a negative value, possible only with the value checks off, counts as 0).
     has_info: (n, K) bool, whether reward k's verifier has spans for response i.
     Returns (token advantages as a list of (T_i,) tensors, GDPOAdvantages).
     """
@@ -343,7 +381,7 @@ def mrtpo_token_advantages_ref(
         for j in range(k):
             w = torch.ones(t, dtype=rewards.dtype)
             if bool(has_info[i, j]):
-                dg = rel[j].to(rewards.dtype) ** gamma
+                dg = rel[j].to(rewards.dtype).clamp(min=0.0) ** gamma
                 mean = dg.mean()
                 if mean >= delta:
                     w_hat = dg / mean
@@ -352,7 +390,10 @@ def mrtpo_token_advantages_ref(
                         w_hat = w_hat / w_hat.mean()
                     w = (1 - alpha) + alpha * w_hat
             total = total + lam[j] * g.per_reward[i, j] * w
-        out.append((total - g.mean) / (g.std + eps_batch))
+        if g.std + eps_batch == 0:  # every S equal and eps_batch = 0: 0, like the sequence
+            out.append(torch.zeros_like(total))
+        else:
+            out.append((total - g.mean) / (g.std + eps_batch))
     return out, g
 
 

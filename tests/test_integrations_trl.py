@@ -98,7 +98,7 @@ def checking_class(records):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(),  # grpo, beta > 0, bias-corrected KL: fused_policy_loss's per-token path
+        dict(),  # grpo, beta > 0, bias-corrected KL: linear_policy_loss(kl_importance_weight)
         dict(loss_type="dapo", use_bias_correction_kl=False),  # linear_policy_loss itself
         dict(loss_type="bnpo", top_entropy_quantile=0.5, delta=1.5),  # TRL's loss code
     ],

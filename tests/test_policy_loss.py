@@ -149,7 +149,7 @@ def test_opcheck_policy_loss(backend):
     args = (
         h.reshape(n, 3).requires_grad_(), w.requires_grad_(), bias, lab.reshape(-1),
         old.reshape(-1), adv.reshape(-1), torch.full((n,), 1.0 / n), ref.reshape(-1), 1.0, 0.2,
-        0.2, 0.1, -100, True, backend,
+        0.2, 0.1, -100, True, 3.0, True, backend,
     )  # fmt: skip
     torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
 
@@ -177,3 +177,183 @@ def test_policy_loss_hands_its_gradient_buffer_to_autograd(backend):
     assert torch.allclose(ww.grad, 2 * g1, atol=1e-7)
     with pytest.raises(RuntimeError, match="modified"):
         loss.backward()
+
+
+# --------------------------------------------------------------------------- options:
+# dual clip (clip_ratio_c) and the importance-weighted KL term (kl_importance_weight)
+
+
+def _far_case(b, t, v, d, seed, dtype=torch.float32):
+    """Like _case, but old log-probs far below the current ones on half the tokens, so that
+    ratios reach e^3 and the dual clip binds on tokens with negative advantages."""
+    h, w, bias, lab, old, adv, ref = _case(b, t, v, d, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 100)
+    far = torch.rand(b, t, generator=g) < 0.5
+    old = torch.where(far, old - 3.0 * torch.rand(b, t, generator=g), old)
+    return h, w, bias, lab, old, adv, ref
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(("clip_c", "kl_iw"), [(3.0, False), (None, True), (2.0, True)])
+def test_policy_loss_dual_clip_and_kl_weight_against_reference(backend, agg, clip_c, kl_iw):
+    h, w, bias, lab, old, adv, ref = _far_case(3, 9, 500, 16, seed=11)
+    beta = 0.05
+
+    def run(dtype, fn):
+        hh, ww, bb = (x.detach().to(dtype, copy=True).requires_grad_() for x in (h, w, bias))
+        loss, metrics = fn(hh, ww, bb)
+        loss.backward()
+        return loss, metrics, (hh.grad, ww.grad, bb.grad)
+
+    def ours(hh, ww, bb):
+        return mk.linear_policy_loss(
+            hh, ww, lab, old, adv, bias=bb, temperature=0.9, clip_low=0.2, clip_high=0.28,
+            aggregation=agg, ref_logprobs=ref, beta=beta, clip_ratio_c=clip_c,
+            kl_importance_weight=kl_iw, backend=backend,
+        )  # fmt: skip
+
+    def reference(hh, ww, bb):
+        b, t = lab.shape
+        dt = hh.dtype
+        return R.linear_policy_loss_ref(
+            hh.reshape(b * t, -1), ww, lab.reshape(-1), old.reshape(-1).to(dt),
+            adv.reshape(-1).to(dt), bias=bb, temperature=0.9, clip_low=0.2, clip_high=0.28,
+            ref_logprobs=ref.reshape(-1).to(dt), beta=beta, aggregation=agg,
+            seq_ids=torch.arange(b).repeat_interleave(t), num_seqs=b, norm_len=t,
+            clip_ratio_c=clip_c, kl_importance_weight=kl_iw,
+        )  # fmt: skip
+
+    loss, metrics, grads = run(torch.float32, ours)
+    rloss, rmetrics, rgrads = run(torch.float64, reference)
+    ploss, _, pgrads = run(torch.float32, reference)
+    assert_within_budget(loss, rloss, ploss, atol=1e-6, name="loss")
+    for name, a, r, p in zip(("hidden", "weight", "bias"), grads, rgrads, pgrads):
+        assert_within_budget(a, r, p, atol=1e-6, name=f"grad_{name}")
+    keys = {"clip_fraction", "mean_ratio", "kl"} | ({"dual_clip_fraction"} if clip_c else set())
+    assert set(metrics) == set(rmetrics) == keys
+    for k in keys:
+        assert abs(metrics[k].item() - rmetrics[k].item()) < 1e-5 * max(1, abs(rmetrics[k])), k
+    if clip_c:
+        assert 0.0 < rmetrics["dual_clip_fraction"] < 0.5  # the cap binds on some tokens
+    # the option changes the result (the case exercises it)
+    plain, _ = mk.linear_policy_loss(
+        h, w, lab, old, adv, bias=bias, temperature=0.9, clip_low=0.2, clip_high=0.28,
+        aggregation=agg, ref_logprobs=ref, beta=beta, backend=backend,
+    )  # fmt: skip
+    assert abs(plain.item() - loss.item()) > 1e-4
+
+
+def test_policy_loss_options_gradcheck_float64(backend):
+    h, w, bias, lab, old, adv, ref = _far_case(2, 4, 7, 3, seed=12, dtype=torch.float64)
+    old, adv, ref = old.double(), adv.double(), ref.double()
+    args = (h.requires_grad_(), w.requires_grad_(), bias.requires_grad_())
+
+    def fn(hh, ww, bb):
+        return mk.linear_policy_loss(
+            hh,
+            ww,
+            lab,
+            old,
+            adv,
+            bias=bb,
+            ref_logprobs=ref,
+            beta=0.1,
+            clip_ratio_c=2.0,
+            kl_importance_weight=True,
+            backend=backend,
+        )[0]
+
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7)
+
+
+def _verl_vanilla_loss(logp, old, adv, mask, clip_low, clip_high, clip_ratio_c):
+    """verl's vanilla compute_policy_loss (token-mean), re-derived: pg1 = -A r,
+    pg2 = -A clamp(r), max of the two, then for A < 0 the min with pg3 = -A clip_ratio_c."""
+    ratio = torch.exp(logp - old)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * clip_ratio_c
+    clip2 = torch.minimum(pg3, clip1)
+    per_tok = torch.where(adv < 0, clip2, clip1)
+    m = mask.to(per_tok.dtype)
+    lower = ((clip1 > pg3) & (adv < 0)).to(m.dtype)
+    return (per_tok * m).sum() / m.sum(), (lower * m).sum() / m.sum()
+
+
+def test_policy_loss_dual_clip_equals_verl_formula(backend):
+    h, w, bias, lab, old, adv, _ = _far_case(4, 8, 300, 8, seed=13)
+    hh = h.clone().requires_grad_()
+    loss, metrics = mk.linear_policy_loss(
+        hh, w, lab, old, adv, bias=bias, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0,
+        backend=backend,
+    )  # fmt: skip
+    loss.backward()
+    h2 = h.clone().requires_grad_()
+    logp = mk.linear_logprobs(h2, w, lab, bias=bias, backend=backend)
+    vloss, vlower = _verl_vanilla_loss(logp, old, adv, lab != -100, 0.2, 0.28, 3.0)
+    vloss.backward()
+    assert abs(loss.item() - vloss.item()) < 1e-6
+    assert max_err(hh.grad, h2.grad) < 1e-6
+    assert vlower.item() > 0 and abs(metrics["dual_clip_fraction"].item() - vlower.item()) < 1e-6
+
+
+def test_policy_loss_dual_clip_at_a_large_ratio(backend):
+    # one token, A < 0 and a ratio of 13.8: without the dual clip the loss is -A r = 0.864;
+    # verl's clip_ratio_c = 3 caps it at -3 A = 0.188 and its gradient is then 0
+    g = torch.Generator().manual_seed(14)
+    h = torch.randn(1, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(20, 6, generator=g, dtype=torch.float64)
+    lab = torch.tensor([3])
+    logp = R.linear_logprobs_ref(h, w, lab)
+    adv = torch.tensor([-0.188 / 3], dtype=torch.float64)
+    ratio = 0.864 / 0.188 * 3
+    old = logp - torch.log(torch.tensor(ratio, dtype=torch.float64))
+    hh = h.clone().requires_grad_()
+    free, _ = mk.linear_policy_loss(hh, w, lab, old, adv, backend=backend)
+    capped, m = mk.linear_policy_loss(hh, w, lab, old, adv, clip_ratio_c=3.0, backend=backend)
+    vfree = (-adv * ratio).item()
+    vcap, _ = _verl_vanilla_loss(logp, old, adv, lab != -100, 0.2, 0.2, 3.0)
+    assert abs(free.item() - 0.864) < 1e-9 and abs(free.item() - vfree) < 1e-9
+    assert abs(capped.item() - 0.188) < 1e-9 and abs(capped.item() - vcap.item()) < 1e-9
+    assert m["dual_clip_fraction"].item() == 1.0 and m["clip_fraction"].item() == 0.0
+    capped.backward()
+    assert torch.equal(hh.grad, torch.zeros_like(h))
+    # a positive advantage is never capped
+    hh.grad = None
+    pos, m = mk.linear_policy_loss(hh, w, lab, old, -adv, clip_ratio_c=3.0, backend=backend)
+    assert abs(pos.item() + 0.188 / 3 * 1.2) < 1e-9 and m["dual_clip_fraction"].item() == 0.0
+
+
+def _trl_kl_loss(logp, old, adv, ref, mask, beta, eps):
+    """TRL 1.16's token-level loss with use_bias_correction_kl, re-derived: the k3 term is
+    multiplied by coef_1 = exp(logp - old), which is not detached; bnpo normalization."""
+    coef_1 = torch.exp(logp - old)
+    per_tok = -torch.minimum(coef_1 * adv, torch.clamp(coef_1, 1 - eps, 1 + eps) * adv)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_tok = per_tok + beta * kl * coef_1
+    m = mask.to(per_tok.dtype)
+    return (per_tok * m).sum() / m.sum()
+
+
+def test_policy_loss_kl_importance_weight_equals_trl_formula(backend):
+    h, w, bias, lab, old, adv, ref = _far_case(3, 6, 200, 8, seed=15)
+    hh = h.clone().requires_grad_()
+    loss, _ = mk.linear_policy_loss(
+        hh, w, lab, old, adv, bias=bias, ref_logprobs=ref, beta=0.2,
+        kl_importance_weight=True, backend=backend,
+    )  # fmt: skip
+    loss.backward()
+    h2 = h.clone().requires_grad_()
+    logp = mk.linear_logprobs(h2, w, lab, bias=bias, backend=backend)
+    tloss = _trl_kl_loss(logp, old, adv, ref, lab != -100, 0.2, 0.2)
+    tloss.backward()
+    assert abs(loss.item() - tloss.item()) < 1e-5
+    assert max_err(hh.grad, h2.grad) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -3.0, float("inf"), float("nan")])
+def test_policy_loss_clip_ratio_c_validation(bad):
+    h, w, bias, lab, old, adv, _ = _case(1, 3, 10, 4, seed=16)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        mk.linear_policy_loss(h, w, lab, old, adv, clip_ratio_c=bad)

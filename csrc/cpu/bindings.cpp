@@ -150,7 +150,8 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
                                            const Tensor& adv, const Tensor& weight,
                                            const std::optional<Tensor>& ref_lp, double inv_t,
                                            double clip_low, double clip_high, double beta,
-                                           int64_t ignore_index, bool need_grad) {
+                                           int64_t ignore_index, bool need_grad,
+                                           double clip_ratio_c, bool kl_iw) {
   check_chunk(z, "z");
   check_labels(labels, z);
   check_rows(old_lp, z, "old_logprobs");
@@ -170,7 +171,8 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
                              old_lp.data_ptr<float>(), adv.data_ptr<float>(),
                              weight.data_ptr<float>(), opt_ptr<float>(ref_lp),
                              static_cast<float>(clip_low), static_cast<float>(clip_high),
-                             static_cast<float>(beta), need_grad, loss.data_ptr<float>(),
+                             static_cast<float>(beta), static_cast<float>(clip_ratio_c), kl_iw,
+                             need_grad, loss.data_ptr<float>(),
                              logp.data_ptr<float>(), clipped.data_ptr<float>(), b, e);
     });
   } else {
@@ -178,7 +180,8 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
       bad += mrtpo::policy_rows<double>(z.data_ptr<double>(), V, inv_t, lab, ignore_index,
                                  old_lp.data_ptr<double>(), adv.data_ptr<double>(),
                                  weight.data_ptr<double>(), opt_ptr<double>(ref_lp), clip_low,
-                                 clip_high, beta, need_grad, loss.data_ptr<double>(),
+                                 clip_high, beta, clip_ratio_c, kl_iw, need_grad,
+                                 loss.data_ptr<double>(),
                                  logp.data_ptr<double>(), clipped.data_ptr<double>(), b, e);
     });
   }
@@ -200,5 +203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("policy_", &policy_, "clipped surrogate per row; dL/dlogits in place", py::arg("z"),
         py::arg("labels"), py::arg("old_lp"), py::arg("adv"), py::arg("weight"),
         py::arg("ref_lp"), py::arg("inv_t"), py::arg("clip_low"), py::arg("clip_high"),
-        py::arg("beta"), py::arg("ignore_index"), py::arg("need_grad"));
+        py::arg("beta"), py::arg("ignore_index"), py::arg("need_grad"),
+        py::arg("clip_ratio_c") = std::numeric_limits<double>::infinity(),
+        py::arg("kl_iw") = false);
 }

@@ -25,10 +25,12 @@ MRTPO_CLONES void js_rows_f32(const float* zp, const float* zq, int64_t V, float
 MRTPO_CLONES int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                                      int64_t ignore_index, const float* old_lp, const float* adv,
                                      const float* weight, const float* ref_lp, float clip_low,
-                                     float clip_high, float beta, bool need_grad, float* loss,
-                                     float* logp, float* clipped, int64_t begin, int64_t end) {
-  return policy_rows<float>(z, V, inv_t, labels, ignore_index, old_lp, adv, weight, ref_lp, clip_low,
-                     clip_high, beta, need_grad, loss, logp, clipped, begin, end);
+                                     float clip_high, float beta, float clip_c, bool kl_iw,
+                                     bool need_grad, float* loss, float* logp, float* clipped,
+                                     int64_t begin, int64_t end) {
+  return policy_rows<float>(z, V, inv_t, labels, ignore_index, old_lp, adv, weight, ref_lp,
+                            clip_low, clip_high, beta, clip_c, kl_iw, need_grad, loss, logp,
+                            clipped, begin, end);
 }
 
 }  // namespace mrtpo

@@ -231,10 +231,13 @@ struct PolicyOut {
 
 // Clipped surrogate for one token; with need_grad, z <- token_weight * dL/dz in place.
 // An ignored row or a bad label: gradient 0; a bad label: loss and logp NaN.
+// clip_c: the dual clip (a token with A < 0 has its loss capped at -A clip_c, gradient 0
+// where the cap binds; +inf: none). kl_iw: the k3 term times the ratio r (not detached),
+// whose derivative r k3 + r (1 - exp(ref - logp)) is r (logp - ref).
 template <typename T>
 MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old_lp, T adv,
                                   T weight, bool has_ref, T ref_lp, T clip_low, T clip_high,
-                                  T beta, bool need_grad) {
+                                  T beta, T clip_c, bool kl_iw, bool need_grad) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   if (!label_in_row(label, V)) {
     if (need_grad)
@@ -270,10 +273,22 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   const bool unclipped = ratio * a <= cr * a;
   double loss = -(unclipped ? ratio * a : cr * a);
   double dlogp = unclipped ? -a * ratio : 0.0;
+  const double cap = -a * static_cast<double>(clip_c);  // -inf when clip_c = inf, a > 0
+  if (a < 0 && loss > cap) {
+    loss = cap;
+    dlogp = 0.0;
+  }
   if (has_ref && beta != 0) {
     const double diff = static_cast<double>(ref_lp) - logp;
-    loss += static_cast<double>(beta) * (std::exp(diff) - diff - 1.0);
-    dlogp += static_cast<double>(beta) * (1.0 - std::exp(diff));
+    const double k3 = std::exp(diff) - diff - 1.0;
+    const double b = static_cast<double>(beta);
+    if (kl_iw) {
+      loss += b * ratio * k3;
+      dlogp -= b * ratio * diff;
+    } else {
+      loss += b * k3;
+      dlogp += b * (1.0 - std::exp(diff));
+    }
   }
   PolicyOut o;
   o.loss = loss;

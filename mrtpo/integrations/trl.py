@@ -181,11 +181,9 @@ def fused_policy_loss(
         token_normalizer: for "dapo", TRL's ``num_items_in_batch / num_processes`` (the
             token count of the whole accumulated batch); default this batch's token count.
         use_bias_correction_kl: TRL's option (its default is True): the k3 KL term of each
-            token is multiplied by the importance ratio exp(logp - old). ``linear_policy_loss``
-            has no per-token KL weight, so with beta != 0 this takes the per-token path:
-            differentiable log-probs from ``linear_logprobs`` (still no (B, T, V) logits) and
-            TRL's formula on (B, T) tensors, at the cost of a backward that recomputes the
-            head once more.
+            token is multiplied by the importance ratio exp(logp - old), not detached, as
+            TRL does; ``linear_policy_loss(kl_importance_weight=True)`` computes it in the
+            same single fused pass (gradient in the forward).
 
     Returns:
         (loss, metrics) as ``linear_policy_loss``: a scalar with gradients to hidden, weight
@@ -231,20 +229,12 @@ def fused_policy_loss(
         if not norm_len > 0:
             raise ValueError(f"max_completion_length: expected > 0, got {max_completion_length}")
 
-    if use_bias_correction_kl and beta != 0.0:
-        return _per_token_policy_loss(
-            hidden, lm_head_weight, lm_head_bias, labels, mask, old_per_token_logps,
-            advantages, ref_per_token_logps, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-            beta=beta, loss_type=loss_type, temperature=temperature, norm_len=norm_len,
-            token_normalizer=token_normalizer, ignore_index=ignore_index,
-        )  # fmt: skip
-
     loss, metrics = linear_policy_loss(
         hidden, lm_head_weight, labels, old_per_token_logps, advantages,
         bias=lm_head_bias, temperature=temperature, clip_low=epsilon_low,
         clip_high=epsilon_high, ignore_index=ignore_index, aggregation=LOSS_TYPES[loss_type],
         ref_logprobs=ref_per_token_logps if beta != 0.0 else None, beta=beta,
-        norm_len=norm_len,
+        norm_len=norm_len, kl_importance_weight=bool(use_bias_correction_kl),
     )  # fmt: skip
 
     # The library averages over sequences that have a token; TRL averages over all B rows
@@ -256,46 +246,6 @@ def fused_policy_loss(
         tokens = mask.sum().clamp(min=1).to(loss.dtype)
         norm = torch.as_tensor(token_normalizer, dtype=loss.dtype, device=loss.device)
         loss = loss * (tokens / norm)
-    return loss, metrics
-
-
-def _per_token_policy_loss(
-    hidden, weight, bias, labels, mask, old, advantages, ref, *, epsilon_low, epsilon_high,
-    beta, loss_type, temperature, norm_len, token_normalizer, ignore_index,
-):  # fmt: skip
-    """TRL's clipped loss with the bias-corrected k3 KL, from differentiable fused log-probs."""
-    logp = linear_logprobs(
-        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
-    )
-    m = mask.to(logp.dtype)
-    old = old.to(logp.dtype)
-    adv = advantages.to(logp.dtype)
-    ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    diff = ref.to(logp.dtype) - logp
-    kl = (torch.exp(diff) - diff - 1.0) * ratio
-    per_token = per_token + beta * kl
-    b = per_token.shape[0]
-    if loss_type == "grpo":
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (b * norm_len)
-    elif loss_type == "dapo" and token_normalizer is not None:
-        norm = torch.as_tensor(token_normalizer, dtype=logp.dtype, device=logp.device)
-        loss = (per_token * m).sum() / norm
-    else:
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    with torch.no_grad():
-        n = m.sum().clamp(min=1.0)
-        is_clipped = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | (
-            (ratio > 1.0 + epsilon_high) & (adv > 0)
-        )
-        metrics = {
-            "clip_fraction": (is_clipped.to(m.dtype) * m).sum() / n,
-            "mean_ratio": (ratio * m).sum() / n,
-            "kl": (kl * m).sum() / n,
-        }
     return loss, metrics
 
 

@@ -1,6 +1,6 @@
-"""Token-chunked drivers shared by the "cpu" and "torch" backends.
+"""Token-chunked drivers shared by the "cpu", "torch" and "triton" backends.
 
-Both backends walk the tokens in chunks of C rows sized from a memory budget
+The backends walk the tokens in chunks of C rows sized from a memory budget
 (``MRTPO_CHUNK_BYTES``, see mrtpo_kernels/settings.py): one BLAS GEMM makes the
 chunk's fp32 logits [C, V], then a chunk kernel streams the reductions over them and, for
 gradients, overwrites them in place with dL/dlogits, which two more GEMMs turn into the
@@ -16,8 +16,26 @@ A chunk kernel ``kern`` provides:
     grad_(z, labels, lse, entropy|None, g_logp, g_entropy|None, inv_temp, ignore_index)
     js(zp, zq, inv_temp, lse_p|None) -> (d, lse_p)
     policy_(z, labels, old, adv, token_weight, ref|None, inv_temp, clip_low, clip_high,
-            beta, ignore_index, need_grad) -> (per_token_loss, logp, clipped)
+            beta, ignore_index, need_grad, clip_ratio_c=inf, kl_iw=False)
+        -> (per_token_loss, logp, clipped)
+        (clip_ratio_c: the dual clip, inf for none; kl_iw: the KL term times the ratio)
 where z is a contiguous fp32 chunk of raw logits (before the temperature).
+
+Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/rows.py):
+    GRAD_OUT = True: grad_ and policy_ take ``out=``, where the driver passes a 16-bit view
+        of z's own storage (row stride 2 V), so that with 16-bit inputs the two gradient
+        GEMMs run on 16-bit operands; the logits GEMM then writes fp32 from 16-bit
+        operands (torch.mm's out_dtype, checked on the device at run time) and no fp32
+        copy of the weight is made. Without out_dtype the driver upcasts as for the others.
+    js_many(z (1 + K, C, V), inv_temp) -> (K, C): JS one-vs-many on the stacked rows of one
+        GEMM (1 GEMM of (1 + K) C rows per chunk instead of 1 + K).
+    grad_cols_(z, labels, lse, entropy|None, g_logp, g_entropy|None, inv_temp,
+        ignore_index, v_lo, V, out=None) and policy_terms(logp, labels, old, adv, tw, ref|None,
+        V, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw)
+        -> (per_token_loss, clipped, g): the low-memory mode (settings.low_memory): the
+        backward walks vocabulary chunks of all N rows, each dW row block finished in one
+        chunk and written in the weight's dtype (no fp32 dW accumulator), dh accumulated in
+        fp32; 2 GEMMs per chunk plus the forward's, i.e. one GEMM more (a recompute).
 """
 
 from __future__ import annotations
@@ -64,6 +82,95 @@ def _buffer(rows: int, n: int, v: int, like: torch.Tensor, dtype: torch.dtype) -
     return torch.empty((min(rows, n), v), dtype=dtype, device=like.device)
 
 
+# --------------------------------------------------------------------------- 16-bit GEMMs
+
+_LOW = (torch.bfloat16, torch.float16)
+_F32_OUT: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32) = a @ b for 16-bit a, b with fp32 accumulation and output."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _addmm_f32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c (fp32) += a @ b for 16-bit a, b, in place, fp32 accumulation."""
+    return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+
+
+def f32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm / torch.addmm take 16-bit operands with out_dtype=float32 on this
+    device (torch 2.9+ on CUDA; not on CPU): tried once on tiny tensors, checked against
+    an fp32 product, cached."""
+    key = (device.type, device.index, dtype)
+    if key not in _F32_OUT:
+        ok = False
+        try:
+            a = torch.arange(6, device=device).reshape(2, 3).to(dtype)
+            b = torch.arange(12, device=device).reshape(3, 4).to(dtype) - 5
+            want = a.float() @ b.float()
+            out = torch.empty(2, 4, device=device)
+            ok = torch.equal(_mm_f32(a, b, out), want)
+            _addmm_f32(out, a, b)
+            ok = ok and torch.equal(out, 2 * want)
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _F32_OUT[key] = ok
+    return _F32_OUT[key]
+
+
+class _Head:
+    """The LM head's GEMMs for one call. 16-bit mode (the kernel has GRAD_OUT, the inputs
+    are 16-bit and the device has out_dtype): the weight is used as it is, logits come out
+    in fp32, the gradient of each chunk is a 16-bit view of the chunk buffer. Otherwise
+    fp32 operands (the weight upcast once when it is not fp32)."""
+
+    def __init__(self, kern, hidden, weight, bias):
+        dt = hidden.dtype
+        self.low = (
+            getattr(kern, "GRAD_OUT", False) and dt in _LOW and f32_out_supported(hidden.device, dt)
+        )
+        self.dtype = dt
+        self.w = weight if self.low else _upcast(weight)
+        self.b32 = _upcast(bias)
+
+    def logits(self, h, buf, w=None, b32=None):
+        """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
+        w = self.w if w is None else w
+        b32 = self.b32 if b32 is None else b32
+        if not self.low:
+            return _logits(h, w, b32, buf)
+        out = buf[: h.shape[0]]
+        _mm_f32(h, w.t(), out)
+        if b32 is not None:
+            out += b32
+        return out
+
+    def grad_view(self, z):
+        """The tensor the kernel writes the gradient into: a 16-bit view of z's storage
+        (row stride 2 V) in 16-bit mode, else z itself."""
+        return z.view(self.dtype)[:, : z.shape[1]] if self.low else z
+
+    def backward(self, g, h, dh_rows, dw, db):
+        """dh_rows = g W (written in hidden's dtype) and dw += g^T h (fp32 accumulator)."""
+        if self.low:
+            torch.mm(g, self.w, out=dh_rows)
+            _addmm_f32(dw, g.t(), h)
+            if db is not None:
+                db += g.sum(0, dtype=db.dtype)
+            return
+        h32 = _upcast(h)
+        dh_rows.copy_(g @ self.w)
+        dw.addmm_(g.t(), h32)
+        if db is not None:
+            db += g.sum(0)
+
+
+def _kern_out(kern, head, z):
+    """Keyword arguments that route a kernel's gradient into head.grad_view(z)."""
+    return {"out": head.grad_view(z)} if head.low else {}
+
+
 def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
@@ -71,7 +178,7 @@ def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    w32, b32 = _upcast(weight), _upcast(bias)
+    head = _Head(kern, hidden, weight, bias)
     inv_t = 1.0 / temperature
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
@@ -80,7 +187,7 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        z = _logits(hidden[s:e], w32, b32, buf)
+        z = head.logits(hidden[s:e], buf)
         lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
         logp[s:e] = lp
         lse[s:e] = ls
@@ -94,9 +201,14 @@ def linear_logprobs_bwd(
 ):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    w32, b32 = _upcast(weight), _upcast(bias)
     inv_t = 1.0 / temperature
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
+    head = _Head(kern, hidden, weight, bias)
+    if _low_memory(kern, weight):
+        return _backward_by_vocab(
+            kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
+            ignore_index,
+        )  # fmt: skip
     dh = torch.empty_like(hidden)
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     db = torch.zeros(v if bias is not None else 0, dtype=acc, device=weight.device)
@@ -104,8 +216,7 @@ def linear_logprobs_bwd(
     buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        h32 = _upcast(hidden[s:e])
-        z = _logits(h32, w32, b32, buf)
+        z = head.logits(hidden[s:e], buf)
         kern.grad_(
             z,
             labels[s:e],
@@ -115,18 +226,54 @@ def linear_logprobs_bwd(
             None if g_ent is None else g_ent[s:e],
             inv_t,
             ignore_index,
+            **_kern_out(kern, head, z),
         )
-        dh[s:e] = z @ w32
-        dw.addmm_(z.t(), h32)
-        if bias is not None:
-            db += z.sum(0)
+        head.backward(head.grad_view(z), hidden[s:e], dh[s:e], dw, db if bias is not None else None)
     return dh, dw, db
+
+
+def _low_memory(kern, weight) -> bool:
+    return hasattr(kern, "grad_cols_") and settings.low_memory(4 * weight.numel())
+
+
+def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
+                       ignore_index):  # fmt: skip
+    """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
+    again (GEMM), dz from the saved lse in place, dW[v0:v1] = dz^T h written once in the
+    weight's dtype (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM).
+    Memory: the chunk (MRTPO_CHUNK_BYTES) and the fp32 dh accumulator (none for fp32)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden)
+    cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
+    flat = hidden.new_empty(n * cols, dtype=acc)
+    dw = torch.empty_like(weight)
+    db = hidden.new_zeros(v if bias is not None else 0, dtype=acc)
+    dh32 = hidden.new_zeros(hidden.shape, dtype=acc)
+    for v0 in range(0, v, cols):
+        v1 = min(v, v0 + cols)
+        w_c = weight[v0:v1] if head.low else head.w[v0:v1]
+        b_c = None if head.b32 is None else head.b32[v0:v1]
+        z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
+        kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
+                        **_kern_out(kern, head, z))  # fmt: skip
+        g = head.grad_view(z)
+        if head.low:
+            torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
+            _addmm_f32(dh32, g, w_c)
+        else:
+            dw[v0:v1] = g.t() @ _upcast(hidden)
+            dh32.addmm_(g, w_c)
+        if bias is not None:
+            db[v0:v1] = g.sum(0, dtype=acc)
+    return dh32.to(hidden.dtype), dw, db
 
 
 def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
     acc = acc_dtype(hidden_p)
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     v = weight.shape[0]
+    if hasattr(kern, "js_many"):
+        return _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature)
     w32, b32 = _upcast(weight), _upcast(bias)
     inv_t = 1.0 / temperature
     out = hidden_p.new_empty((k, n), dtype=acc)
@@ -141,6 +288,32 @@ def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
             zq = _logits(hidden_q[j, s:e], w32, b32, buf_q)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
+    return out
+
+
+def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
+    """Per chunk of C tokens: the 1 + K streams' hidden rows stacked (P first) into one
+    (1 + K) C x d operand, one GEMM into an fp32 scratch of (1 + K) C x V (C sized so it
+    fits MRTPO_JS_SCRATCH_BYTES), then kern.js_many for the K distances."""
+    k, n = hidden_q.shape[0], hidden_p.shape[0]
+    d, v = hidden_p.shape[1], weight.shape[0]
+    acc = acc_dtype(hidden_p)
+    out = hidden_p.new_empty((k, n), dtype=acc)
+    if n == 0 or k == 0:
+        return out
+    head = _Head(kern, hidden_p, weight, bias)
+    streams = 1 + k
+    c = max(1, min(n, settings.js_scratch_bytes() // (4 * v * streams)))
+    a_buf = hidden_p.new_empty(streams * c * d)
+    z_buf = hidden_p.new_empty(streams * c * v, dtype=acc)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        rows = e - s
+        a = a_buf[: streams * rows * d].view(streams, rows, d)
+        a[0].copy_(hidden_p[s:e])
+        a[1:].copy_(hidden_q[:, s:e])
+        z = head.logits(a.view(streams * rows, d), z_buf.view(-1, v))
+        out[:, s:e] = kern.js_many(z.view(streams, rows, v), 1.0 / temperature)
     return out
 
 
@@ -225,12 +398,19 @@ def linear_policy_loss(
     beta,
     ignore_index,
     need_grad,
+    clip_ratio_c=float("inf"),
+    kl_iw=False,
 ):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    w32, b32 = _upcast(weight), _upcast(bias)
+    head = _Head(kern, hidden, weight, bias)
     inv_t = 1.0 / temperature
     ref_logp = _none_if_empty(ref_logp)
+    if need_grad and _low_memory(kern, weight):
+        return _policy_by_vocab(
+            kern, head, hidden, weight, bias, labels, old_logp, adv, token_weight, ref_logp,
+            inv_t, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw,
+        )  # fmt: skip
     logp = hidden.new_empty(n, dtype=acc)
     clipped = hidden.new_empty(n, dtype=acc)
     loss = hidden.new_zeros((), dtype=acc)
@@ -246,8 +426,7 @@ def linear_policy_loss(
     buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        h32 = _upcast(hidden[s:e])
-        z = _logits(h32, w32, b32, buf)
+        z = head.logits(hidden[s:e], buf)
         per_tok, lp, cl = kern.policy_(
             z,
             labels[s:e],
@@ -261,13 +440,40 @@ def linear_policy_loss(
             beta,
             ignore_index,
             need_grad,
+            clip_ratio_c=clip_ratio_c,
+            kl_iw=kl_iw,
+            **(_kern_out(kern, head, z) if need_grad else {}),
         )
         loss += (per_tok * token_weight[s:e]).sum()
         logp[s:e] = lp
         clipped[s:e] = cl
         if need_grad:
-            dh[s:e] = z @ w32
-            dw.addmm_(z.t(), h32)
-            if bias is not None:
-                db += z.sum(0)
+            g = head.grad_view(z)
+            head.backward(g, hidden[s:e], dh[s:e], dw, db if bias is not None else None)
+    return loss, logp, clipped, dh, dw, db
+
+
+def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref, inv_t,
+                     clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw):  # fmt: skip
+    """Low-memory policy loss: the log-probs and lse by token chunks (1 GEMM), the token
+    terms from them, then the vocabulary-chunked backward (3 GEMMs: one is a recompute)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden)
+    logp = hidden.new_empty(n, dtype=acc)
+    lse = hidden.new_empty(n, dtype=acc)
+    c = chunk_rows(v)
+    buf = _buffer(c, n, v, hidden, acc)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        lp, _, ls = kern.stats(head.logits(hidden[s:e], buf), labels[s:e], inv_t, ii, False)
+        logp[s:e] = lp
+        lse[s:e] = ls
+    del buf
+    per_tok, clipped, g = kern.policy_terms(
+        logp, labels, old, adv, tw, ref, v, clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw
+    )
+    loss = (per_tok * tw).sum()
+    dh, dw, db = _backward_by_vocab(
+        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ii
+    )
     return loss, logp, clipped, dh, dw, db

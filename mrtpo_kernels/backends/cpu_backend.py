@@ -11,6 +11,7 @@ the CPU.
 from __future__ import annotations
 
 import functools
+import math
 
 from . import FLOAT_DTYPES, Serves, _chunked
 
@@ -56,7 +57,10 @@ class _CppChunkKernel:
         return _C.js(zp, zq, inv_t, lse_p)
 
     @staticmethod
-    def policy_(z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad):
+    def policy_(
+        z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad,
+        clip_ratio_c=math.inf, kl_iw=False,
+    ):  # fmt: skip
         dt = z.dtype
         return _C.policy_(
             z,
@@ -71,6 +75,8 @@ class _CppChunkKernel:
             beta,
             ii,
             need_grad,
+            clip_ratio_c,
+            kl_iw,
         )
 
 

@@ -57,6 +57,57 @@ def _nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
+def js_terms(a, b):
+    """JSD (nats) of each row from log p = a and log q = b, summed over the last dim:
+    p log(p/M) + q log(q/M) = M h(t) per element with M = (p+q)/2, t = (p-q)/(p+q), a series
+    for small |t| (exactly 0 when p == q), as in the C++ kernel."""
+    p, q = a.exp(), b.exp()
+    s = p + q
+    tiny = torch.finfo(s.dtype).tiny
+    s_safe = torch.where(s > tiny, s, torch.ones_like(s))
+    t2 = ((p - q) / s_safe) ** 2
+    h = 1.0 / 66
+    for c in (1.0 / 45, 1.0 / 28, 1.0 / 15, 1.0 / 6, 1.0):
+        h = h * t2 + c
+    series = 0.5 * s * t2 * h
+    log_s = torch.log(s_safe)
+    zero = torch.zeros_like(p)  # p = 0 (a logit of -inf) contributes 0, not 0 * inf
+    direct = torch.where(p > 0, p * (LN2 + a - log_s), zero) + torch.where(
+        q > 0, q * (LN2 + b - log_s), zero
+    )
+    term = torch.where(t2 < 0.0625, series, direct)
+    return 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
+
+
+def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw):
+    """Per-token loss L_t, dL_t/dlogp_t and the unclipped flag from the log-probs (N,).
+
+    L = -min(r A, clamp(r, 1 - clip_low, 1 + clip_high) A), capped at -A clip_ratio_c for
+    A < 0 (the dual clip; inf: none; gradient 0 where the cap binds), plus beta k3 with
+    k3 = exp(ref - logp) - (ref - logp) - 1, times r when kl_iw (its derivative is then
+    r k3 + r (1 - exp(ref - logp)) = r (logp - ref))."""
+    ratio = torch.exp(logp - old)
+    cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    unclipped = ratio * adv <= cr * adv
+    per_tok = -torch.minimum(ratio * adv, cr * adv)
+    dlogp = torch.where(unclipped, -adv * ratio, torch.zeros_like(ratio))
+    if math.isfinite(clip_ratio_c):
+        cap = -adv * clip_ratio_c
+        dual = (adv < 0) & (per_tok > cap)
+        per_tok = torch.where(dual, cap, per_tok)
+        dlogp = torch.where(dual, torch.zeros_like(dlogp), dlogp)
+    if ref is not None and beta != 0.0:
+        diff = ref - logp
+        k3 = torch.exp(diff) - diff - 1.0
+        if kl_iw:
+            per_tok = per_tok + beta * ratio * k3
+            dlogp = dlogp - beta * ratio * diff
+        else:
+            per_tok = per_tok + beta * k3
+            dlogp = dlogp + beta * (1.0 - torch.exp(diff))
+    return per_tok, dlogp, unclipped
+
+
 class _TorchChunkKernel:
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent):
@@ -106,42 +157,23 @@ class _TorchChunkKernel:
         mp, lsp, okp = lse_p
         a = _scaled_diff(zp, mp, inv_t) - lsp[:, None]
         xq, lsq, _, okq = _shift(zq, inv_t)
-        b = xq - lsq[:, None]
-        p, q = a.exp(), b.exp()
-        s = p + q
-        tiny = torch.finfo(s.dtype).tiny
-        s_safe = torch.where(s > tiny, s, torch.ones_like(s))
-        t2 = ((p - q) / s_safe) ** 2
-        h = 1.0 / 66
-        for c in (1.0 / 45, 1.0 / 28, 1.0 / 15, 1.0 / 6, 1.0):
-            h = h * t2 + c
-        series = 0.5 * s * t2 * h
-        log_s = torch.log(s_safe)
-        zero = torch.zeros_like(p)  # p = 0 (a logit of -inf) contributes 0, not 0 * inf
-        direct = torch.where(p > 0, p * (LN2 + a - log_s), zero) + torch.where(
-            q > 0, q * (LN2 + b - log_s), zero
-        )
-        term = torch.where(t2 < 0.0625, series, direct)
-        jsd = 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
+        jsd = js_terms(a, xq - lsq[:, None])
         jsd = torch.where(okp & okq, jsd, _nan_like(jsd))  # a NaN / +inf row: NaN, never 0
         return torch.sqrt(jsd.clamp(min=0.0) / LN2).clamp(max=1.0), lse_p
 
     @staticmethod
-    def policy_(z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad):
+    def policy_(
+        z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad,
+        clip_ratio_c=math.inf, kl_iw=False,
+    ):  # fmt: skip
         valid, use, safe = _label_masks(labels, ii, z.shape[-1])
         x, log_s, _, ok = _shift(z, inv_t)
         logp = x.gather(-1, safe[:, None])[:, 0] - log_s
         logp = torch.where(use & ok, logp, _nan_like(logp))
         logp = torch.where(valid, logp, torch.zeros_like(logp))
-        ratio = torch.exp(logp - old)
-        cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-        unclipped = ratio * adv <= cr * adv
-        per_tok = -torch.minimum(ratio * adv, cr * adv)
-        dlogp = torch.where(unclipped, -adv * ratio, torch.zeros_like(ratio))
-        if ref is not None and beta != 0.0:
-            diff = ref - logp
-            per_tok = per_tok + beta * (torch.exp(diff) - diff - 1.0)
-            dlogp = dlogp + beta * (1.0 - torch.exp(diff))
+        per_tok, dlogp, unclipped = policy_token_terms(
+            logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw
+        )
         per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
         clipped = torch.where(valid & ~unclipped & ~logp.isnan(), 1.0, 0.0)
         if need_grad:

@@ -4,6 +4,9 @@ computed in the forward pass (METHOD.md section 6).
 Math (per token t; logp_t from ``logprobs.lse_stats``, 0 on ignored tokens):
     ratio = exp(logp - old),   r_c = clamp(ratio, 1 - clip_low, 1 + clip_high)
     L_t   = -min(ratio A, r_c A) + beta (exp(ref - logp) - (ref - logp) - 1)   (KL k3)
+Options: the dual clip caps L_t's surrogate at -A clip_ratio_c for A < 0 (gradient 0 where
+it binds; clip_ratio_c = inf: none); KL_IW multiplies the k3 term by ratio (its gradient
+is then ratio (logp - ref)).
     loss  = sum_t w_t L_t                      (w = token_weight: the aggregation rule)
     g_t   = dloss/dlogp_t = w_t (-A ratio [ratio A <= r_c A] + beta (1 - exp(ref - logp)))
     clipped_t = [ratio A > r_c A]; L, g, clipped are 0 on ignored tokens.
@@ -34,6 +37,8 @@ dW += G^T h (2 GEMMs, dW read and written in fp32 once per chunk): 3 x 2 N d V F
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -61,7 +66,10 @@ def _policy_token_kernel(
     clip_high,
     beta,
     ignore_index,
+    clip_c,
     HAS_REF: tl.constexpr,
+    DUAL_CLIP: tl.constexpr,
+    KL_IW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -79,23 +87,36 @@ def _policy_token_kernel(
     unclipped = unclipped_obj <= clipped_obj
     loss = -tl.minimum(unclipped_obj, clipped_obj)
     dlogp = tl.where(unclipped, -adv * ratio, 0.0)
+    if DUAL_CLIP:
+        cap = -adv * clip_c
+        dual = (adv < 0.0) & (loss > cap)
+        loss = tl.where(dual, cap, loss)
+        dlogp = tl.where(dual, 0.0, dlogp)
     if HAS_REF:
         diff = tl.load(ref_ptr + rows, mask=mask, other=0.0) - logp
         e_diff = tl.exp(diff)
-        loss += beta * (e_diff - diff - 1.0)
-        dlogp += beta * (1.0 - e_diff)
+        if KL_IW:
+            loss += beta * ratio * (e_diff - diff - 1.0)
+            dlogp -= beta * ratio * diff
+        else:
+            loss += beta * (e_diff - diff - 1.0)
+            dlogp += beta * (1.0 - e_diff)
     tl.store(wloss_ptr + rows, tl.where(valid, loss * w, 0.0), mask=mask)
     tl.store(clipped_ptr + rows, tl.where(valid & (~unclipped), 1.0, 0.0), mask=mask)
     tl.store(g_ptr + rows, tl.where(valid, dlogp * w, 0.0), mask=mask)
 
 
-def _token_terms(logp, labels, old, adv, tw, ref, wloss, clipped, g, cl, ch, beta, ii):
+def _token_terms(
+    logp, labels, old, adv, tw, ref, wloss, clipped, g, cl, ch, beta, ii, cc=math.inf, kl_iw=False
+):
     """Launch _policy_token_kernel on (n,) views; ref None means no KL term."""
     n = logp.shape[0]
     block = 256 if interpreting() else 1024
+    dual = math.isfinite(cc)
     _policy_token_kernel[(cdiv(n, block),)](
         logp, labels, old, adv, tw, logp if ref is None else ref, wloss, clipped, g, n,
-        float(cl), float(ch), float(beta), int(ii), HAS_REF=ref is not None, BLOCK=block,
+        float(cl), float(ch), float(beta), int(ii), float(cc) if dual else 0.0,
+        HAS_REF=ref is not None, DUAL_CLIP=dual, KL_IW=bool(kl_iw), BLOCK=block,
     )  # fmt: skip
 
 
@@ -105,7 +126,9 @@ def keep_logits() -> bool:
     return settings.policy_keep_logits()
 
 
-def _policy_keep_logits(hidden, weight, bias, labels, old, adv, tw, ref, temp, cl, ch, beta, ii):
+def _policy_keep_logits(
+    hidden, weight, bias, labels, old, adv, tw, ref, temp, cl, ch, beta, ii, cc, kl_iw
+):
     """Variant (a): per token chunk, one GEMM writes the raw fp32 logits while the online
     lse runs, the token terms give g, dlogits overwrite the kept logits in place, then
     dh[chunk] = G W (written once) and dW += G^T h[chunk] (fp32 read-modify-write)."""
@@ -130,7 +153,7 @@ def _policy_keep_logits(hidden, weight, bias, labels, old, adv, tw, ref, temp, c
         logp[s:e] = lp
         _token_terms(
             lp, lab, old[s:e], adv[s:e], tw[s:e], None if ref is None else ref[s:e],
-            wloss[s:e], clipped[s:e], g[s:e], cl, ch, beta, ii,
+            wloss[s:e], clipped[s:e], g[s:e], cl, ch, beta, ii, cc, kl_iw,
         )  # fmt: skip
         dlogits(
             z, None, None, lab, lse, None, g[s:e], None, z, db if bias is not None else None,
@@ -143,14 +166,14 @@ def _policy_keep_logits(hidden, weight, bias, labels, old, adv, tw, ref, temp, c
 
 def linear_policy_loss(
     hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
-    clip_low, clip_high, beta, ignore_index, need_grad,
+    clip_low, clip_high, beta, ignore_index, need_grad, clip_ratio_c=math.inf, kl_iw=False,
 ):  # fmt: skip
     check_device("hidden", hidden)
     ref = ref_logp if ref_logp.numel() > 0 and beta != 0.0 else None
     if need_grad and keep_logits():
         return _policy_keep_logits(
             hidden, weight, bias, labels, old_logp, advantages, token_weight, ref,
-            temperature, clip_low, clip_high, beta, ignore_index,
+            temperature, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw,
         )  # fmt: skip
     n = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -161,7 +184,7 @@ def linear_policy_loss(
     wloss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
     _token_terms(
         logp, labels, old_logp, advantages, token_weight, ref, wloss, clipped, g, clip_low,
-        clip_high, beta, ignore_index,
+        clip_high, beta, ignore_index, clip_ratio_c, kl_iw,
     )  # fmt: skip
     loss = wloss.sum()
     if not need_grad:
