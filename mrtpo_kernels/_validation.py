@@ -8,6 +8,7 @@ checked) and can be turned off with ``MRTPO_SKIP_VALUE_CHECKS=1``.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -83,18 +84,53 @@ def shape_eq(name: str, t: torch.Tensor, shape, what: str) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
 
 
-def positive_finite(name: str, x: float) -> float:
-    x = float(x)
+def number(name: str, x) -> float:
+    """float(x), or a ValueError naming ``name`` when x is not a real number (a string,
+    None, a complex number, a tensor of more than one element)."""
+    if isinstance(x, (str, bytes)) or x is None:
+        raise ValueError(f"{name}: expected a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}: expected a number, got {type(x).__name__}") from None
+
+
+def integer(name: str, x) -> int:
+    """x as an int (Python or NumPy integers, not bool, not a float), else ValueError."""
+    if isinstance(x, bool):
+        raise ValueError(f"{name}: expected an integer, got bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{name}: expected an integer, got {type(x).__name__} {x!r}") from None
+
+
+def positive_finite(name: str, x) -> float:
+    x = number(name, x)
     if not (x > 0 and math.isfinite(x)):
         raise ValueError(f"{name}: expected a positive finite number, got {x}")
     return x
 
 
-def non_negative(name: str, x: float) -> float:
-    x = float(x)
+def non_negative(name: str, x) -> float:
+    x = number(name, x)
     if not (x >= 0 and math.isfinite(x)):
         raise ValueError(f"{name}: expected a finite number >= 0, got {x}")
     return x
+
+
+def unit_interval(name: str, x) -> float:
+    x = number(name, x)
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"{name}: expected a number in [0, 1], got {x}")
+    return x
+
+
+def pair(name: str, x) -> tuple[float, float]:
+    """A (low, high) pair of numbers given as a tuple or list of length 2."""
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise ValueError(f"{name}: expected a pair (low, high), got {x!r}")
+    return number(name, x[0]), number(name, x[1])
 
 
 def choice(name: str, x, options) -> None:
@@ -122,6 +158,7 @@ def flatten_tokens(hidden: torch.Tensor, labels: torch.Tensor, hname: str = "hid
     """Check hidden (..., d) and labels (...); return them as (N, d) and (N,) int64."""
     float_tensor(hname, hidden, min_ndim=2)
     int_tensor("labels", labels)
+    last_dim_positive(hname, hidden)
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
             f"labels: expected shape {tuple(hidden.shape[:-1])} (the leading dimensions of "
@@ -144,3 +181,75 @@ def lm_head(hidden: torch.Tensor, weight, bias) -> None:
         float_tensor("bias", bias, ndim=1)
         shape_eq("bias", bias, (weight.shape[0],), "V from weight")
     same_dtype(hidden=hidden, weight=weight, bias=bias)
+
+
+def last_dim_positive(name: str, t: torch.Tensor) -> None:
+    """ValueError unless the last dimension (d of hidden states, V of logits) is non-empty;
+    checked before any reshape, which cannot infer the other dimensions of a 0-wide tensor."""
+    if t.shape[-1] == 0:
+        what = "vocabulary (V" if name.startswith("logits") else "hidden size (d"
+        raise ValueError(f"{name}: the {what} = 0) is empty, got shape {tuple(t.shape)}")
+
+
+def all_finite(name: str, t: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Value check: every entry of t (or every entry where ``where`` is True) is finite."""
+    if not value_checks_enabled() or t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t)
+    if where is not None:
+        bad = bad & where
+    if bool(bad.any()):
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name}: non-finite value {t[idx].item()} at index {idx}")
+
+
+def zero_one(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A mask: a bool tensor, or an integer/float tensor holding only 0 and 1 (value check).
+    Returns it as bool."""
+    check_tensor(name, t)
+    if t.dtype == torch.bool:
+        return t
+    if t.dtype.is_complex:
+        raise ValueError(f"{name}: expected a bool or 0/1 tensor, got {t.dtype}")
+    if value_checks_enabled() and t.numel() and bool(((t != 0) & (t != 1)).any()):
+        bad = t[(t != 0) & (t != 1)][0].item()
+        raise ValueError(f"{name}: expected a bool or 0/1 tensor, found {bad}")
+    return t != 0
+
+
+def boundaries(name: str, cu, n_tokens: int, n_seqs: int | None = None) -> torch.Tensor:
+    """Sequence boundaries cu (n+1,) integer: 0 = cu[0] <= cu[1] <= ... <= cu[n] = n_tokens
+    (the order and the ends are value checks). Returns cu as int64."""
+    int_tensor(name, cu, ndim=1)
+    if n_seqs is not None:
+        shape_eq(name, cu, (n_seqs + 1,), "n + 1 boundaries")
+    elif cu.shape[0] < 2:
+        raise ValueError(f"{name}: expected at least 2 boundaries (0 and N), got {cu.shape[0]}")
+    cu = cu.long()
+    if value_checks_enabled():
+        steps = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or int(cu[-1]) != n_tokens or bool((steps < 0).any()):
+            shown = cu.tolist()
+            shown = shown if len(shown) <= 8 else shown[:8] + ["..."]
+            raise ValueError(
+                f"{name}: expected non-decreasing boundaries from 0 to N = {n_tokens}, got {shown}"
+            )
+    return cu
+
+
+def counts(name: str, t, n: int) -> None:
+    """Per-response token counts (n,): positive whole numbers (an integer or float tensor)."""
+    check_tensor(name, t, ndim=1)
+    shape_eq(name, t, (n,), "one length per response")
+    if t.dtype == torch.bool or t.dtype.is_complex:
+        raise ValueError(f"{name}: expected integer or float token counts, got {t.dtype}")
+    if value_checks_enabled() and t.numel():
+        if t.dtype.is_floating_point:
+            bad = ~(torch.isfinite(t) & (t >= 1) & (t == t.floor()))
+        else:
+            bad = t < 1
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name}: expected positive whole token counts, got {t[i].item()} at {i}"
+            )

@@ -38,6 +38,7 @@ def _check_rewards(rewards, group_ids, weights, nan):
     if weights is not None:
         check.float_tensor("weights", weights, ndim=1)
         check.shape_eq("weights", weights, (k,), "one weight per reward")
+        check.all_finite("weights", weights)
     finite = torch.isfinite(rewards)
     if nan == "zero":
         rewards = torch.where(finite, rewards, torch.zeros_like(rewards))
@@ -50,6 +51,14 @@ def _check_rewards(rewards, group_ids, weights, nan):
     return rewards
 
 
+def _pow2_scale(m: torch.Tensor) -> torch.Tensor:
+    """A power of two c with c <= m < 4c for m > 0 (1 elsewhere): dividing by it is exact, and
+    brings values of magnitude <= m into [-4, 4), so that no sum of them can overflow."""
+    _, e = torch.frexp(m)
+    pos = (m > 0) & torch.isfinite(m)
+    return torch.where(pos, torch.ldexp(torch.ones_like(m), e - 1), torch.ones_like(m))
+
+
 def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     r = rewards.to(acc_dtype(rewards))
     n, k = r.shape
@@ -58,30 +67,43 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     cnt = torch.zeros(g, dtype=r.dtype, device=r.device).index_add_(
         0, inv, torch.ones(n, dtype=r.dtype, device=r.device)
     )
-    total = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, r)
-    mean = total / cnt.clamp(min=1.0)[:, None]
-    dev = r - mean[inv]
-    ss = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, dev * dev)
-    std = torch.sqrt(ss / (cnt - 1.0).clamp(min=1.0)[:, None])
     idx = inv[:, None].expand(n, k)
     hi = torch.full((g, k), -math.inf, dtype=r.dtype, device=r.device)
     hi = hi.scatter_reduce(0, idx, r, reduce="amax")
     lo = torch.full((g, k), math.inf, dtype=r.dtype, device=r.device)
     lo = lo.scatter_reduce(0, idx, r, reduce="amin")
     moves = (cnt[:, None] >= 2) & (hi > lo)  # zero variance tested exactly
-    a = torch.where(moves[inv], dev / (std[inv] + eps), torch.zeros_like(r))
+    # (x - mean) / (std + eps) on x = r / c, c a power of two near max |r| of the group:
+    # exact scaling, and no sum or square overflows for rewards up to the float maximum
+    c = _pow2_scale(torch.where(moves, torch.maximum(hi.abs(), lo.abs()), 0.0))
+    x = r / c[inv]
+    total = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, x)
+    mean = total / cnt.clamp(min=1.0)[:, None]
+    dev = x - mean[inv]
+    ss = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, dev * dev)
+    std = torch.sqrt(ss / (cnt - 1.0).clamp(min=1.0)[:, None])
+    denom = (std + eps / c)[inv]
+    a = torch.where(moves[inv] & (denom > 0), dev / denom, torch.zeros_like(r))
     lam = torch.ones(k, dtype=r.dtype, device=r.device) if weights is None else weights.to(r.dtype)
     s = a @ lam
-    if batch_norm == "sequence":
-        mu = s.mean()
-        sigma = s.std() if n > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
-    else:
-        w = lengths.to(r.dtype)
-        tot = w.sum()
-        mu = (w * s).sum() / tot
-        var = (w * (s - mu) ** 2).sum() / (tot - 1.0).clamp(min=1.0)
-        sigma = torch.where(tot > 1, var.sqrt(), torch.zeros_like(var))
-    return GDPOAdvantages(a, (s - mu) / (sigma + eps_batch), mu, sigma), lam
+    w = torch.ones_like(s) if batch_norm == "sequence" else lengths.to(r.dtype)
+    return (a, *_batch_stats(s, w, eps_batch)), lam
+
+
+def _batch_stats(s, w, eps_batch):
+    """Weighted batch normalization of S: (sequence, mean, std). Zero variance is tested
+    exactly (every S equal: std 0, mean that value); std + eps_batch = 0 gives 0."""
+    cs = _pow2_scale(s.abs().amax())
+    x = s / cs
+    tot = w.sum()
+    mu = (w * x).sum() / tot
+    var = (w * (x - mu) ** 2).sum() / (tot - 1.0).clamp(min=1.0)
+    flat = s.amax() == s.amin()
+    mu = torch.where(flat, x[0], mu)
+    sd = torch.where(flat | (tot <= 1), torch.zeros_like(var), var.sqrt())
+    denom = sd + eps_batch / cs
+    seq = torch.where(denom > 0, (x - mu) / denom, torch.zeros_like(x))
+    return seq, mu * cs, sd * cs
 
 
 def gdpo_advantages(
@@ -117,9 +139,11 @@ def gdpo_advantages(
     if batch_norm == "token":
         if lengths is None:
             raise ValueError("lengths: batch_norm='token' needs each response's token count")
-        check.check_tensor("lengths", lengths, ndim=1)
-        check.shape_eq("lengths", lengths, (rewards.shape[0],), "one length per response")
-    return _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)[0]
+        check.counts("lengths", lengths, rewards.shape[0])
+        check.same_device(rewards=rewards, lengths=lengths)
+    return GDPOAdvantages(
+        *_gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)[0]
+    )
 
 
 def mrtpo_token_advantages(
@@ -167,14 +191,12 @@ def mrtpo_token_advantages(
     check.choice("batch_norm", batch_norm, BATCH_NORMS)
     eps = check.non_negative("eps", eps)
     eps_batch = eps if eps_batch is None else check.non_negative("eps_batch", eps_batch)
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha: expected a number in [0, 1], got {alpha}")
+    alpha = check.unit_interval("alpha", alpha)
     gamma = check.positive_finite("gamma", gamma)
     delta = check.non_negative("delta", delta)
     clip_min, clip_max = 0.0, math.inf
     if clip is not None:
-        clip_min, clip_max = float(clip[0]), float(clip[1])
+        clip_min, clip_max = check.pair("clip", clip)
         if not (0.0 <= clip_min <= 1.0 <= clip_max):
             raise ValueError(f"clip: expected (w_min, w_max) with w_min <= 1 <= w_max, got {clip}")
     if relevance.shape[0] != k:
@@ -185,6 +207,7 @@ def mrtpo_token_advantages(
     check.check_tensor("has_info", has_info, ndim=2)
     check.shape_eq("has_info", has_info, (n, k), "(n, K) like rewards")
     check.same_device(rewards=rewards, relevance=relevance, has_info=has_info)
+    has_info = check.zero_one("has_info", has_info)
 
     if relevance.dim() == 3:
         if response_mask is None:
@@ -192,9 +215,10 @@ def mrtpo_token_advantages(
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: give either response_mask (padded) or cu_seqlens")
         check.shape_eq("relevance", relevance, (k, n, relevance.shape[2]), "(K, n, T)")
+        check.check_tensor("response_mask", response_mask)
         check.shape_eq("response_mask", response_mask, relevance.shape[1:], "(n, T)")
         check.same_device(relevance=relevance, response_mask=response_mask)
-        mask = response_mask.bool()
+        mask = check.zero_one("response_mask", response_mask)
         lengths = mask.sum(1)
         rel_packed = relevance[:, mask]
         cu = torch.zeros(n + 1, dtype=torch.long, device=relevance.device)
@@ -205,25 +229,24 @@ def mrtpo_token_advantages(
         if response_mask is not None:
             raise ValueError("response_mask: give either response_mask (padded) or cu_seqlens")
         check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
-        check.shape_eq("cu_seqlens", cu_seqlens, (n + 1,), "n + 1 boundaries")
         check.same_device(relevance=relevance, cu_seqlens=cu_seqlens)
-        cu = cu_seqlens.long()
+        cu = check.boundaries("cu_seqlens", cu_seqlens, relevance.shape[1], n)
         lengths = cu[1:] - cu[:-1]
         rel_packed = relevance
-        if check.value_checks_enabled() and (
-            int(cu[0]) != 0 or int(cu[-1]) != relevance.shape[1] or bool((lengths < 0).any())
-        ):
-            raise ValueError(
-                f"cu_seqlens: expected non-decreasing boundaries from 0 to N = "
-                f"{relevance.shape[1]}, got {cu.tolist()[:8]}..."
-            )
+    # only response tokens are read (padding may hold anything); d is a distance, >= 0
+    check.all_finite("relevance", rel_packed)
+    if check.value_checks_enabled() and bool((rel_packed < 0).any()):
+        raise ValueError(
+            f"relevance: expected values >= 0 (distances), found {rel_packed.min().item()}"
+        )
     if check.value_checks_enabled():
         empty = (lengths == 0).nonzero()
         if empty.numel():
             raise ValueError(
                 f"response_mask/cu_seqlens: response {int(empty[0])} has no valid token"
             )
-    g, lam = _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)
+    parts, lam = _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)
+    g = GDPOAdvantages(*parts)
     acc = acc_dtype(rel_packed)
     be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
     token, alloc = _ops.reallocate_packed(
@@ -242,6 +265,8 @@ def mrtpo_token_advantages(
         clip_max=clip_max,
         backend=be,
     )
+    # std + eps_batch = 0 (every S equal and eps_batch = 0): 0, as for the sequence
+    token = torch.where(g.std + eps_batch > 0, token, torch.zeros_like(token))
     if relevance.dim() == 3:
         token_p = torch.zeros(mask.shape, dtype=token.dtype, device=token.device)
         token_p[mask] = token
@@ -280,7 +305,7 @@ def specific_relevance(
     n = has_info.shape[0]
     check.shape_eq("has_info", has_info, (n, k), f"(n, K) with K = {k} from relevance")
     check.same_device(relevance=relevance, has_info=has_info, control=control)
-    info = has_info.bool()
+    info = check.zero_one("has_info", has_info)
     if relevance.dim() == 3:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens: padded relevance (K, n, T) takes no cu_seqlens")
@@ -290,17 +315,9 @@ def specific_relevance(
         if cu_seqlens is None:
             raise ValueError("cu_seqlens: packed relevance (K, N) needs cu_seqlens (n+1,)")
         check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
-        check.shape_eq("cu_seqlens", cu_seqlens, (n + 1,), "n + 1 boundaries")
         check.same_device(relevance=relevance, cu_seqlens=cu_seqlens)
-        cu = cu_seqlens.long()
+        cu = check.boundaries("cu_seqlens", cu_seqlens, relevance.shape[1], n)
         lengths = cu[1:] - cu[:-1]
-        if check.value_checks_enabled() and (
-            int(cu[0]) != 0 or int(cu[-1]) != relevance.shape[1] or bool((lengths < 0).any())
-        ):
-            raise ValueError(
-                f"cu_seqlens: expected non-decreasing boundaries from 0 to N = "
-                f"{relevance.shape[1]}, got {cu.tolist()[:8]}..."
-            )
         tok_info = info.t().repeat_interleave(lengths, dim=1)
     if control is not None:
         check.float_tensor("control", control, ndim=relevance.dim() - 1)

@@ -27,6 +27,8 @@ def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
         k, out_shape = 1, tuple(p.shape[:-1])
         squeeze = True
     elif q.dim() == p.dim() + 1 and q.shape[1:] == p.shape:
+        if q.shape[0] == 0:
+            raise ValueError(f"{qname}: expected K >= 1 streams, got shape {tuple(q.shape)}")
         k, out_shape = q.shape[0], (q.shape[0],) + tuple(p.shape[:-1])
         squeeze = False
     else:
@@ -63,6 +65,7 @@ def linear_js_distance(
     """
     check.float_tensor("hidden_p", hidden_p, min_ndim=2)
     check.float_tensor("hidden_q", hidden_q, min_ndim=2)
+    check.last_dim_positive("hidden_p", hidden_p)
     check.lm_head(hidden_p, weight, bias)
     check.same_dtype(hidden_p=hidden_p, hidden_q=hidden_q)
     check.same_device(hidden_p=hidden_p, hidden_q=hidden_q, weight=weight, bias=bias)
@@ -92,6 +95,7 @@ def js_distance(
     shape or (K, ..., V). Returns float32 (...) or (K, ...). No gradient."""
     check.float_tensor("logits_p", logits_p, min_ndim=1)
     check.float_tensor("logits_q", logits_q, min_ndim=1)
+    check.last_dim_positive("logits_p", logits_p)
     check.same_dtype(logits_p=logits_p, logits_q=logits_q)
     check.same_device(logits_p=logits_p, logits_q=logits_q)
     temperature = check.positive_finite("temperature", temperature)

@@ -46,6 +46,7 @@ def linear_logprobs(
     check.lm_head(hidden, weight, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     temperature = check.positive_finite("temperature", temperature)
+    ignore_index = check.integer("ignore_index", ignore_index)
     check.non_empty("hidden", h.shape[0])
     check.labels_in_range(lab, weight.shape[0], ignore_index)
     be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
@@ -79,6 +80,7 @@ def logprobs_from_logits(
     Differentiable with respect to logits. See ``linear_logprobs`` for the arguments."""
     z, lab = check.flatten_tokens(logits, labels, "logits")
     temperature = check.positive_finite("temperature", temperature)
+    ignore_index = check.integer("ignore_index", ignore_index)
     check.same_device(logits=logits, labels=labels)
     check.non_empty("logits", z.shape[0])
     if z.shape[1] == 0:
