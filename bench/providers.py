@@ -5,8 +5,10 @@ Ours: ``mrtpo-<backend>`` for backend in cpu / torch / triton / cuda, through th
 with ``backend=`` (the cell sets MRTPO_STRICT_BACKEND=1, so a backend that would fall back
 to another one raises instead of filling the table with a slower path).
 Baselines: ``pytorch`` (full logits), ``pytorch-compiled`` (token chunks, per-chunk body
-under torch.compile). Peers, where installed: ``liger`` (Liger-Kernel), ``cce`` (Cut
-Cross-Entropy), ``verl`` (verl's fused linear cross-entropy).
+under torch.compile). ``gemm-floor``: the op's LM-head GEMMs alone, as our chunk driver runs
+them (bench/gemm_floor.py), the physical limit shown beside every op. Peers, where
+installed: ``liger`` (Liger-Kernel), ``cce`` (Cut Cross-Entropy: its Triton kernel on CUDA,
+its ``impl="torch_compile"`` path on the CPU), ``verl`` (verl's fused linear cross-entropy).
 
 A provider that cannot run a cell says why (``Unsupported``); the table keeps the row.
 """
@@ -24,8 +26,9 @@ from .ops import Inputs
 
 OURS = ("mrtpo-cpu", "mrtpo-torch", "mrtpo-triton", "mrtpo-cuda")
 BASELINES = ("pytorch", "pytorch-compiled")
+FLOOR = "gemm-floor"
 PEERS = ("liger", "cce", "verl")
-PROVIDERS = OURS + BASELINES + PEERS
+PROVIDERS = OURS + BASELINES + (FLOOR,) + PEERS
 
 # What a peer computes that differs from the op, for the note column.
 _NOTES = {
@@ -35,9 +38,19 @@ _NOTES = {
     "the forward, upstream gradient of ones (per-token upstream gradient not supported)",
     ("liger", "linear_js_distance"): "generalized JSD (beta = 0.5) reduced to one scalar, "
     "teacher = P, one call per Q stream; not the per-token distance",
-    ("cce", "linear_logprobs_fwd"): "cross-entropy = -logp, reduction none",
-    ("cce", "linear_logprobs_fwd_bwd"): "cross-entropy = -logp, reduction none; gradient "
-    "filtering on (filter_eps auto: small softmax entries skipped in the backward)",
+    ("cce", "linear_logprobs_fwd"): "cross-entropy = -logp, reduction none; CUDA: impl cce, "
+    "CPU: impl torch_compile (full [N, V] logits under torch.compile)",
+    ("cce", "linear_logprobs_fwd_bwd"): "cross-entropy = -logp, reduction none, backward with "
+    "upstream -g (same dh, dW as ours with g); CUDA: impl cce, gradient filtering on "
+    "(filter_eps auto: small softmax entries skipped); CPU: impl torch_compile (full [N, V] "
+    "logits under torch.compile, exact gradient)",
+    ("gemm-floor", "linear_logprobs_fwd_bwd"): "GEMMs only: forward 1, backward 3 per chunk "
+    "(2 for the rows whose logits the forward kept)",
+    ("gemm-floor", "linear_policy_loss_fwd_bwd"): "GEMMs only: 3 per chunk",
+    ("gemm-floor", "linear_js_distance"): "GEMMs only: 1 of the stacked (1 + K) C rows per "
+    "chunk, plus the stacking copy",
+    ("gemm-floor", "credit_assignment_step"): "GEMMs only: JS one-vs-K, then the policy "
+    "loss's 3 per chunk (no advantage stage)",
     ("verl", "linear_logprobs_fwd"): "log-probs and entropy always computed together",
     ("verl", "linear_logprobs_entropy"): "",
     ("verl", "linear_logprobs_fwd_bwd"): "log-probs and entropy always computed together",
@@ -299,10 +312,18 @@ def _liger(op: str, x: Inputs, device: torch.device):
 
 
 def _cce(op: str, x: Inputs, device: torch.device):
-    _need_cuda("cce", device)
+    """Cut Cross-Entropy's loss -log p(label) per token: its Triton kernel on CUDA, its
+    torch.compile path (what a CPU user would pick) elsewhere. The backward gets -g as its
+    upstream gradient, so dh and dW are those of sum g log p, the quantity ours computes."""
     from cut_cross_entropy import linear_cross_entropy
 
-    ce = lambda: linear_cross_entropy(x["hidden"], x["weight"], x["labels"], reduction="none")
+    impl = "cce" if device.type == "cuda" else "torch_compile"
+    if op not in ("linear_logprobs_fwd", "linear_logprobs_fwd_bwd"):
+        raise Unsupported("no equivalent op in Cut Cross-Entropy")
+    ce = lambda: linear_cross_entropy(
+        x["hidden"], x["weight"], x["labels"], reduction="none", impl=impl
+    )
+    neg_g = -x["grad_logp"] if op == "linear_logprobs_fwd_bwd" else None
     if op == "linear_logprobs_fwd":
 
         def run():
@@ -315,11 +336,11 @@ def _cce(op: str, x: Inputs, device: torch.device):
         def run():
             x.clear_grads()
             loss = ce()
-            loss.backward(x["grad_logp"])
+            loss.backward(neg_g)
             return [loss, x["hidden"].grad, x["weight"].grad]
 
         return run
-    raise Unsupported("no equivalent op in Cut Cross-Entropy")
+    raise AssertionError(op)
 
 
 def _verl(op: str, x: Inputs, device: torch.device):
@@ -357,6 +378,13 @@ def prepare(provider: str, op: str, x: Inputs, device: torch.device):
         return _baseline(torch_impls, op, x)
     if provider == "pytorch-compiled":
         return _baseline(chunked_impl(device), op, x)
+    if provider == FLOOR:
+        from . import gemm_floor
+
+        try:
+            return gemm_floor.prepare(op, x)
+        except gemm_floor.Unsupported as exc:
+            raise Unsupported(str(exc)) from None
     if provider == "liger":
         return _liger(op, x, device)
     if provider == "cce":

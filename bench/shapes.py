@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .ops import OPS
-from .providers import BASELINES, OURS, PEERS
+from .providers import BASELINES, FLOOR, OURS, PEERS
 
 VOCAB = 151936
 
@@ -46,7 +46,7 @@ PRESETS = {
         dtype="float32",
         ds=(896,),
         ns=(1024, 4096, 16384),
-        providers=("mrtpo-cpu", "mrtpo-torch") + BASELINES + PEERS,
+        providers=("mrtpo-cpu", "mrtpo-torch") + BASELINES + (FLOOR,) + PEERS,
         adv_shape=(1024, 1024, 4),
         repeats={1024: 3, 4096: 3, 16384: 1},
         warmup_n=256,
@@ -59,7 +59,7 @@ PRESETS = {
         dtype="bfloat16",
         ds=(896, 4096),
         ns=(1024, 4096, 16384, 65536),
-        providers=("mrtpo-triton", "mrtpo-cuda") + BASELINES + PEERS,
+        providers=("mrtpo-triton", "mrtpo-cuda") + BASELINES + (FLOOR,) + PEERS,
         repeats={65536: 3, 16384: 5},
         isolate="provider",
         cell_timeout_s=600.0,
@@ -78,7 +78,7 @@ PRESETS = {
             "advantages",
             "credit_assignment_step",
         ),
-        providers=("mrtpo-triton", "mrtpo-cuda", "pytorch") + PEERS + ("pytorch-compiled",),
+        providers=("mrtpo-triton", "mrtpo-cuda", FLOOR, "pytorch") + PEERS + ("pytorch-compiled",),
         js_ks=(4,),
         repeats={16384: 5},
         isolate="provider",
@@ -112,7 +112,7 @@ def cells(
     ops = tuple(ops or preset.ops)
     providers = tuple(providers or preset.providers)
     for p in providers:
-        if p not in OURS + BASELINES + PEERS:
+        if p not in OURS + BASELINES + (FLOOR,) + PEERS:
             raise ValueError(f"providers: unknown {p!r}")
     for op in ops:
         if op not in OPS:

@@ -4,7 +4,7 @@ provider measured in the same run, and the PASS/FAIL lines of the issue targets.
 from __future__ import annotations
 
 from .ops import OPS
-from .providers import OURS
+from .providers import FLOOR, OURS
 from .results import num
 
 GB = 1e9
@@ -53,12 +53,13 @@ def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
 def results_table(rows: list[dict]) -> list[str]:
     lines = [
         "| op | d | N | K | provider | ms p50 (p20-p80) | TFLOP/s | peak MiB | extra MiB "
-        "| time / pytorch | extra / pytorch | status | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| time / pytorch | extra / pytorch | time / gemm-floor | status | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shapes = _by_shape(rows)
     for _key, provs in shapes.items():
         base = provs.get("pytorch")
+        floor = provs.get(FLOOR)
         for prov, r in provs.items():
             ms = num(r, "ms_p50")
             timing = (
@@ -73,10 +74,12 @@ def results_table(rows: list[dict]) -> list[str]:
             est = " (est.)" if r["status"] == "estimated" else ""
             t_ratio = ratio(r, base, "ms_p50") if prov != "pytorch" else None
             m_ratio = ratio(r, base, "extra_mem_mb") if prov != "pytorch" else None
+            f_ratio = ratio(r, floor, "ms_p50") if prov != FLOOR else None
             lines.append(
                 f"| {r['op']} | {r['d']} | {r['N']} | {r['K']} | {prov} | {timing} | {rate_s} "
                 f"| {_f(num(r, 'peak_mem_mb'), 4)}{est} | {_f(num(r, 'extra_mem_mb'), 4)}{est} "
-                f"| {_f(t_ratio)} | {_f(m_ratio)} | {r['status']} | {r.get('note', '')} |"
+                f"| {_f(t_ratio)} | {_f(m_ratio)} | {_f(f_ratio)} | {r['status']} "
+                f"| {r.get('note', '')} |"
             )
     return lines
 
@@ -169,6 +172,52 @@ def cpu_targets(rows: list[dict], fused: str = "mrtpo-cpu") -> list[str]:
     return out
 
 
+def floor_table(rows: list[dict]) -> list[str]:
+    """Each provider's time as a multiple of the op's GEMM floor, same run."""
+    lines = [
+        "| op | d | N | K | dtype | gemm-floor ms | " + "provider: time / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    n = 0
+    for (op, d, nn, k, dtype), provs in _by_shape(rows).items():
+        floor = provs.get(FLOOR)
+        fms = num(floor, "ms_p50") if floor is not None and floor["status"] == "ok" else None
+        if fms is None:
+            continue
+        parts = [
+            f"{prov} {_f(ratio(r, floor, 'ms_p50'))}x"
+            for prov, r in provs.items()
+            if prov != FLOOR and ratio(r, floor, "ms_p50") is not None
+        ]
+        lines.append(f"| {op} | {d} | {nn} | {k} | {dtype} | {_f(fms)} | {', '.join(parts)} |")
+        n += 1
+    return lines if n else ["(no gemm-floor row measured)"]
+
+
+def cpu_peer_targets(rows: list[dict], fused: str = "mrtpo-cpu", n: int = 2048) -> list[str]:
+    """Issue 12's CPU targets at N = 2048, d = 896: log-probs forward+backward no slower
+    than Cut Cross-Entropy's CPU path at <= 1/3 of its extra memory; JS one-vs-4 within
+    1.2x of its GEMM floor."""
+    op = "linear_logprobs_fwd_bwd"
+    a, c = _find(rows, op, fused, n, None, 896), _find(rows, op, "cce", n, None, 896)
+    t, m = ratio(a, c, "ms_p50"), ratio(a, c, "extra_mem_mb")
+    out = [
+        _verdict(f"N={n} {op}: time {fused} / cce <= 1", t, lambda x: x <= 1.0, f"{_f(t)}x"),
+        _verdict(
+            f"N={n} {op}: extra memory {fused} / cce <= 1/3", m, lambda x: x <= 1 / 3, f"{_f(m)}"
+        ),
+    ]
+    js = "linear_js_distance"
+    a, f = _find(rows, js, fused, n, 4, 896), _find(rows, js, FLOOR, n, 4, 896)
+    t = ratio(a, f, "ms_p50")
+    out.append(
+        _verdict(
+            f"N={n} {js} K=4: time {fused} / gemm-floor <= 1.2", t, lambda x: x <= 1.2, f"{_f(t)}x"
+        )  # fmt: skip
+    )
+    return out
+
+
 def gpu_targets(rows: list[dict]) -> list[str]:
     """Issue 3's H200 targets (bf16, V = 151936, d = 4096, N = 16384), best of ours."""
     out = []
@@ -230,10 +279,15 @@ def markdown(rows: list[dict], title: str, command: str, extra: list[str] = ()) 
         "",
         *ratio_table(rows),
         "",
+        "## Time against the GEMM floor (same run)",
+        "",
+        *floor_table(rows),
+        "",
     ]
     devs = {r["device"] for r in rows}
     if any(r["dtype"] == "float32" and int(r["d"] or 0) == 896 for r in rows):
         parts += ["## Targets (issue 2, CPU)", "", *cpu_targets(rows), ""]
+        parts += ["## Targets (issue 12, CPU)", "", *cpu_peer_targets(rows), ""]
     if any(r["dtype"] == "bfloat16" and int(r["d"] or 0) == 4096 for r in rows) and devs:
         parts += ["## Targets (issue 3, H200)", "", *gpu_targets(rows), ""]
     return "\n".join(parts)

@@ -1,0 +1,119 @@
+"""The gemm-floor provider runs the GEMM FLOPs of our chunk driver and nothing else; the
+Cut Cross-Entropy provider's CPU path computes what ours does; the summary puts every op
+beside its floor and prints issue 12's CPU verdicts. Tiny shapes: seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench import providers, summary
+from bench.ops import make_inputs
+
+N, D, V, K = 40, 16, 300, 3
+
+
+_GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def _gemms(fn) -> tuple[int, int]:
+    """(GEMM calls, the FLOPs the profiler counts for them) of fn(), also inside custom ops
+    (the profiler sees every aten call; FlopCounterMode stops at a custom op)."""
+    with torch.profiler.profile(with_flops=True) as prof:
+        fn()
+    ev = [e for e in prof.events() if e.name in _GEMMS]
+    return len(ev), sum(e.flops for e in ev)
+
+
+def _ours_call(op, x):
+    return providers.prepare("mrtpo-cpu", op, x, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("keep", ["0", str(4 * V * 13)])  # none kept / 13 rows kept
+@pytest.mark.parametrize(
+    "op",
+    ["linear_logprobs_fwd", "linear_logprobs_fwd_bwd", "linear_policy_loss_fwd_bwd"],
+)
+def test_floor_runs_the_gemms_of_our_driver(monkeypatch, op, keep):
+    """Same GEMM FLOPs as mrtpo-cpu (chunks of 7 rows, 40 tokens: a partial last chunk)."""
+    if providers.availability("mrtpo-cpu") is not None:
+        pytest.skip(providers.availability("mrtpo-cpu"))
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * V * 7))
+    monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", keep)
+    x = make_inputs(op, N, D, V, 0, torch.float32, "cpu", seed=1)
+    floor = providers.prepare("gemm-floor", op, x, torch.device("cpu"))
+    got = _gemms(floor)
+    want = _gemms(_ours_call(op, x))
+    x.clear_grads()
+    assert got == want
+    chunks = -(-N // 7)  # at least 1 GEMM per chunk forward, 3 with a backward
+    assert got[0] >= (chunks if op == "linear_logprobs_fwd" else 3 * chunks)
+
+
+def test_floor_js_counts_one_stacked_gemm_per_chunk(monkeypatch):
+    """JS one-vs-K: (1 + K) 2 N d V FLOPs, in ceil(N / C) GEMMs of (1 + K) C rows."""
+    monkeypatch.setenv("MRTPO_JS_SCRATCH_BYTES", str(4 * V * (1 + K) * 6))  # C = 6 tokens
+    x = make_inputs("linear_js_distance", N, D, V, K, torch.float32, "cpu", seed=2)
+    floor = providers.prepare("gemm-floor", "linear_js_distance", x, torch.device("cpu"))
+    with FlopCounterMode(display=False) as fc:
+        out = floor()
+    assert fc.get_total_flops() == (1 + K) * 2 * N * D * V
+    assert out[0].shape[0] == K
+    assert _gemms(floor) == (-(-N // 6), (1 + K) * 2 * N * D * V)
+
+
+def test_floor_has_no_advantage_stage():
+    x = make_inputs("advantages", 64, 0, 0, 2, torch.float32, "cpu", responses=4)
+    with pytest.raises(providers.Unsupported, match="no GEMM"):
+        providers.prepare("gemm-floor", "advantages", x, torch.device("cpu"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("cut_cross_entropy") is None,
+    reason="cut_cross_entropy is not installed (requirements.txt pins it)",
+)
+def test_cce_cpu_path_matches_ours():
+    """On the CPU the cce provider runs impl="torch_compile": its loss is -log p(label),
+    and with the upstream gradient negated its dh and dW equal ours."""
+    if providers.availability("mrtpo-cpu") is not None:
+        pytest.skip(providers.availability("mrtpo-cpu"))
+    op = "linear_logprobs_fwd_bwd"
+    x = make_inputs(op, N, D, V, 0, torch.float32, "cpu", seed=3)
+    loss, dh, dw = (t.clone() for t in providers.prepare("cce", op, x, torch.device("cpu"))())
+    logp, dh_ours, dw_ours = (t.clone() for t in _ours_call(op, x)())
+    torch.testing.assert_close(-loss, logp, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(dh, dh_ours, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dw, dw_ours, atol=2e-5, rtol=1e-4)
+    with pytest.raises(providers.Unsupported, match="no equivalent"):
+        js = make_inputs("linear_js_distance", 8, D, V, 1, torch.float32, "cpu")
+        providers.prepare("cce", "linear_js_distance", js, torch.device("cpu"))
+
+
+def _row(op, prov, n, k, ms, extra):
+    return dict(op=op, provider=prov, N=str(n), K=str(k), d="896", dtype="float32",
+                ms_p50=str(ms), extra_mem_mb=str(extra), peak_mem_mb="1", status="ok")  # fmt: skip
+
+
+def test_summary_shows_floor_ratio_and_issue12_verdicts():
+    lp, js = "linear_logprobs_fwd_bwd", "linear_js_distance"
+    rows = [
+        _row(lp, "mrtpo-cpu", 2048, 0, 140.0, 400.0),
+        _row(lp, "cce", 2048, 0, 145.0, 1400.0),
+        _row(lp, "gemm-floor", 2048, 0, 100.0, 300.0),
+        _row(js, "mrtpo-cpu", 2048, 4, 130.0, 300.0),
+        _row(js, "gemm-floor", 2048, 4, 100.0, 300.0),
+    ]
+    text = "\n".join(summary.cpu_peer_targets(rows))
+    assert "- PASS N=2048 linear_logprobs_fwd_bwd: time mrtpo-cpu / cce <= 1: 0.966x" in text
+    assert "- PASS N=2048 linear_logprobs_fwd_bwd: extra memory mrtpo-cpu / cce <= 1/3" in text
+    assert "- FAIL N=2048 linear_js_distance K=4: time mrtpo-cpu / gemm-floor <= 1.2: 1.3x" in text
+    floor = "\n".join(summary.floor_table(rows))
+    assert "| linear_logprobs_fwd_bwd | 896 | 2048 | 0 | float32 | 100 | mrtpo-cpu 1.4x" in floor
+    table = "\n".join(summary.results_table(rows))
+    assert "| 1.45 |" in table  # cce's time over the floor
+    rows[-1]["status"] = "error"
+    text = "\n".join(summary.cpu_peer_targets(rows))
+    assert "- NOT MEASURED N=2048 linear_js_distance K=4" in text
