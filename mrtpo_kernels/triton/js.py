@@ -5,8 +5,9 @@ Math (per token row r, stream k = 1..K, vocabulary entry v; tau the temperature)
     lp_v = z_p[v] / tau - lse_p,   lq_v = z_q[k, v] / tau - lse_q[k]    (log P, log Q)
     JSD  = 1/2 sum_v [ p log(p/m) + q log(q/m) ],  m = (p + q) / 2
     d    = min(1, sqrt(max(JSD, 0) / ln 2))
-  Each vocabulary term is evaluated without cancellation from delta = lp - lq (computed as
-  (z_p - z_q) / tau - (lse_p - lse_q), so identical rows give delta = 0 exactly):
+  Each vocabulary term is evaluated without cancellation from delta = lp - lq (each log
+  formed first, so identical rows give delta = 0 exactly and a huge logit only meets its
+  own row's lse):
     p log(p/m) + q log(q/m) = m h,   h = 2 (x tanh x - log cosh x),  x = delta / 2
     |delta| <  1/2:  h = x^2 - x^4/2 + 2x^6/9 - 17x^8/180 + 62x^10/1575 - 1382x^12/85050
                      (next term below 1e-9 relative there)
@@ -214,9 +215,11 @@ def _js_sum_kernel(
             q_rows + offs[None, :], mask=k_mask[:, None] & vm[None, :], other=float("-inf")
         )
         zq = zq.to(tl.float32) * scale
-        p = tl.exp(zp - lse_p)
-        q = tl.exp(zq - lse_q[:, None])
-        delta = (zp[None, :] - zq) - dl[:, None]
+        lp = zp - lse_p
+        lq = zq - lse_q[:, None]
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        delta = lp[None, :] - lq  # log p - log q: a huge logit never meets the other lse
         acc += _js_terms(p[None, :], q, delta)
     half = 0.5 * tl.sum(acc, axis=1)
     # a row with a NaN or +inf (lse NaN) or nothing but -inf (lse -inf) has no distribution:

@@ -1,0 +1,139 @@
+"""The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels of
+the default variant (mrtpo_kernels/triton/rows.py) and the opt-in fused log-prob and
+policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_triton_js.py).
+Their numerics are checked under the interpreter by tests/test_chunk_driver.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _nvidia_backend_present() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+def _compile(fn, signature, constexprs, **options):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(signature)
+             if signature[n].startswith("*")}  # fmt: skip
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _sig(names, types):
+    return dict(zip(names, types, strict=True))
+
+
+hopper = pytest.mark.skipif(not _nvidia_backend_present(), reason="no NVIDIA backend in triton")
+compiled_mode = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled mode"
+)
+
+
+@hopper
+@compiled_mode
+@pytest.mark.parametrize("out_dtype", ["fp32", "bf16", "fp16"])
+def test_row_kernels_compile_for_hopper(out_dtype):
+    from mrtpo_kernels.triton import rows
+
+    block = rows.row_block(151936) if os.environ.get("TRITON_INTERPRET") != "1" else 2048
+    c = {"BLOCK": block}
+    w = dict(num_warps=8)
+    _compile(rows._stats_rows_kernel, {
+        "z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
+        "lse_ptr": "*fp32", "V": "i32", "stride_z": "i64", "inv_t": "fp32",
+        "ignore_index": "i64", "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
+        {"WITH_ENT": True, **c}, **w)  # fmt: skip
+    _compile(rows._grad_rows_kernel, {
+        "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "ent_ptr": "*fp32",
+        "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "V": "i32", "stride_z": "i64",
+        "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64", "HAS_ENT": "constexpr",
+        "BLOCK": "constexpr"}, {"HAS_ENT": True, **c}, **w)  # fmt: skip
+    for flags in ((True, True, True, True), (False, False, False, False)):
+        _compile(rows._policy_rows_kernel, {
+            "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
+            "old_ptr": "*fp32", "adv_ptr": "*fp32", "tw_ptr": "*fp32", "ref_ptr": "*fp32",
+            "loss_ptr": "*fp32", "logp_ptr": "*fp32", "clipped_ptr": "*fp32", "V": "i32",
+            "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "clip_low": "fp32",
+            "clip_high": "fp32", "clip_c": "fp32", "beta": "fp32", "ignore_index": "i64",
+            "HAS_REF": "constexpr", "DUAL_CLIP": "constexpr", "KL_IW": "constexpr",
+            "NEED_GRAD": "constexpr", "BLOCK": "constexpr"},
+            dict(zip(("HAS_REF", "DUAL_CLIP", "KL_IW", "NEED_GRAD"), flags, strict=True), **c),
+            **w)  # fmt: skip
+    _compile(rows._grad_cols_kernel, {
+        "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "lse_ptr": "*fp32",
+        "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "W": "i32",
+        "v_lo": "i32", "V": "i32", "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32",
+        "ignore_index": "i64", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
+        {"HAS_ENT": True, **c}, **w)  # fmt: skip
+    _compile(rows._policy_terms_kernel, {
+        "logp_ptr": "*fp32", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
+        "tw_ptr": "*fp32", "ref_ptr": "*fp32", "loss_ptr": "*fp32", "clipped_ptr": "*fp32",
+        "g_ptr": "*fp32", "N": "i32", "V": "i32", "clip_low": "fp32", "clip_high": "fp32",
+        "clip_c": "fp32", "beta": "fp32", "ignore_index": "i64", "HAS_REF": "constexpr",
+        "DUAL_CLIP": "constexpr", "KL_IW": "constexpr", "BLOCK": "constexpr"},
+        {"HAS_REF": True, "DUAL_CLIP": True, "KL_IW": True, "BLOCK": 1024})  # fmt: skip
+
+
+@hopper
+@compiled_mode
+def test_fused_logprob_and_policy_kernels_compile_for_hopper():
+    """The opt-in fused variant: forward partials (16-bit GEMM tiles), dlogits, the GEMM,
+    and the policy token kernel."""
+    import torch
+
+    from mrtpo_kernels.triton import logprobs, policy_loss
+
+    cfg = logprobs.tiles(torch.bfloat16)
+    tiles = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D")}
+    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    k = _compile(logprobs._stats_partial_kernel, {
+        "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
+        "part_ptr": "*fp32", "store_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32",
+        "stride_src": "i32", "stride_w": "i32", "stride_store": "i32", "inv_t": "fp32",
+        "num_splits": "i32", "blocks_per_split": "i32", "STORE_LOGITS": "constexpr",
+        "FROM_LOGITS": "constexpr", "HAS_BIAS": "constexpr", "WITH_ENT": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "BLOCK_D": "constexpr",
+        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
+        {"STORE_LOGITS": False, "FROM_LOGITS": False, "HAS_BIAS": False, "WITH_ENT": True,
+         "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False, **tiles}, **opts)  # fmt: skip
+    assert "warp_group_dot" in k.asm["ttgir"], "the fused forward does not use wgmma"
+    _compile(logprobs._dlogits_kernel, {
+        "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
+        "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
+        "out_ptr": "*bf16", "db_ptr": "*fp32", "N": "i32", "V": "i32", "v_lo": "i32",
+        "v_hi": "i32", "D": "i32", "stride_src": "i32", "stride_w": "i32", "stride_out": "i32",
+        "inv_t": "fp32", "ignore_index": "i64", "FROM_LOGITS": "constexpr",
+        "HAS_BIAS": "constexpr", "HAS_ENT_GRAD": "constexpr", "BIAS_GRAD": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "BLOCK_D": "constexpr",
+        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
+        {"FROM_LOGITS": False, "HAS_BIAS": False, "HAS_ENT_GRAD": True, "BIAS_GRAD": False,
+         "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False, **tiles}, **opts)  # fmt: skip
+    g = logprobs._gemm_tiles(torch.bfloat16)
+    _compile(logprobs._matmul_kernel, {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "M": "i32", "N": "i32",
+        "K": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32",
+        "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "i32", "ACCUMULATE": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
+        {"ACCUMULATE": True, "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
+         **{k: g[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}},
+        num_warps=g["num_warps"], num_stages=g["num_stages"])  # fmt: skip
+    import inspect
+
+    params = list(inspect.signature(policy_loss._policy_token_kernel.fn).parameters)
+    types = {"labels_ptr": "*i64", "N": "i32", "ignore_index": "i64"}
+    types.update({p: "*fp32" for p in params if p.endswith("_ptr") and p not in types})
+    sig = {p: ("constexpr" if p.isupper() else types.get(p, "fp32")) for p in params}
+    _compile(policy_loss._policy_token_kernel, sig,
+             {p: (1024 if p == "BLOCK" else True) for p in params if p.isupper()})  # fmt: skip

@@ -1,0 +1,342 @@
+"""The Triton row kernels (mrtpo_kernels/triton/rows.py) and the chunk driver
+(backends/_chunked.py) on CPU tensors under the Triton interpreter, against the float64
+references of mrtpo_kernels/reference.py.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so this runs as its own process
+(tests/test_chunk_driver.py launches it):
+
+    python tests/triton_cases/rows_cases.py
+
+Exit status 0 when every check passed; 1 with the failed checks listed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+os.environ["MRTPO_STRICT_BACKEND"] = "1"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mrtpo_kernels import reference as ref  # noqa: E402
+from mrtpo_kernels.backends import _chunked, cpu_backend, torch_backend  # noqa: E402
+from mrtpo_kernels.triton import rows  # noqa: E402
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)
+FAILURES: list[str] = []
+CHECKS = [0]
+II = -100
+
+
+def close(name, ours, want, *, atol=2e-5, rtol=2e-5):
+    """Equal non-finite pattern, and max |ours - want| <= atol + rtol max |want|."""
+    CHECKS[0] += 1
+    ours, want = ours.detach().double(), want.detach().double()
+    if ours.shape != want.shape:
+        FAILURES.append(f"{name}: shape {tuple(ours.shape)} != {tuple(want.shape)}")
+        return
+    fin = torch.isfinite(want)
+    if not torch.equal(ours[~fin].nan_to_num(), want[~fin].nan_to_num()):
+        FAILURES.append(f"{name}: non-finite entries differ from the reference")
+        return
+    if not torch.isfinite(ours[fin]).all():
+        FAILURES.append(f"{name}: non-finite values where the reference is finite")
+        return
+    if fin.any():
+        err = (ours[fin] - want[fin]).abs().max().item()
+        bound = atol + rtol * want[fin].abs().max().item()
+        if not err <= bound:
+            FAILURES.append(f"{name}: max error {err:.3e} > {bound:.3e}")
+
+
+def _logits(c, v, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(c, v, generator=g) * scale
+    labels = torch.randint(0, v, (c,), generator=g)
+    labels[::4] = II
+    return z, labels
+
+
+def _extreme(z):
+    """Rows with a huge finite logit, masked (-inf) entries, a NaN, an all -inf row."""
+    z = z.clone()
+    z[1, 3] = 3.0e38
+    z[1, 7] = -3.0e38
+    z[2, : z.shape[1] // 2] = float("-inf")
+    if z.shape[0] > 6:
+        z[5, 1] = float("nan")
+        z[6] = float("-inf")
+    return z
+
+
+# --------------------------------------------------------------------------- row kernels
+
+
+def check_stats_and_grad(c, v, temp, seed, extreme):
+    z, lab = _logits(c, v, seed)
+    if extreme:
+        z = _extreme(z)
+    # a label on a finite column of the half-masked row
+    lab[2] = v - 1
+    tag = f"C={c} V={v} T={temp} extreme={extreme}"
+    k = rows.TritonRowKernel
+    logp, ent, lse = k.stats(z, lab, 1.0 / temp, II, True)
+    z64 = z.double().requires_grad_()
+    rl, re = ref.logprobs_from_logits_ref(
+        z64, lab, temperature=temp, ignore_index=II, return_entropy=True
+    )
+    close(f"stats logp {tag}", logp, rl)
+    close(f"stats entropy {tag}", ent, re)
+    ok = torch.isfinite(rl) | (lab == II)
+    g = torch.randn(c, generator=torch.Generator().manual_seed(seed + 1))
+    ge = torch.randn(c, generator=torch.Generator().manual_seed(seed + 2))
+    gz = z.clone()
+    k.grad_(gz, lab, lse, ent, g, ge, 1.0 / temp, II)
+    # float64 gradient of the defined rows (the reference's autograd through NaN rows is
+    # NaN everywhere, also on ignored ones, so those rows are compared to the contract)
+    mask = ok & torch.isfinite(re)
+    # the float64 gradient with -inf entries as -1e4 (p = 0 either way; autograd through
+    # -inf gives NaN)
+    zg = torch.where(z64.detach() == float("-inf"), -1.0e4, z64.detach()).requires_grad_()
+    gl, ge64 = ref.logprobs_from_logits_ref(
+        zg, lab, temperature=temp, ignore_index=II, return_entropy=True
+    )
+    (want,) = torch.autograd.grad(
+        (torch.where(mask, gl, 0) * g.double()).sum()
+        + (torch.where(mask, ge64, 0) * ge.double()).sum(),
+        zg,
+    )
+    close(f"grad defined rows {tag}", gz[mask], want[mask])
+    bad = ~mask
+    if bad.any():
+        want_bad = torch.where((lab[bad] == II)[:, None], 0.0, float("nan")).expand(-1, v)
+        close(f"grad undefined rows {tag}", gz[bad], want_bad)
+    # the same gradient written into a bf16 view of the chunk's own storage
+    gz16 = z.clone()
+    out = gz16.view(torch.bfloat16)[:, :v]
+    k.grad_(gz16, lab, lse, ent, g, ge, 1.0 / temp, II, out=out)
+    close(f"grad into bf16 view {tag}", out[mask], want[mask], atol=1e-6, rtol=1e-2)
+
+
+def check_all_ignored():
+    z, _ = _logits(5, 300, 9)
+    lab = torch.full((5,), II)
+    logp, ent, lse = rows.TritonRowKernel.stats(z, lab, 1.0, II, True)
+    close("all ignored logp", logp, torch.zeros(5))
+    close("all ignored entropy", ent, torch.zeros(5))
+    close("all ignored lse", lse, torch.logsumexp(z.double(), -1))
+    gz = z.clone()
+    rows.TritonRowKernel.grad_(gz, lab, lse, ent, torch.ones(5), torch.ones(5), 1.0, II)
+    close("all ignored grad", gz, torch.zeros(5, 300))
+    loss, lp, cl = rows.TritonRowKernel.policy_(
+        z.clone(), lab, lse, torch.ones(5), torch.ones(5), None, 1.0, 0.2, 0.2, 0.0, II, True
+    )
+    close("all ignored policy loss", loss, torch.zeros(5))
+    close("all ignored policy clipped", cl, torch.zeros(5))
+
+
+def check_policy(c, v, temp, seed, beta, clip_c, kl_iw, extreme):
+    z, lab = _logits(c, v, seed, scale=2.0)
+    if extreme:
+        z = _extreme(z)
+    gen = torch.Generator().manual_seed(seed + 5)
+    z64 = z.double().requires_grad_()
+    rl = ref.logprobs_from_logits_ref(z64, lab, temperature=temp, ignore_index=II)
+    old = (rl.detach() + 0.4 * torch.randn(c, generator=gen, dtype=torch.float64)).float()
+    old = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
+    adv = torch.randn(c, generator=gen)
+    refl = (rl.detach() + 0.3 * torch.randn(c, generator=gen, dtype=torch.float64)).float()
+    refl = torch.where(torch.isfinite(refl), refl, torch.zeros_like(refl))
+    valid = lab != II
+    defined = valid & torch.isfinite(rl)
+    tw = valid.float() / valid.sum()
+    tag = f"C={c} V={v} T={temp} beta={beta} clip_c={clip_c} kl_iw={kl_iw} extreme={extreme}"
+    gz = z.clone()
+    loss, logp, clipped = rows.TritonRowKernel.policy_(
+        gz,
+        lab,
+        old,
+        adv,
+        tw,
+        refl,
+        1.0 / temp,
+        0.2,
+        0.28,
+        beta,
+        II,
+        True,
+        clip_ratio_c=clip_c,
+        kl_iw=kl_iw,
+    )
+    close(f"policy logp {tag}", logp, rl)
+    # float64 reference on the defined rows: token-mean loss and its gradient by autograd
+    keep = defined
+    ref_loss, _ = ref.policy_loss_ref(
+        torch.where(keep, rl, 0.0),
+        old.double(),
+        adv.double(),
+        keep,
+        clip_low=0.2,
+        clip_high=0.28,
+        ref_logprobs=refl.double(),
+        beta=beta,
+        clip_ratio_c=None if math.isinf(clip_c) else clip_c,
+        kl_importance_weight=kl_iw,
+    )
+    scale = keep.sum() / valid.sum()  # the reference averages over its own mask
+    (want,) = torch.autograd.grad(ref_loss * scale, z64)
+    close(f"policy loss sum {tag}", (loss * tw)[keep].sum(), ref_loss.detach() * scale)
+    close(f"policy grad {tag}", gz[keep], want[keep])
+    if (valid & ~defined).any():
+        close(
+            f"policy undefined rows {tag}",
+            loss[valid & ~defined],
+            torch.full((int((valid & ~defined).sum()),), float("nan")),
+        )
+    # the low-memory pieces: token terms from the log-probs, column-chunked gradient
+    per_tok, cl2, g = rows.policy_terms(
+        logp, lab, old, adv, tw, refl, v, 0.2, 0.28, beta, II, clip_c, kl_iw
+    )
+    close(f"policy_terms loss {tag}", per_tok, loss)
+    close(f"policy_terms clipped {tag}", cl2, clipped)
+    _, _, lse = rows.TritonRowKernel.stats(z, lab, 1.0 / temp, II, False)
+    gc = torch.empty_like(z)
+    for v0 in range(0, v, 700):
+        part = z[:, v0 : v0 + 700].contiguous()
+        rows.grad_cols_(part, lab, lse, None, g, None, 1.0 / temp, II, v0, v)
+        gc[:, v0 : v0 + 700] = part
+    close(f"grad_cols_ {tag}", gc[keep], want[keep])
+
+
+def check_js(k, c, v, temp, seed, extreme):
+    gen = torch.Generator().manual_seed(seed)
+    zp = torch.randn(c, v, generator=gen) * 2
+    zs = torch.stack([zp] + [zp + 0.5 * torch.randn(c, v, generator=gen) for _ in range(k)])
+    zs[min(k, 1), 0] = torch.randn(v, generator=gen) * 4  # a far row
+    if extreme:
+        zs[0] = _extreme(zs[0])
+        zs[k, 3] = zs[0, 3]  # identical rows: exactly 0
+    d = rows.TritonRowKernel.js_many(zs, 1.0 / temp)
+    want = ref.js_distance_ref(zs[0].double(), zs[1:].double(), temperature=temp)
+    close(f"js_many K={k} C={c} V={v} T={temp} extreme={extreme}", d, want, atol=3e-5)
+    d1, _ = rows.TritonRowKernel.js(zs[0], zs[1], 1.0 / temp, None)
+    close(f"js K=1 form C={c} V={v}", d1, want[0], atol=3e-5)
+
+
+@triton.jit
+def _offset_probe(out_ptr, rows_ptr, stride):
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, rows._row_offset(tl.load(rows_ptr + i), stride))
+
+
+def check_offsets():
+    """Row offsets are int64: C x V past 2^31 (no allocation, only the arithmetic)."""
+    r = torch.tensor([0, 14134, 70000, 2**31 // 151936 + 1], dtype=torch.int32)
+    out = torch.empty(4, dtype=torch.int64)
+    _offset_probe[(4,)](out, r, 151936)
+    close("int64 row offsets", out.double(), r.double() * 151936, atol=0, rtol=0)
+    CHECKS[0] += 1
+    if not (out[2] > 2**31):
+        FAILURES.append("int64 row offsets: the probe did not pass 2^31")
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+KERNELS = {"torch": torch_backend._K, "triton": rows.TritonRowKernel()}
+if cpu_backend.available():
+    KERNELS["cpu"] = cpu_backend._K
+
+
+def _emulate_f32_out():
+    """On CPU torch has no out_dtype GEMMs: emulate them so the driver's 16-bit path
+    (16-bit gradient views, no fp32 weight copy) runs here as it will on CUDA."""
+    _chunked._F32_OUT.clear()
+    _chunked.f32_out_supported = lambda device, dtype: True
+    _chunked._mm_f32 = lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
+    _chunked._addmm_f32 = lambda c, a, b: c.addmm_(a.float(), b.float())
+
+
+def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
+    os.environ["MRTPO_CHUNK_BYTES"] = str(4 * v * chunk_rows_)
+    os.environ["MRTPO_JS_SCRATCH_BYTES"] = str(4 * v * chunk_rows_ * 3)
+    os.environ["MRTPO_LOW_MEMORY"] = "1" if low_memory else "0"
+    gen = torch.Generator().manual_seed(n + v)
+    h = torch.randn(n, d, generator=gen).to(dtype)
+    w = (torch.randn(v, d, generator=gen) * d**-0.5).to(dtype)
+    b = (torch.randn(v, generator=gen) * 0.1).to(dtype) if bias else None
+    lab = torch.randint(0, v, (n,), generator=gen)
+    lab[::5] = II
+    tag = f"{name} {dtype} n={n} V={v} chunk={chunk_rows_} low_memory={low_memory} bias={bias}"
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    h64 = h.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = None if b is None else b.double().requires_grad_()
+    rl, re = ref.linear_logprobs_ref(
+        h64, w64, lab, bias=b64, temperature=0.9, ignore_index=II, return_entropy=True
+    )
+    logp, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, b, lab, 0.9, II, True)
+    close(f"driver logp {tag}", logp, rl, **tol)
+    close(f"driver entropy {tag}", ent, re, **tol)
+    g = torch.randn(n, generator=gen)
+    ge = torch.randn(n, generator=gen)
+    dh, dw, db = _chunked.linear_logprobs_bwd(kern, h, w, b, lab, lse, ent, g, ge, 0.9, II)
+    wants = torch.autograd.grad(
+        (rl * g.double()).sum() + (re * ge.double()).sum(),
+        [t for t in (h64, w64, b64) if t is not None],
+    )
+    close(f"driver dh {tag}", dh, wants[0], **tol)
+    close(f"driver dw {tag}", dw, wants[1], **tol)
+    if bias:
+        close(f"driver db {tag}", db, wants[2], **tol)
+    hq = h.double()[None] + 0.3 * torch.randn(3, n, d, generator=gen, dtype=torch.float64)
+    hq = hq.to(dtype)
+    d_js = _chunked.linear_js(kern, h, hq, w, b, 0.9)
+    want_js = ref.linear_js_distance_ref(
+        h.double(), hq.double(), w.double(), bias=None if b is None else b.double(), temperature=0.9
+    )
+    close(f"driver js {tag}", d_js, want_js, atol=tol["atol"] * 5, rtol=0)
+
+
+def main() -> int:
+    for c, v, temp, extreme in (
+        (7, 300, 1.0, True),
+        (9, 1500, 0.7, False),
+        (9, 1500, 1.3, True),
+        (3, 2049, 1.0, False),
+    ):
+        check_stats_and_grad(c, v, temp, seed=c, extreme=extreme)
+    check_all_ignored()
+    for beta, clip_c, kl_iw in ((0.0, math.inf, False), (0.1, 3.0, False), (0.05, math.inf, True)):
+        check_policy(9, 1500, 0.8, 3, beta, clip_c, kl_iw, extreme=False)
+    check_policy(8, 700, 1.0, 4, 0.1, 3.0, True, extreme=True)
+    for k in (1, 3, 5):
+        check_js(k, 8, 1100, 0.9, seed=k, extreme=(k == 3))
+    check_offsets()
+    saved = (_chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32)
+    for name, kern in KERNELS.items():
+        for low in (False, True) if name == "triton" else (False,):
+            check_driver(name, kern, 23, 1100, 16, torch.float32, 6, low, bias=True)
+            check_driver(name, kern, 13, 700, 16, torch.bfloat16, 4, low, bias=False)
+    _emulate_f32_out()
+    for low in (False, True):
+        check_driver(
+            "triton 16-bit GEMMs", KERNELS["triton"], 17, 900, 16, torch.bfloat16, 5, low, bias=True
+        )
+    _chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32 = saved
+    print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
+    for f in FAILURES:
+        print("FAIL", f)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
