@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch, _ops
+from . import _dispatch, _ops, _vocab_parallel
 from . import _validation as check
 
 
@@ -49,6 +49,7 @@ def linear_js_distance(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    process_group=None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Per-token JS distance between the LM head's distributions at two hidden streams.
@@ -59,6 +60,11 @@ def linear_js_distance(
             reward), each compared with hidden_p.
         weight: (V, d) LM head shared by both streams; bias: optional (V,).
         temperature: the sampling temperature.
+        process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
+            bias hold this rank's equal shard of the vocabulary; the hidden streams are the
+            same on every rank and so are the distances returned. The shard's part of each
+            row's statistics and divergence is combined by all-reduce, in PyTorch ops
+            (mrtpo_kernels/_vocab_parallel.py; backend is not used).
 
     Returns:
         float32 distances in [0, 1] of shape hidden_p.shape[:-1], or (K, *that) for K streams.
@@ -72,6 +78,13 @@ def linear_js_distance(
     temperature = check.positive_finite("temperature", temperature)
     p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
     check.non_empty("hidden_p", p2.shape[0])
+    if process_group is not None:
+        _vocab_parallel.shard_info(weight, process_group)
+        out = _vocab_parallel.linear_js(
+            p2.detach().contiguous(), q3.detach().contiguous(), weight.detach(),
+            None if bias is None else bias.detach(), temperature, process_group,
+        )  # fmt: skip
+        return out[0].view(out_shape) if squeeze else out.view(out_shape)
     be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)
     out = _ops.linear_js(
         p2.detach().contiguous(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch, _ops
+from . import _dispatch, _ops, _vocab_parallel
 from . import _validation as check
 
 
@@ -23,6 +23,7 @@ def linear_logprobs(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    process_group=None,
     backend: str | None = None,
 ):
     """log p(label) under softmax((hidden @ weight.T + bias) / temperature), never
@@ -36,6 +37,11 @@ def linear_logprobs(
         temperature: positive; logits are divided by it before the softmax.
         ignore_index: label value whose tokens get logp = entropy = 0 and no gradient.
         return_entropy: also return the entropy of each token's distribution.
+        process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
+            bias hold this rank's equal shard of the vocabulary (rows [r V_loc, (r+1) V_loc)
+            for rank r), labels are global ids, hidden is the same on every rank. The
+            results are the full head's on every rank; the weight's gradient is this
+            shard's, the hidden states' is all-reduced (mrtpo_kernels/_vocab_parallel.py).
         backend: "auto" (default, or ``MRTPO_BACKEND``), "cpu", "torch", "triton", "cuda".
 
     Returns:
@@ -48,8 +54,19 @@ def linear_logprobs(
     temperature = check.positive_finite("temperature", temperature)
     ignore_index = check.integer("ignore_index", ignore_index)
     check.non_empty("hidden", h.shape[0])
-    check.labels_in_range(lab, weight.shape[0], ignore_index)
+    vocab = weight.shape[0]
+    if process_group is not None:
+        vocab = _vocab_parallel.shard_info(weight, process_group)[2]
+    check.labels_in_range(lab, vocab, ignore_index)
     be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
+    if process_group is not None:
+        logp, ent = _vocab_parallel.linear_logprobs(
+            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+            lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be,
+            process_group,
+        )  # fmt: skip
+        logp = logp.view(labels.shape)
+        return (logp, ent.view(labels.shape)) if return_entropy else logp
     logp, ent, _ = _ops.linear_logprobs_fwd(
         h.contiguous(),
         weight.contiguous(),

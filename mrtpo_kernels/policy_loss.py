@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from . import _dispatch, _ops
+from . import _dispatch, _ops, _vocab_parallel
 from . import _validation as check
 from .types import acc_dtype
 
@@ -67,6 +67,7 @@ def linear_policy_loss(
     norm_len: float | None = None,
     clip_ratio_c: float | None = None,
     kl_importance_weight: bool = False,
+    process_group=None,
     backend: str | None = None,
 ):
     """Clipped-surrogate policy loss with the LM head fused in; gradient in the forward.
@@ -91,6 +92,12 @@ def linear_policy_loss(
         kl_importance_weight: multiply each token's k3 KL term by the importance ratio
             exp(logp - old), not detached (TRL's ``use_bias_correction_kl``; an option
             outside METHOD.md): the term is beta r k3, its gradient beta r (logp - ref).
+        process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
+            bias hold this rank's equal shard of the vocabulary (rows [r V_loc, (r+1) V_loc)
+            for rank r of the group), labels are global ids, everything else is the same on
+            every rank. Per-token statistics are combined by all-reduce; the loss is the
+            same on every rank, the weight's gradient is this shard's, the hidden states'
+            is all-reduced. See mrtpo_kernels/_vocab_parallel.py.
 
     Returns:
         (loss, metrics): a float32 scalar differentiable with respect to hidden, weight and
@@ -121,7 +128,7 @@ def linear_policy_loss(
     if norm_len is not None:
         norm_len = check.positive_finite("norm_len", norm_len)
     if clip_ratio_c is not None:
-        clip_ratio_c = float(clip_ratio_c)
+        clip_ratio_c = check.number("clip_ratio_c", clip_ratio_c)
         if not (clip_ratio_c > 1.0 and math.isfinite(clip_ratio_c)):
             raise ValueError(
                 f"clip_ratio_c: expected a finite number > 1 (the dual clip) or None, "
@@ -129,7 +136,10 @@ def linear_policy_loss(
             )
     dual_c = math.inf if clip_ratio_c is None else clip_ratio_c
     check.non_empty("hidden", h.shape[0])
-    check.labels_in_range(lab, weight.shape[0], ignore_index)
+    vocab = weight.shape[0]
+    if process_group is not None:
+        vocab = _vocab_parallel.shard_info(weight, process_group)[2]
+    check.labels_in_range(lab, vocab, ignore_index)
     # ignored tokens' old log-probs, advantages and reference log-probs are never read
     scored = lab != ignore_index
     check.all_finite("old_logprobs", old_logprobs.reshape(-1), scored)
@@ -162,12 +172,23 @@ def linear_policy_loss(
     need_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
-    loss, logp, clipped, _, _, _ = _ops.linear_policy_loss(
-        h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-        lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low, clip_high,
-        beta, int(ignore_index), bool(need_grad), dual_c, bool(kl_importance_weight), be,
-    )  # fmt: skip
+    if process_group is not None:
+        # the sharded head: the log-prob kernels on the shard, combined by all-reduce
+        be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
+        cfg = (temperature, clip_low, clip_high, dual_c, beta, bool(kl_importance_weight),
+               int(ignore_index), be)  # fmt: skip
+        loss, logp, clipped = _vocab_parallel.linear_policy_loss(
+            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg, process_group,
+        )  # fmt: skip
+    else:
+        be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
+        loss, logp, clipped, _, _, _ = _ops.linear_policy_loss(
+            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+            lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low,
+            clip_high, beta, int(ignore_index), bool(need_grad), dual_c,
+            bool(kl_importance_weight), be,
+        )  # fmt: skip
     with torch.no_grad():
         v = valid.to(acc)
         n = v.sum().clamp(min=1.0)
