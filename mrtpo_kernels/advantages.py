@@ -300,6 +300,8 @@ def specific_relevance(
         NaN in the input stays NaN.
     """
     check.float_tensor("relevance", relevance, ndim=(2, 3))
+    if check.value_checks_enabled() and bool(relevance.isinf().any()):
+        raise ValueError("relevance: infinite value (a distance is at most 1); NaN stays NaN")
     k = relevance.shape[0]
     check.check_tensor("has_info", has_info, ndim=2)
     n = has_info.shape[0]

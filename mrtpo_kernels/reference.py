@@ -52,8 +52,10 @@ def logprobs_from_logits_ref(
     (or nothing but -inf) gives NaN, -inf entries are masked, a label outside [0, V) that
     is not ignore_index gives a NaN log-prob; z / temperature never overflows (_scaled).
     """
-    logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     valid = labels != ignore_index
+    # an ignored row is never read: 0 out, and a zero gradient even if it holds NaN / inf
+    logits = torch.where(valid.unsqueeze(-1), logits, torch.zeros_like(logits))
+    logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     use = valid & (labels >= 0) & (labels < logits.shape[-1])
     safe = torch.where(use, labels, torch.zeros_like(labels))
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
