@@ -33,7 +33,8 @@ def group_backend():
 
 
 def _policy_case(
-    n, v, d, *, bias, beta, aggregation="token-mean", temp=1.0, seed=2, dtype=torch.float32
+    n, v, d, *, bias, beta, aggregation="token-mean", temp=1.0, seed=2, dtype=torch.float32,
+    opts=None,
 ):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=g).to(dtype).float()
@@ -50,12 +51,12 @@ def _policy_case(
     lengths = [n // 3, n // 3, n - 2 * (n // 3)]
     cu = torch.tensor([0, lengths[0], lengths[0] + lengths[1], n])
     seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    name = f"policy N={n} V={v} d={d} bias={bias} beta={beta} {aggregation} {dtype}"
+    name = f"policy N={n} V={v} d={d} bias={bias} beta={beta} {aggregation} {dtype} {opts}"
     runs = {}
     for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
         hh, ww = _leaf(h, dt), _leaf(w, dt)
         bb = _leaf(b, dt) if bias else None
-        kw = dict(bias=bb, temperature=temp, clip_low=0.2, clip_high=0.28)
+        kw = dict(bias=bb, temperature=temp, clip_low=0.2, clip_high=0.28, **(opts or {}))
         if beta:
             kw.update(ref_logprobs=ref_lp.to(dt), beta=beta)
         if key == "ours":
@@ -81,6 +82,9 @@ def _policy_case(
             close(f"{name} {what}", ours[i], ref[i], same[i], atol=1e-7)
     clip = ours[1]["clip_fraction"].item()
     expect(f"{name} both branches", 0.0 < clip < 1.0, f"clip_fraction {clip}")
+    if "dual_clip_fraction" in ref[1]:
+        dual = ref[1]["dual_clip_fraction"].item()
+        expect(f"{name} dual clip binds", 0.0 < dual < 1.0, f"dual_clip_fraction {dual}")
 
 
 def group_policy():
@@ -88,6 +92,16 @@ def group_policy():
     _policy_case(37, 1000, 64, bias=False, beta=0.1, temp=0.8)
     _policy_case(129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean")
     _policy_case(37, 1000, 64, bias=True, beta=0.1, dtype=torch.bfloat16)
+
+
+def group_policy_options():
+    """The dual clip (clip_ratio_c) and the importance-weighted KL term."""
+    _policy_case(37, 1000, 64, bias=True, beta=0.1, opts=dict(clip_ratio_c=1.5))
+    _policy_case(37, 1000, 64, bias=False, beta=0.1, opts=dict(kl_importance_weight=True))
+    _policy_case(
+        129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean",
+        opts=dict(clip_ratio_c=1.5, kl_importance_weight=True),
+    )  # fmt: skip
 
 
 def group_policy_keep_logits():
@@ -135,7 +149,7 @@ def group_opcheck():
     tw, ref = torch.full((5,), 0.25), torch.randn(5, generator=g) - 4
     # need_grad=True only: with need_grad=False the op returns empty gradients, which its
     # autograd formula (in _ops.py) cannot scale for inputs that require grad
-    args = (h, w, b, lab, old, adv, tw, ref, 0.9, 0.2, 0.28, 0.1, -100, True, "triton")
+    args = (h, w, b, lab, old, adv, tw, ref, 0.9, 0.2, 0.28, 0.1, -100, True, 3.0, True, "triton")
     try:
         torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
     except Exception as exc:  # report which opcheck test failed
