@@ -6,6 +6,7 @@
 
 Environment knobs:
     MRTPO_SKIP_CUDA_BUILD=1   never build the CUDA extension
+    MRTPO_SKIP_CPU_BUILD=1    do not build the CPU extension (bench/gpu_check.sh)
     MRTPO_FORCE_CUDA=1        build it even if torch sees no GPU (needs a CUDA torch + nvcc)
     MRTPO_CUDA_ARCHS="90"     semicolon-separated compute capabilities (default 90: H100/H200)
     MAX_JOBS=N                parallel compile jobs (ninja)
@@ -31,7 +32,7 @@ def extensions():
 
     exts = []
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    if cpu_sources:
+    if cpu_sources and not _flag("MRTPO_SKIP_CPU_BUILD"):
         cxx = ["-O3", "-std=c++20", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
         exts.append(
             cpp_extension.CppExtension(

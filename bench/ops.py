@@ -73,9 +73,11 @@ def make_inputs(
     log-probs sit near the current ones, so ratios are near 1 and some get clipped."""
     check_op(op)
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    # the large tensors are drawn on the device itself (no gigabytes through the host)
+    dgen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=dgen, device=device) * scale).to(dtype)
 
     t: dict[str, torch.Tensor] = {}
     leaves: tuple[str, ...] = ()
@@ -103,8 +105,8 @@ def make_inputs(
         t["old_logprobs"] = (base + 0.3 * torch.randn(n, generator=gen)).to(device)
         t["advantages"] = torch.randn(n, generator=gen).to(device)
     if op in ("linear_js_distance", "credit_assignment_step"):
-        noise = torch.randn(k, n, d, generator=gen) * 0.3
-        t["hidden_q"] = (t["hidden"].float().cpu().unsqueeze(0) + noise).to(device, dtype)
+        noise = torch.randn(k, n, d, generator=dgen, device=device) * 0.3
+        t["hidden_q"] = (t["hidden"].float().unsqueeze(0) + noise).to(dtype)
     if op in GRAD_OPS:
         t["hidden"].requires_grad_(True)
         t["weight"].requires_grad_(True)

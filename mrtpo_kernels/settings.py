@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_JS_SCRATCH_BYTES = 768 << 20
+DEFAULT_KEEP_LOGITS_BYTES = 384 << 20
 DEFAULT_DW_BUDGET_BYTES = 8 << 30
 TRITON_VARIANTS = ("rows", "fused")
 LOW_MEMORY_MODES = ("auto", "0", "1")
@@ -97,7 +98,16 @@ SETTINGS: dict[str, Setting] = {
             "the largest fp32 weight-gradient accumulator (4 V d bytes) MRTPO_LOW_MEMORY=auto "
             "allows before it switches to the low-memory backward",
         ),
+        Setting(
+            "MRTPO_KEEP_LOGITS_BYTES",
+            str(DEFAULT_KEEP_LOGITS_BYTES),
+            "bytes of fp32 logits the chunked log-probs forward keeps for its backward (the "
+            "last rows of the call; those rows then cost 3 GEMMs instead of 4, the rest are "
+            "recomputed); the kept block also serves as the forward's chunk buffer, so the "
+            "extra memory is the larger of this and MRTPO_CHUNK_BYTES; 0: recompute every row",
+        ),
         Setting("MRTPO_SKIP_CUDA_BUILD", "0", "build time: 1 never builds the CUDA extension"),
+        Setting("MRTPO_SKIP_CPU_BUILD", "0", "build time: 1 does not build the CPU extension"),
         Setting(
             "MRTPO_FORCE_CUDA",
             "0",
@@ -178,6 +188,17 @@ def js_gemm() -> tuple[int, int, int, int, int] | None:
             f"MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got {value!r}"
         )
     return parts  # type: ignore[return-value]
+
+
+def keep_logits_bytes() -> int:
+    value = raw("MRTPO_KEEP_LOGITS_BYTES")
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"MRTPO_KEEP_LOGITS_BYTES: expected a non-negative integer, got {value!r}")
+    return number
 
 
 def policy_keep_logits() -> bool:

@@ -275,10 +275,16 @@ def test_gpu_check_dry_run(tmp_path):
     proc = _gpu_check("--dry-run", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    order = [out.index(f"== {s} ") for s in ("env", "wheels", "build", "pytest", "bench", "plot")]
+    steps = ("env", "wheels", "build", "micro", "bench", "pytest", "pytest_compile")
+    order = [out.index(f"== {s} ") for s in steps]
     assert order == sorted(order)  # the steps run in this order
-    assert "setup.py build_ext --inplace" in out and "-m pytest -q -m gpu" in out
+    assert "MRTPO_SKIP_CPU_BUILD=1" in out and "setup.py build_ext --inplace" in out
+    assert "-m pytest -m gpu" in out and "-rA --durations=15 --timeout=" in out
+    assert '-k not compile' in out and out.index("-k not compile") < out.index("-k compile")
+    assert "bench.gpu_micro --out" in out and "would measure N=16384 d=4096 V=151936" in out
     assert "preset gpu-target:" in out and "N=16384" in out and "d=4096" in out
+    # at most 8 files come back from the GPU machine: the dry run leaves at most that many
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8
     assert "linear_policy_loss_fwd_bwd   mrtpo-triton" in out
     assert "all steps and files check out" in out
 
