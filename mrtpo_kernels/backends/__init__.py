@@ -26,9 +26,11 @@ casts).
 ``logits_js(logits_p (N,V), logits_q (K,N,V), temperature) -> (K,N)``
 ``linear_policy_loss(hidden, weight, bias, labels, old_logp (N,), advantages (N,),
     token_weight (N,), ref_logp (N,) or (0,), temperature, clip_low, clip_high, beta,
-    ignore_index, need_grad) -> (loss (), logp (N,), clipped (N,), grad_hidden (N,d) or
-    (0,), grad_weight (V,d) fp32 or (0,), grad_bias (V,) fp32 or (0,))``
-    loss = sum_t token_weight[t] * L_t and its gradient, computed in the same pass.
+    ignore_index, need_grad, clip_ratio_c=inf, kl_iw=False) -> (loss (), logp (N,),
+    clipped (N,), grad_hidden (N,d) or (0,), grad_weight (V,d) fp32 or (0,), grad_bias (V,)
+    fp32 or (0,))``
+    loss = sum_t token_weight[t] * L_t and its gradient, computed in the same pass;
+    clip_ratio_c: the dual clip (inf: none), kl_iw: the KL term times the ratio.
 ``reallocate_packed(per_reward (n,K), lam (K,), has_info (n,K) bool, relevance (K,N),
     cu_seqlens (n+1,) int64, mean (), std (), alpha, gamma, eps_batch, delta, clip_min,
     clip_max) -> (token (N,), allocation (K,N))``
