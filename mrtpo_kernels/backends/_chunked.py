@@ -8,7 +8,8 @@ gradients of hidden and weight. Extra memory is O(C x V) (plus an fp32 copy of t
 when it is not fp32, and the fp32 weight-gradient accumulator), never O(N x V).
 
 GEMM count per chunk (N d V multiply-adds each):
-    log-probs forward 1; log-probs backward 3 (recompute, dH, dW);
+    log-probs forward 1; log-probs backward 3 (recompute, dH, dW), 2 for the last rows of
+    the call, whose logits the forward keeps (MRTPO_KEEP_LOGITS_BYTES, see kept_rows);
     policy loss (forward with gradient) 3; JS one-vs-K 1 + K.
 
 A chunk kernel ``kern`` provides:
@@ -39,6 +40,8 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -175,6 +178,36 @@ def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
+# --------------------------------------------------------------------------- kept logits
+# The log-probs forward keeps the fp32 logits of the call's last kept_rows(n, V) rows for
+# its backward. The custom op's contract passes no extra tensor, so they are filed under
+# the forward's lse output (its data pointer): lse is saved for the backward, so the entry
+# lives exactly as long as that autograd graph; a finalizer on lse's storage drops it when
+# lse is freed (at once after a no-grad call, or after the backward). A backward that
+# finds no entry (lse from elsewhere, a second backward) recomputes every row.
+
+_KEPT: dict[int, tuple] = {}
+
+
+def kept_rows(n: int, v: int) -> int:
+    """Rows of fp32 logits the log-probs forward keeps for its backward (the last ones)."""
+    return min(n, settings.keep_logits_bytes() // (4 * max(v, 1)))
+
+
+def _file_kept(lse, hidden, weight, region, k):
+    key = lse.data_ptr()
+    _KEPT[key] = (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), region, k)
+    weakref.finalize(lse.untyped_storage(), _KEPT.pop, key, None)
+
+
+def _take_kept(lse, hidden, weight):
+    """(region, k) filed by the forward that returned lse, or (None, 0); taken once."""
+    entry = _KEPT.pop(lse.data_ptr(), None) if lse.numel() else None
+    if entry is None or entry[:3] != (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape)):
+        return None, 0
+    return entry[3], entry[4]
+
+
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
@@ -184,15 +217,26 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     lse = hidden.new_empty(n, dtype=acc)
     ent = hidden.new_empty(n if with_ent else 0, dtype=acc)
     c = chunk_rows(v)
-    buf = _buffer(c, n, v, hidden, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
-        z = head.logits(hidden[s:e], buf)
+    k = 0 if _low_memory(kern, weight) else kept_rows(n, v)
+    # the kept block doubles as the chunk buffer of the rows before it
+    buf = _buffer(max(k, c), n, v, hidden, acc)
+
+    def stats(z, s, e):
         lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
         logp[s:e] = lp
         lse[s:e] = ls
         if with_ent:
             ent[s:e] = en
+
+    for s in range(0, n - k, c):
+        e = min(n - k, s + c)
+        stats(head.logits(hidden[s:e], buf), s, e)
+    if k:
+        head.logits(hidden[n - k :], buf)  # one GEMM for the kept rows
+        for s in range(n - k, n, c):
+            e = min(n, s + c)
+            stats(buf[s - (n - k) : e - (n - k)], s, e)
+        _file_kept(lse, hidden, weight, buf, k)
     return logp, ent, lse
 
 
@@ -213,10 +257,14 @@ def linear_logprobs_bwd(
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     db = torch.zeros(v if bias is not None else 0, dtype=acc, device=weight.device)
     c = chunk_rows(v)
-    buf = _buffer(c, n, v, hidden, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
-        z = head.logits(hidden[s:e], buf)
+    buf, k = _take_kept(lse, hidden, weight)
+    if buf is None:
+        buf = _buffer(c, n, v, hidden, acc)
+    # the kept rows first (no recompute), then the others through the same block
+    spans = [(s, min(n, s + c), s - (n - k)) for s in range(n - k, n, c)]
+    spans += [(s, min(n - k, s + c), None) for s in range(0, n - k, c)]
+    for s, e, at in spans:
+        z = head.logits(hidden[s:e], buf) if at is None else buf[at : at + e - s]
         kern.grad_(
             z,
             labels[s:e],
