@@ -96,29 +96,31 @@ def _f32_out(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(fn(device, dtype)) if fn is not None else False
 
 
-def logprobs_forward(hidden, weight) -> torch.Tensor:
-    n, v = hidden.shape[0], weight.shape[0]
-    head = _Gemms(hidden, weight)
+def _forward(head, hidden, v):
+    """The log-probs forward's GEMMs: chunks of the rows it does not keep through the
+    block, then one GEMM of the kept rows (the driver keeps them in no-grad calls too)."""
+    n = hidden.shape[0]
     c = chunk_rows(v)
-    buf = torch.empty((min(c, n), v), dtype=torch.float32, device=hidden.device)
-    for s in range(0, n, c):
-        e = min(n, s + c)
-        head.logits(hidden[s:e], buf[: e - s])
-    return buf[0, :1].clone()  # something the call produced, as the op's log-probs
+    k = min(n, kept_rows(n, v))
+    region = torch.empty((max(k, min(c, n)), v), dtype=torch.float32, device=hidden.device)
+    for s in range(0, n - k, c):
+        e = min(n - k, s + c)
+        head.logits(hidden[s:e], region[: e - s])
+    if k:
+        head.logits(hidden[n - k :], region[:k])
+    return region, k, c
+
+
+def logprobs_forward(hidden, weight) -> torch.Tensor:
+    region, _, _ = _forward(_Gemms(hidden, weight), hidden, weight.shape[0])
+    return region[0, :1].clone()  # something the call produced, as the op's log-probs
 
 
 def logprobs_forward_backward(hidden, weight):
     """The forward GEMMs, then the backward's: kept rows without their recompute."""
     n, v = hidden.shape[0], weight.shape[0]
     head = _Gemms(hidden, weight)
-    c = chunk_rows(v)
-    k = min(n, kept_rows(n, v))
-    region = torch.empty((max(k, min(c, n)), v), dtype=torch.float32, device=hidden.device)
-    for s in range(0, n - k, c):  # rows the backward recomputes, through the scratch
-        e = min(n - k, s + c)
-        head.logits(hidden[s:e], region[: e - s])
-    if k:
-        head.logits(hidden[n - k :], region[:k])
+    region, k, c = _forward(head, hidden, v)
     dh = torch.empty_like(hidden)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     if k:
