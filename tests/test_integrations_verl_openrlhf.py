@@ -85,7 +85,7 @@ def test_openrlhf_groups_by_index_under_dynamic_batching():
     mask = torch.ones(b, t, dtype=torch.long)
     rel = torch.rand(k, b, t, generator=g)
     info = torch.ones(b, k, dtype=torch.bool)
-    index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    index = torch.arange(b)  # OpenRLHF's experience.index: rollout positions
     ordered = openrlhf.mrtpo_token_advantages_from_experience(rewards, 4, mask, rel, info)
     perm = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])  # a length-balanced reordering
     shuffled = openrlhf.mrtpo_token_advantages_from_experience(
@@ -102,7 +102,36 @@ def test_openrlhf_groups_by_index_under_dynamic_batching():
         index=[index[perm[:4]], index[perm[4:]]],
     )  # fmt: skip
     torch.testing.assert_close(torch.cat(parts), ordered[perm], rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="index"):
-        openrlhf.mrtpo_token_advantages_from_experience(
-            rewards, 4, mask, rel, info, index=index[:3]
-        )
+    for bad in (index[:3], torch.zeros(b, dtype=torch.long), index.float(), [0.0] * b):
+        with pytest.raises(ValueError, match="index"):
+            openrlhf.mrtpo_token_advantages_from_experience(rewards, 4, mask, rel, info, index=bad)
+    # group of row i is index[i] // n_samples_per_prompt
+    torch.testing.assert_close(
+        openrlhf.rollout_group_ids(index[perm], b, 4), index[perm] // 4, rtol=0, atol=0
+    )
+
+
+def test_verl_policy_loss_passes_verl_clip_settings_through():
+    # verl's actor config: clip_ratio_low falls back to clip_ratio, clip_ratio_c (the dual
+    # clip, verl's default 3) reaches linear_policy_loss; loss_agg_mode is the aggregation
+    from mrtpo_kernels import linear_logprobs, linear_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(12, 8, generator=g), torch.randn(40, 8, generator=g)
+    lab = torch.randint(0, 40, (12,), generator=g)
+    with torch.no_grad():
+        cur = linear_logprobs(h, w, lab)
+    old = cur - 4.0 * torch.rand(12, generator=g)  # ratios up to e^4: the dual clip binds
+    adv = torch.randn(12, generator=g)
+    cfg = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28, clip_ratio_c=2.5,
+               loss_agg_mode="token-mean")  # fmt: skip
+    want, wm = linear_policy_loss(h, w, lab, old, adv, clip_low=0.2, clip_high=0.28,
+                                  clip_ratio_c=2.5)  # fmt: skip
+    for config in (cfg, SimpleNamespace(**cfg)):
+        got, m = verl.policy_loss_from_hidden(h, w, lab, old, adv, config=config)
+        assert got.item() == want.item() and m["dual_clip_fraction"] > 0
+    default, _ = verl.policy_loss_from_hidden(h, w, lab, old, adv)  # verl's defaults
+    verl3, m3 = linear_policy_loss(h, w, lab, old, adv, clip_ratio_c=3.0)
+    assert default.item() == verl3.item() and m3["dual_clip_fraction"] > 0
+    off, _ = verl.policy_loss_from_hidden(h, w, lab, old, adv, clip_ratio_c=None)
+    assert off.item() != verl3.item()
