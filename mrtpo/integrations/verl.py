@@ -32,7 +32,9 @@ __all__ = [
     "REWARDS_KEY",
     "compute_mrtpo_advantage_for_batch",
     "compute_mrtpo_outcome_advantage",
+    "fused_causal_lm_forward",
     "install_compute_advantage_patch",
+    "install_fused_forward",
     "logprobs_from_hidden",
     "policy_loss_from_hidden",
     "register_with_verl",
@@ -371,3 +373,81 @@ def install_compute_advantage_patch(name: str = ESTIMATOR_NAME, *, allow_unknown
     compute_advantage.mrtpo_options = bound
     ray_trainer.compute_advantage = compute_advantage
     return compute_advantage
+
+
+def fused_causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    output_attentions=None,
+    output_hidden_states=None,
+    return_dict=None,
+    cache_position=None,
+    logits_to_keep=0,
+    temperature: float = 1.0,
+    shift_labels=None,
+    **unused,
+):
+    """A causal LM forward for verl's fused-kernel actor path, on ``linear_logprobs``.
+
+    verl's actor with ``actor_rollout_ref.model.use_fused_kernels=True`` replaces the model's
+    forward by one that returns ``log_probs`` and ``entropy`` of the next tokens (computed
+    from the last hidden states and the LM head) instead of logits, and reads those two
+    fields. This forward has the same arguments and output (verl's ``CausalLMOutputForPPO``):
+    the decoder runs as usual, then ``linear_logprobs`` gives the log-probs and entropies of
+    the labels rolled by one (``shift_labels`` when verl passes them) without the
+    (tokens, V) logits. Install it with ``install_fused_forward(model)``.
+    """
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO
+
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        cache_position=cache_position,
+    )  # fmt: skip
+    hidden = outputs[0]
+    if shift_labels is not None:
+        rolled = shift_labels
+    elif labels is not None:
+        rolled = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise ValueError("input_ids: needs input_ids, labels or shift_labels")
+    head = self.get_output_embeddings()
+    log_probs, entropy = linear_logprobs(
+        hidden, head.weight, rolled, bias=getattr(head, "bias", None), temperature=temperature,
+        return_entropy=True,
+    )  # fmt: skip
+    return CausalLMOutputForPPO(
+        log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+    )  # fmt: skip
+
+
+def install_fused_forward(model):
+    """Make verl's fused-kernel actor path compute log-probs with ``linear_logprobs``.
+
+    Call it on the actor's Hugging Face causal LM after verl's ``apply_monkey_patch`` (which,
+    with ``use_fused_kernels=True``, installs verl's own fused forward); it sets the model
+    class's forward to ``fused_causal_lm_forward``, as verl's patch does. Text models with a
+    plain ``model.model`` decoder and an unsharded LM head only (verl's vision-language
+    forwards differ). Models with logit scaling or softcapping are refused.
+    Returns the model.
+    """
+    require("verl.models.transformers.dense_common", "install_fused_forward")
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        value = getattr(config, attr, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"model: config.{attr}={value} is not supported by the fused head")
+    if not hasattr(model, "model") or model.get_output_embeddings() is None:
+        raise ValueError("model: expected a causal LM with .model (the decoder) and an LM head")
+    model.__class__.forward = fused_causal_lm_forward
+    return model
