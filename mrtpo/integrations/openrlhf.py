@@ -20,11 +20,43 @@ from .common import (
     check_shape,
     check_tensor,
     consecutive_group_ids,
-    group_ids_from_index,
     padded_token_advantages,
 )
 
-__all__ = ["mrtpo_token_advantages_for_experiences", "mrtpo_token_advantages_from_experience"]
+__all__ = [
+    "mrtpo_token_advantages_for_experiences",
+    "mrtpo_token_advantages_from_experience",
+    "rollout_group_ids",
+]
+
+
+def rollout_group_ids(index, batch_size: int, n_samples_per_prompt: int) -> torch.Tensor:
+    """(B,) group ids from OpenRLHF's ``experience.index`` (rollout positions).
+
+    OpenRLHF samples ``n_samples_per_prompt`` consecutive responses per prompt and numbers
+    the rollout samples 0 .. B-1 in that order; its group norm puts the rewards back in that
+    order (``rewards[indices] = ...``) and groups rows of ``n_samples_per_prompt``. So row i
+    belongs to group ``index[i] // n_samples_per_prompt``. ``index`` must hold each of
+    0 .. batch_size-1 once (a list, numpy array or integer tensor).
+    """
+    consecutive_group_ids(batch_size, n_samples_per_prompt)  # checks the group size
+    if isinstance(index, torch.Tensor):
+        if index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() != 1:
+            raise ValueError(
+                f"index: expected a 1-D integer tensor, got {index.dtype} {tuple(index.shape)}"
+            )
+        keys = index.tolist()
+    else:
+        keys = list(index.tolist() if hasattr(index, "tolist") else index)
+    if any(isinstance(k, bool) or not isinstance(k, int) for k in keys):
+        raise ValueError("index: expected integer rollout positions (experience.index)")
+    if sorted(keys) != list(range(batch_size)):
+        raise ValueError(
+            f"index: expected each rollout position 0 .. {batch_size - 1} once (OpenRLHF's "
+            f"experience.index over the whole step), got {len(keys)} entries"
+            + (f" with min {min(keys)}, max {max(keys)}" if keys else "")
+        )
+    return torch.tensor(keys, dtype=torch.long) // n_samples_per_prompt
 
 
 @torch.no_grad()
@@ -56,10 +88,12 @@ def mrtpo_token_advantages_from_experience(
         has_info: (B, K) bool, whether reward k's verifier names spans of sample i's prompt.
         reward_weights, alpha, gamma, eps, eps_batch, batch_norm, delta, clip, nan: as in
             ``mrtpo_token_advantages``.
-        index: optional (B,) prompt index of each sample (OpenRLHF's ``experience.index``).
-            With ``--dynamic_batch_enable`` OpenRLHF reorders samples into length-balanced
-            micro-batches, so consecutive rows are not groups; pass the index then, and
-            samples are grouped by it (as OpenRLHF's own group norm does).
+        index: optional (B,) position of each row in the rollout order, OpenRLHF's
+            ``experience.index`` (``split_rollout_samples`` numbers the rollout samples
+            0 .. B-1 before it batches them). With ``--dynamic_batch_enable`` it reorders
+            samples into length-balanced micro-batches, so consecutive rows are not groups;
+            pass the index then: row i belongs to group ``index[i] // n_samples_per_prompt``,
+            as in OpenRLHF's own group norm. It must hold each of 0 .. B-1 once.
 
     Returns:
         (B, T) token advantages (float32, float64 for float64 rewards), 0 where
@@ -69,12 +103,8 @@ def mrtpo_token_advantages_from_experience(
     if index is None:
         group_ids = consecutive_group_ids(rewards.shape[0], n_samples_per_prompt, rewards.device)
     else:
-        group_ids = group_ids_from_index(index, device=rewards.device)
-        if group_ids.shape[0] != rewards.shape[0]:
-            raise ValueError(
-                f"index: expected {rewards.shape[0]} entries (one per sample), "
-                f"got {group_ids.shape[0]}"
-            )
+        group_ids = rollout_group_ids(index, rewards.shape[0], n_samples_per_prompt)
+        group_ids = group_ids.to(rewards.device)
     return padded_token_advantages(
         rewards, group_ids, action_mask, relevance, has_info,
         mask_name="action_mask", weights=reward_weights, alpha=alpha, gamma=gamma, eps=eps,
@@ -100,7 +130,7 @@ def mrtpo_token_advantages_for_experiences(
     concatenates their rewards) and split back. ``options`` as in
     ``mrtpo_token_advantages_from_experience``.
 
-    ``index``: optional, one (B_j,) prompt index per experience (``experience.index``);
+    ``index``: optional, one list of rollout positions per experience (``experience.index``);
     required in effect under dynamic batching, where consecutive rows are not groups.
 
     Returns one (B_j, A_j) tensor per experience.
