@@ -9,7 +9,7 @@ BUILT := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup build run test test-fast lint bench gpu-check clean
+.PHONY: setup build run test test-fast test-frameworks lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,23 @@ test: $(BUILT)
 
 test-fast: $(BUILT)
 	$(PY) -m pytest -q -x -m "not slow"
+
+# verl and OpenRLHF pin other transformers versions than the project: their tests run in a
+# venv of their own (docs/integrations.md, "Tested inside the frameworks").
+FVENV ?= .venv-frameworks
+FPY := $(FVENV)/bin/python
+FDEPS := $(FVENV)/.deps-installed
+FREQ := tests/frameworks/requirements.txt
+
+$(FDEPS): $(FREQ)
+	test -x $(FPY) || $(PYTHON) -m venv $(FVENV)
+	$(FPY) -m pip install -q --no-deps $$(grep -E '^(torch|numpy)==' $(FREQ)) setuptools==84.2.1
+	$(FPY) -m pip install -q --no-deps --no-build-isolation -r $(FREQ)
+	touch $@
+
+test-frameworks: $(FDEPS)
+	PYTHONPATH=. $(FPY) -m pytest -q -ra -o addopts= -p no:cacheprovider -W ignore::UserWarning \
+		-W ignore::FutureWarning -W ignore::DeprecationWarning tests/frameworks
 
 lint: $(DEPS)
 	$(PY) -m ruff check .

@@ -46,8 +46,6 @@ def teacher_batch(
         raise ValueError(
             f"responses: expected one per prompt ({len(prompts)}), got {len(responses)}"
         )
-    if any(len(r) == 0 for r in responses):
-        raise ValueError("responses: every response needs at least one token")
     b = len(prompts)
     p_width = max(len(p) for p in prompts)
     r_width = max(len(r) for r in responses)
@@ -59,7 +57,7 @@ def teacher_batch(
         ids[i, p_width : p_width + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
         mask[i, p_width - len(p) : p_width + len(r)] = 1
         rmask[i, : len(r)] = True
-    labels = torch.cat([torch.as_tensor(list(r), dtype=torch.long) for r in responses])
+    labels = torch.as_tensor([t for r in responses for t in r], dtype=torch.long)
     return TeacherBatch(
         ids.to(device), mask.to(device), rmask.to(device), labels.to(device), p_width
     )
@@ -97,11 +95,10 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
         raise ValueError(
             f"responses: expected one per prompt ({len(prompts)}), got {len(responses)}"
         )
-    if any(len(r) == 0 for r in responses):
-        raise ValueError("responses: every response needs at least one token")
     rows_of: dict[tuple, list[int]] = {}
     for r, p in enumerate(prompts):
-        rows_of.setdefault(tuple(p), []).append(r)
+        if len(responses[r]):  # an empty response (e.g. a masked truncation) has no rows
+            rows_of.setdefault(tuple(p), []).append(r)
     keys = list(rows_of)
     chunks, cur, n_rows = [], [], 0
     for key in keys:
@@ -153,7 +150,9 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
         for j, r in enumerate(rows):
             t = len(responses[r])
             per_row[r] = torch.cat([last[j : j + 1], tail[j, : t - 1]])
-    return torch.cat(per_row)
+    weight = lm_head(model)[0]
+    empty = weight.new_empty((0, weight.shape[1]))
+    return torch.cat([empty if h is None else h for h in per_row])
 
 
 @dataclass
@@ -222,7 +221,9 @@ def contrastive_replay(
     Args:
         prompt_texts: (n,) raw prompt contents (the coordinates of ``spans``).
         prompt_ids: (n,) templated prompt token ids (with all information).
-        responses: (n,) response token ids (T_i >= 1 each).
+        responses: (n,) response token ids (T_i >= 0 each; an empty response, such as a
+            truncated completion that TRL masks, gets no rows in the (K, N) results and
+            no replay).
         spans: (n, K) per response and reward, the prompt spans its verdict names.
         control: optional (n,) per response a prompt span no verifier checks
             (``control_span``); its removal is replayed too and ``control`` holds the (N,)
@@ -238,7 +239,12 @@ def contrastive_replay(
     hidden_p = forward_shared_prompts(
         model, prompt_ids, responses, pad_id, micro_batch=micro_batch, device=device
     )
-    labels = torch.cat([torch.as_tensor(list(r), dtype=torch.long) for r in responses]).to(device)
+    labels = torch.as_tensor([t for r in responses for t in r], dtype=torch.long).to(device)
+    if labels.numel() == 0:  # every response empty: no token rows, nothing to replay
+        empty = hidden_p.new_zeros((0,), dtype=torch.float32)
+        rel = hidden_p.new_zeros((k, 0), dtype=torch.float32) if replay and k else None
+        ctrl = empty if replay and k and control is not None else None
+        return ReplayResult(hidden_p, empty, rel, 0, ctrl)
     old = linear_logprobs(hidden_p, weight, labels, bias=bias, temperature=temperature)
     if not replay or k == 0:
         return ReplayResult(hidden_p, old, None, 0)
@@ -252,9 +258,9 @@ def contrastive_replay(
     jobs, cache = [], {}
     for i in range(n):
         for j in range(k):
-            if spans[i][j]:
+            if spans[i][j] and lengths[i]:  # nothing to replay for an empty response
                 jobs.append((i, j, prompt_without(prompter, prompt_texts[i], spans[i][j], cache)))
-        if control is not None and control[i]:
+        if control is not None and control[i] and lengths[i]:
             jobs.append((i, k, prompt_without(prompter, prompt_texts[i], control[i], cache)))
     if jobs:
         # replays of one prompt without the same spans share its key/value cache
