@@ -8,9 +8,11 @@ it (bench/summary.py: the ratio of each provider to the floor).
 
 GEMMs per token chunk (N d V multiply-adds each):
     log-probs forward (with or without entropy)   1
-    log-probs forward + backward                  1 + 3 (recompute, dH, dW) for the rows
-                                                  the forward did not keep, 1 + 2 for the
-                                                  rows it kept (MRTPO_KEEP_LOGITS_BYTES)
+    log-probs forward + backward                  1 + 3 (recompute, dH, dW) per span of
+                                                  the rows the forward did not keep, 1 + 2
+                                                  for the block it kept
+                                                  (MRTPO_KEEP_LOGITS_BYTES; spans and block
+                                                  as _chunked.logprobs_spans)
     policy loss forward + backward                3 (logits, dH, dW)
     JS one-vs-K                                   1 GEMM of the stacked (1 + K) C rows
     credit-assignment step                        JS one-vs-K, then the policy loss
@@ -96,19 +98,30 @@ def _f32_out(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(fn(device, dtype)) if fn is not None else False
 
 
+def _spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
+    """The driver's GEMM spans of the rows it does not keep (chunks where it has no plan)."""
+    from mrtpo_kernels.backends import _chunked
+
+    fn = getattr(_chunked, "logprobs_spans", None)
+    if fn is not None:
+        return fn(n, v, k)
+    c = chunk_rows(v)
+    return [(s, min(n - k, s + c)) for s in range(0, n - k, c)]
+
+
 def _forward(head, hidden, v):
-    """The log-probs forward's GEMMs: chunks of the rows it does not keep through the
+    """The log-probs forward's GEMMs: the spans of the rows it does not keep through the
     block, then one GEMM of the kept rows (the driver keeps them in no-grad calls too)."""
     n = hidden.shape[0]
-    c = chunk_rows(v)
     k = min(n, kept_rows(n, v))
-    region = torch.empty((max(k, min(c, n)), v), dtype=torch.float32, device=hidden.device)
-    for s in range(0, n - k, c):
-        e = min(n - k, s + c)
+    spans = _spans(n, v, k)
+    rows = max([k] + [e - s for s, e in spans])
+    region = torch.empty((rows, v), dtype=torch.float32, device=hidden.device)
+    for s, e in spans:
         head.logits(hidden[s:e], region[: e - s])
     if k:
         head.logits(hidden[n - k :], region[:k])
-    return region, k, c
+    return region, k, spans
 
 
 def logprobs_forward(hidden, weight) -> torch.Tensor:
@@ -120,16 +133,13 @@ def logprobs_forward_backward(hidden, weight):
     """The forward GEMMs, then the backward's: kept rows without their recompute."""
     n, v = hidden.shape[0], weight.shape[0]
     head = _Gemms(hidden, weight)
-    region, k, c = _forward(head, hidden, v)
+    region, k, spans = _forward(head, hidden, v)
     dh = torch.empty_like(hidden)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     if k:
-        for s in range(n - k, n, c):
-            e = min(n, s + c)
-            z = region[s - (n - k) : e - (n - k)]
-            head.backward(head.grad_view(z), hidden[s:e], dh[s:e], dw)
-    for s in range(0, n - k, c):
-        e = min(n - k, s + c)
+        z = region[:k]
+        head.backward(head.grad_view(z), hidden[n - k :], dh[n - k :], dw)
+    for s, e in spans:
         z = head.logits(hidden[s:e], region[: e - s])
         head.backward(head.grad_view(z), hidden[s:e], dh[s:e], dw)
     return [dh, dw.to(weight.dtype)]

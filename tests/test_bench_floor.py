@@ -159,11 +159,11 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
             mk.linear_logprobs(h32, w32, y, backend=backend)
         gc.collect()
         assert not _chunked._KEPT
-    chunks = -(-N // 7)
-    assert counts[0] == 4 * chunks  # forward 1, backward 3 per chunk
-    # 27 recomputed rows: 4 chunks (1 + 3 GEMMs); 13 kept: 1 forward GEMM, 2 chunks of 2
-    assert counts[13] == 4 * 4 + 1 + 2 * 2
-    assert counts[100] == 1 + 2 * chunks  # one forward GEMM, no recompute
+    assert counts[0] == 4 * 6  # 6 spans of <= 7 rows: forward 1, backward 3 each
+    # 13 kept rows: one GEMM forward, 2 backward; the 27 others in 3 spans of 9 rows (the
+    # kept block, 13 rows, is the span limit), 1 + 3 GEMMs each
+    assert counts[13] == 1 + 2 + 3 * 4
+    assert counts[100] == 1 + 2  # all 40 rows kept: no recompute
 
 
 def test_keep_logits_setting_is_read():

@@ -9,7 +9,8 @@ when it is not fp32, and the fp32 weight-gradient accumulator), never O(N x V).
 
 GEMM count per chunk (N d V multiply-adds each):
     log-probs forward 1; log-probs backward 3 (recompute, dH, dW), 2 for the last rows of
-    the call, whose logits the forward keeps (MRTPO_KEEP_LOGITS_BYTES, see kept_rows);
+    the call, whose logits the forward keeps (MRTPO_KEEP_LOGITS_BYTES, see kept_rows; the
+    kept block also sets the GEMM span of the other rows, see logprobs_spans);
     policy loss (forward with gradient) 3; JS one-vs-K 1 + K.
 
 A chunk kernel ``kern`` provides:
@@ -194,6 +195,19 @@ def kept_rows(n: int, v: int) -> int:
     return min(n, settings.keep_logits_bytes() // (4 * max(v, 1)))
 
 
+def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
+    """The GEMM spans of the first n - k rows (the last k are kept): balanced, at most
+    max(chunk_rows, k) rows each, so that a kept block also makes the GEMMs of the other
+    rows larger (fewer passes over W and the fp32 dW). The row kernels still run on
+    slices of at most chunk_rows rows."""
+    m = n - k
+    if m <= 0:
+        return []
+    parts = -(-m // max(chunk_rows(v), k))
+    step = -(-m // parts)
+    return [(s, min(m, s + step)) for s in range(0, m, step)]
+
+
 def _file_kept(lse, hidden, weight, region, k):
     key = lse.data_ptr()
     _KEPT[key] = (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), region, k)
@@ -218,24 +232,23 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     ent = hidden.new_empty(n if with_ent else 0, dtype=acc)
     c = chunk_rows(v)
     k = 0 if _low_memory(kern, weight) else kept_rows(n, v)
-    # the kept block doubles as the chunk buffer of the rows before it
-    buf = _buffer(max(k, c), n, v, hidden, acc)
+    spans = logprobs_spans(n, v, k)
+    # the kept block doubles as the buffer of the spans before it
+    buf = _buffer(max([k] + [e - s for s, e in spans]), n, v, hidden, acc)
 
-    def stats(z, s, e):
-        lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
-        logp[s:e] = lp
-        lse[s:e] = ls
-        if with_ent:
-            ent[s:e] = en
+    def stats(z, s, e):  # the kernel on slices of at most c rows of the span's logits z
+        for a in range(s, e, c):
+            b = min(e, a + c)
+            lp, en, ls = kern.stats(z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent)
+            logp[a:b] = lp
+            lse[a:b] = ls
+            if with_ent:
+                ent[a:b] = en
 
-    for s in range(0, n - k, c):
-        e = min(n - k, s + c)
+    for s, e in spans:
         stats(head.logits(hidden[s:e], buf), s, e)
     if k:
-        head.logits(hidden[n - k :], buf)  # one GEMM for the kept rows
-        for s in range(n - k, n, c):
-            e = min(n, s + c)
-            stats(buf[s - (n - k) : e - (n - k)], s, e)
+        stats(head.logits(hidden[n - k :], buf), n - k, n)  # one GEMM for the kept rows
         _file_kept(lse, hidden, weight, buf, k)
     return logp, ent, lse
 
@@ -258,25 +271,31 @@ def linear_logprobs_bwd(
     db = torch.zeros(v if bias is not None else 0, dtype=acc, device=weight.device)
     c = chunk_rows(v)
     buf, k = _take_kept(lse, hidden, weight)
+    spans = logprobs_spans(n, v, k)
     if buf is None:
-        buf = _buffer(c, n, v, hidden, acc)
-    # the kept rows first (no recompute), then the others through the same block
-    spans = [(s, min(n, s + c), s - (n - k)) for s in range(n - k, n, c)]
-    spans += [(s, min(n - k, s + c), None) for s in range(0, n - k, c)]
-    for s, e, at in spans:
-        z = head.logits(hidden[s:e], buf) if at is None else buf[at : at + e - s]
-        kern.grad_(
-            z,
-            labels[s:e],
-            lse[s:e],
-            None if ent is None else ent[s:e],
-            g_logp[s:e],
-            None if g_ent is None else g_ent[s:e],
-            inv_t,
-            ignore_index,
-            **_kern_out(kern, head, z),
-        )
+        buf = _buffer(max(e - s for s, e in spans), n, v, hidden, acc)
+
+    def grad(z, s, e):  # dL/dz in place by slices of at most c rows, then dh, dW for the span
+        for a in range(s, e, c):
+            b = min(e, a + c)
+            za = z[a - s : b - s]
+            kern.grad_(
+                za,
+                labels[a:b],
+                lse[a:b],
+                None if ent is None else ent[a:b],
+                g_logp[a:b],
+                None if g_ent is None else g_ent[a:b],
+                inv_t,
+                ignore_index,
+                **_kern_out(kern, head, za),
+            )
         head.backward(head.grad_view(z), hidden[s:e], dh[s:e], dw, db if bias is not None else None)
+
+    if k:  # the kept rows first (no recompute), then the others through the same block
+        grad(buf[:k], n - k, n)
+    for s, e in spans:
+        grad(head.logits(hidden[s:e], buf), s, e)
     return dh, dw, db
 
 
