@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", nargs="+", help="subset of the preset's providers")
     ap.add_argument("--N", nargs="+", type=int, dest="ns", help="token counts")
     ap.add_argument("--d", nargs="+", type=int, dest="ds", help="hidden sizes")
+    ap.add_argument("--K", nargs="+", type=int, dest="ks", help="JS Q streams (default: preset)")
     ap.add_argument("--out", help="output folder (default bench/results/<preset>-<date>)")
     ap.add_argument("--csv", help="CSV to append to (default <out>/results.csv)")
     ap.add_argument("--md", help="Markdown summary (default: the CSV path with .md)")
@@ -114,7 +115,9 @@ def main(argv=None) -> int:
             args.preset = "cpu"
     preset = PRESETS[args.preset]
     try:
-        specs = cells(preset, args.ops, args.providers, args.ns, args.ds, args.repeats, args.seed)
+        specs = cells(
+            preset, args.ops, args.providers, args.ns, args.ds, args.repeats, args.seed, args.ks
+        )
     except ValueError as exc:
         print(f"python -m bench: {exc}", file=sys.stderr)
         return 2

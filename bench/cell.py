@@ -104,6 +104,7 @@ def run_cell(spec: dict) -> dict:
             small.clear_grads()
             warmup_fn = small = None
             gc.collect()
+        load0 = os.getloadavg()[0]
         res = measure(
             fn,
             device,
@@ -140,6 +141,8 @@ def run_cell(spec: dict) -> dict:
         gb_per_s=formulas.advantage_bytes(n, k) / secs / 1e9 if op == "advantages" else None,
         peak_mem_mb=res["peak_bytes"] / MB,
         extra_mem_mb=res["extra_bytes"] / MB,
+        cpu_ms_p50=res["cpu_ms_p50"],
+        load_avg=f"{load0:.2f}/{os.getloadavg()[0]:.2f}",
     )
     if res["peak_method"] != "VmHWM reset" and device.type == "cpu":
         row["note"] = _join(f"peak by {res['peak_method']}", row["note"])

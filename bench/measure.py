@@ -1,7 +1,9 @@
 """Timing and memory of one cell.
 
 Time: wall clock per call (CPU), CUDA events around each call after a synchronize (GPU);
-the median with the 20th and 80th percentiles over the repeats, after warm-up.
+the median with the 20th and 80th percentiles over the repeats, after warm-up. On the CPU
+also the median process CPU time per call (all threads; cpu_ms_p50): on a machine shared
+with other jobs the wall time stretches with the load, the CPU time much less.
 
 Memory, measured over the timed calls only:
     CPU: process peak RSS. The kernel's high-water mark (VmHWM) is reset to the current RSS
@@ -108,7 +110,7 @@ def measure(
     else:
         baseline = rss_bytes()
         peak_method = "VmHWM reset" if reset_peak_rss() else "ru_maxrss since start"
-    times, out_bytes = [], 0
+    times, cpu_times, out_bytes = [], [], 0
     for _ in range(repeats):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -119,9 +121,10 @@ def measure(
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end))
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = fn()
             times.append((time.perf_counter() - t0) * 1e3)
+            cpu_times.append((time.process_time() - c0) * 1e3)
         out_bytes = max(out_bytes, output_bytes(out))
         del out
         if after_call is not None:
@@ -135,5 +138,6 @@ def measure(
         extra_bytes=max(0, peak - baseline - out_bytes),
         peak_method=peak_method,
         times_ms=times,
+        cpu_ms_p50=statistics.median(cpu_times) if cpu_times else None,
     )
     return res

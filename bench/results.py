@@ -29,6 +29,8 @@ COLUMNS = (
     "extra_mem_mb",
     "status",
     "note",
+    "cpu_ms_p50",
+    "load_avg",
 )
 
 # status values: ok (measured), estimated (would not fit: memory columns hold the estimate),

@@ -105,7 +105,14 @@ PRESETS = {
 
 
 def cells(
-    preset: Preset, ops=None, providers=None, ns=None, ds=None, repeats=None, seed: int = 0
+    preset: Preset,
+    ops=None,
+    providers=None,
+    ns=None,
+    ds=None,
+    repeats=None,
+    seed: int = 0,
+    js_ks=None,
 ) -> list[dict]:
     """Cell specs: ops x shapes x providers (providers innermost, so that rows compared in
     the table are measured one after the other)."""
@@ -126,7 +133,7 @@ def cells(
             shapes = [(nr * t, 0, 0, k, nr)]
         else:
             ks = (
-                preset.js_ks
+                tuple(js_ks or preset.js_ks)
                 if op == "linear_js_distance"
                 else ((preset.step_k,) if op == "credit_assignment_step" else (0,))
             )

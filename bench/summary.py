@@ -41,13 +41,25 @@ def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     """a[key] / b[key] when both rows carry the figure (memory may be an estimate)."""
     if a is None or b is None:
         return None
-    ok = ("ok",) if key.startswith("ms") else ("ok", "estimated")
+    ok = ("ok",) if key.startswith(("ms", "cpu_ms")) else ("ok", "estimated")
     if a.get("status") not in ok or b.get("status") not in ok:
         return None
     x, y = num(a, key), num(b, key)
     if x is None or y is None or y <= 0:
         return None
     return x / y
+
+
+def _join_note(r: dict) -> str:
+    """The note, with the CPU time per call and the 1-min load average (start/end of the
+    timed calls) where measured."""
+    extra = []
+    cpu = num(r, "cpu_ms_p50")
+    if cpu is not None and r.get("status") == "ok":
+        extra.append(f"CPU time {_f(cpu)} ms")
+    if r.get("load_avg"):
+        extra.append(f"load {r['load_avg']}")
+    return "; ".join([p for p in (r.get("note", ""),) if p] + extra)
 
 
 def results_table(rows: list[dict]) -> list[str]:
@@ -79,7 +91,7 @@ def results_table(rows: list[dict]) -> list[str]:
                 f"| {r['op']} | {r['d']} | {r['N']} | {r['K']} | {prov} | {timing} | {rate_s} "
                 f"| {_f(num(r, 'peak_mem_mb'), 4)}{est} | {_f(num(r, 'extra_mem_mb'), 4)}{est} "
                 f"| {_f(t_ratio)} | {_f(m_ratio)} | {_f(f_ratio)} | {r['status']} "
-                f"| {r.get('note', '')} |"
+                f"| {_join_note(r)} |"
             )
     return lines
 
@@ -175,7 +187,7 @@ def cpu_targets(rows: list[dict], fused: str = "mrtpo-cpu") -> list[str]:
 def floor_table(rows: list[dict]) -> list[str]:
     """Each provider's time as a multiple of the op's GEMM floor, same run."""
     lines = [
-        "| op | d | N | K | dtype | gemm-floor ms | " + "provider: time / floor |",
+        "| op | d | N | K | dtype | gemm-floor ms | provider: time / floor (CPU time / floor) |",
         "|---|---|---|---|---|---|---|",
     ]
     n = 0
@@ -184,11 +196,13 @@ def floor_table(rows: list[dict]) -> list[str]:
         fms = num(floor, "ms_p50") if floor is not None and floor["status"] == "ok" else None
         if fms is None:
             continue
-        parts = [
-            f"{prov} {_f(ratio(r, floor, 'ms_p50'))}x"
-            for prov, r in provs.items()
-            if prov != FLOOR and ratio(r, floor, "ms_p50") is not None
-        ]
+        parts = []
+        for prov, r in provs.items():
+            t = ratio(r, floor, "ms_p50") if prov != FLOOR else None
+            if t is None:
+                continue
+            c = ratio(r, floor, "cpu_ms_p50")
+            parts.append(f"{prov} {_f(t)}x" + (f" (CPU time {_f(c)}x)" if c is not None else ""))
         lines.append(f"| {op} | {d} | {nn} | {k} | {dtype} | {_f(fms)} | {', '.join(parts)} |")
         n += 1
     return lines if n else ["(no gemm-floor row measured)"]
@@ -202,7 +216,9 @@ def cpu_peer_targets(rows: list[dict], fused: str = "mrtpo-cpu", n: int = 2048) 
     a, c = _find(rows, op, fused, n, None, 896), _find(rows, op, "cce", n, None, 896)
     t, m = ratio(a, c, "ms_p50"), ratio(a, c, "extra_mem_mb")
     out = [
-        _verdict(f"N={n} {op}: time {fused} / cce <= 1", t, lambda x: x <= 1.0, f"{_f(t)}x"),
+        _verdict(
+            f"N={n} {op}: time {fused} / cce <= 1", t, lambda x: x <= 1.0, f"{_f(t)}x" + _cpu(a, c)
+        ),
         _verdict(
             f"N={n} {op}: extra memory {fused} / cce <= 1/3", m, lambda x: x <= 1 / 3, f"{_f(m)}"
         ),
@@ -212,10 +228,18 @@ def cpu_peer_targets(rows: list[dict], fused: str = "mrtpo-cpu", n: int = 2048) 
     t = ratio(a, f, "ms_p50")
     out.append(
         _verdict(
-            f"N={n} {js} K=4: time {fused} / gemm-floor <= 1.2", t, lambda x: x <= 1.2, f"{_f(t)}x"
-        )  # fmt: skip
+            f"N={n} {js} K=4: time {fused} / gemm-floor <= 1.2",
+            t,
+            lambda x: x <= 1.2,
+            f"{_f(t)}x" + _cpu(a, f),
+        )
     )
     return out
+
+
+def _cpu(a, b) -> str:
+    c = ratio(a, b, "cpu_ms_p50")
+    return "" if c is None else f" (CPU time {_f(c)}x)"
 
 
 def gpu_targets(rows: list[dict]) -> list[str]:

@@ -106,8 +106,12 @@ def test_summary_shows_floor_ratio_and_issue12_verdicts():
         _row(js, "mrtpo-cpu", 2048, 4, 130.0, 300.0),
         _row(js, "gemm-floor", 2048, 4, 100.0, 300.0),
     ]
+    rows[0]["cpu_ms_p50"], rows[1]["cpu_ms_p50"] = "120", "150"
+    rows[0]["load_avg"] = "2.50/3.00"
     text = "\n".join(summary.cpu_peer_targets(rows))
     assert "- PASS N=2048 linear_logprobs_fwd_bwd: time mrtpo-cpu / cce <= 1: 0.966x" in text
+    assert "(CPU time 0.8x)" in text
+    assert "CPU time 120 ms; load 2.50/3.00 |" in "\n".join(summary.results_table(rows))
     assert "- PASS N=2048 linear_logprobs_fwd_bwd: extra memory mrtpo-cpu / cce <= 1/3" in text
     assert "- FAIL N=2048 linear_js_distance K=4: time mrtpo-cpu / gemm-floor <= 1.2: 1.3x" in text
     floor = "\n".join(summary.floor_table(rows))
