@@ -1,6 +1,6 @@
 """The ``gemm-floor`` provider: the LM-head GEMMs an op needs, with no row work.
 
-Each op runs the GEMMs of our chunk driver (mrtpo_kernels/backends/_chunked.py) at its
+Each op runs the GEMMs of our chunk driver (its plan: mrtpo_kernels.stages) at its
 chunk sizes, into one reused buffer, and nothing else: no max, no exp, no gradient of the
 logits (the backward GEMMs read whatever the buffer holds). Its time is the physical
 limit of the op on this device at this shape, so every table shows the op's time beside
@@ -12,7 +12,7 @@ GEMMs per token chunk (N d V multiply-adds each):
                                                   the rows the forward did not keep, 1 + 2
                                                   for the block it kept
                                                   (MRTPO_KEEP_LOGITS_BYTES; spans and block
-                                                  as _chunked.logprobs_spans)
+                                                  as stages.logprobs_spans)
     policy loss forward + backward                3 (logits, dH, dW)
     JS one-vs-K                                   1 GEMM of the stacked (1 + K) C rows
     credit-assignment step                        JS one-vs-K, then the policy loss
@@ -31,32 +31,28 @@ class Unsupported(Exception):
     pass
 
 
-def _settings():
-    from mrtpo_kernels import settings
-
-    return settings
-
-
 def chunk_rows(v: int, streams: int = 1) -> int:
     """The chunk driver's rows per chunk (its own function, so the two cannot drift)."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels import stages
 
-    return _chunked.chunk_rows(v, streams)
+    return stages.chunk_rows(v, streams)
 
 
 def kept_rows(n: int, v: int) -> int:
     """Rows whose logits the log-probs forward keeps for the backward (0 where the driver
     has no such setting)."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels import stages
 
-    fn = getattr(_chunked, "kept_rows", None)
+    fn = getattr(stages, "kept_rows", None)
     return 0 if fn is None else int(fn(n, v))
 
 
 def js_chunk_rows(v: int, k: int) -> int:
     """Tokens per chunk of the stacked JS GEMM: (1 + K) fp32 rows of V per token in the
     JS scratch budget (MRTPO_JS_SCRATCH_BYTES)."""
-    return max(1, _settings().js_scratch_bytes() // (4 * v * (1 + k)))
+    from mrtpo_kernels import stages
+
+    return stages.js_chunk_rows(v, k)
 
 
 class _Gemms:
@@ -92,17 +88,17 @@ class _Gemms:
 
 
 def _f32_out(device: torch.device, dtype: torch.dtype) -> bool:
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels import stages
 
-    fn = getattr(_chunked, "f32_out_supported", None)
+    fn = getattr(stages, "f32_out_supported", None)
     return bool(fn(device, dtype)) if fn is not None else False
 
 
 def _spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     """The driver's GEMM spans of the rows it does not keep (chunks where it has no plan)."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels import stages
 
-    fn = getattr(_chunked, "logprobs_spans", None)
+    fn = getattr(stages, "logprobs_spans", None)
     if fn is not None:
         return fn(n, v, k)
     c = chunk_rows(v)

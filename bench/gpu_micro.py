@@ -7,9 +7,11 @@ costs at the target shape, before the full benchmark runs.
    entropy and the backward) and ``linear_policy_loss`` on backend "triton" against the
    float64 references (on the GPU); a failure is printed and saved, nothing is timed.
 2. cuBLAS at the exact chunk shapes of the driver (C = rows per chunk from
-   MRTPO_CHUNK_BYTES): logits h_c W^T (fp32 out), dh_c = G W, dW += G^T h_c (fp32
-   accumulator), and the plain bf16 GEMM of the whole op (N x d x V) for the ceiling.
-3. each Triton row kernel alone on one fp32 chunk: stats, grad_, policy_, js_many (K = 4).
+   MRTPO_CHUNK_BYTES, as mrtpo_kernels.stages plans them): logits h_c W^T (fp32 out),
+   dh_c = G W, dW += G^T h_c (fp32 accumulator), and the plain bf16 GEMM of the whole op
+   (N x d x V) for the ceiling.
+3. each Triton row kernel alone on one fp32 chunk (``stages.row_kernel("triton")``):
+   stats, grad_, policy_, js_many (K = 4).
 Prints one line per figure and writes them all to the JSON file.
 """
 
@@ -72,9 +74,9 @@ def correctness(torch, mk, ref, v, d, rows=512):
     return out
 
 
-def gemms(torch, chunked, n, d, v):
+def gemms(torch, stages, n, d, v):
     dev = "cuda"
-    c = chunked.chunk_rows(v)
+    c = stages.chunk_rows(v)
     bf = torch.bfloat16
     h = torch.randn(c, d, device=dev, dtype=bf)
     w = torch.randn(v, d, device=dev, dtype=bf) * d**-0.5
@@ -83,21 +85,21 @@ def gemms(torch, chunked, n, d, v):
     dh = torch.empty(c, d, device=dev, dtype=bf)
     dw = torch.zeros(v, d, device=dev)
     fl = 2 * c * d * v
-    f32 = chunked.f32_out_supported(torch.device(dev), bf)
+    f32 = stages.f32_out_supported(torch.device(dev), bf)
     res = {"chunk_rows": c, "out_dtype_f32": f32}
     if f32:
-        res["logits_tflops"] = fl / _timer(torch, lambda: chunked._mm_f32(h, w.t(), z)) / 1e12
+        res["logits_tflops"] = fl / _timer(torch, lambda: stages.mm_f32(h, w.t(), z)) / 1e12
         res["dh_tflops"] = fl / _timer(torch, lambda: torch.mm(g16, w, out=dh)) / 1e12
-        res["dw_tflops"] = fl / _timer(torch, lambda: chunked._addmm_f32(dw, g16.t(), h)) / 1e12
+        res["dw_tflops"] = fl / _timer(torch, lambda: stages.addmm_f32(dw, g16.t(), h)) / 1e12
     hb = torch.randn(n, d, device=dev, dtype=bf)
     res["full_bf16_gemm_tflops"] = 2 * n * d * v / _timer(torch, lambda: hb @ w.t(), 3) / 1e12
     return res
 
 
-def row_kernels(torch, rows_mod, chunked, v):
+def row_kernels(torch, stages, v):
     dev = "cuda"
-    c = chunked.chunk_rows(v)
-    k = rows_mod.TritonRowKernel
+    c = stages.chunk_rows(v)
+    k = stages.row_kernel("triton")
     z = torch.randn(c, v, device=dev) * 2
     lab = torch.randint(0, v, (c,), device=dev)
     one = torch.ones(c, device=dev)
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
 
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as ref
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels import stages
 
     if args.dry_run:
         print(f"gpu_micro: would measure N={args.n} d={args.d} V={args.v} into {args.out}")
@@ -142,8 +144,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
-    from mrtpo_kernels.triton import rows as rows_mod
-
     result = {"shape": {"N": args.n, "d": args.d, "V": args.v}, "torch": torch.__version__}
 
     def save():
@@ -152,8 +152,8 @@ def main(argv=None) -> int:
 
     for name, fn in (
         ("correctness_512", lambda: correctness(torch, mk, ref, args.v, args.d)),
-        ("cublas", lambda: gemms(torch, _chunked, args.n, args.d, args.v)),
-        ("row_kernels", lambda: row_kernels(torch, rows_mod, _chunked, args.v)),
+        ("cublas", lambda: gemms(torch, stages, args.n, args.d, args.v)),
+        ("row_kernels", lambda: row_kernels(torch, stages, args.v)),
     ):
         t0 = time.time()
         try:

@@ -78,3 +78,118 @@ def test_f32_out_probe_on_cpu_is_false_or_exact():
     except (RuntimeError, TypeError, NotImplementedError):
         exists = False
     assert got == exists
+
+
+# --------------------------------------------------------------------------- the public plan
+
+_GEMM_EVENTS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def _gemms_run(fn) -> tuple[int, int]:
+    """(GEMM calls, their FLOPs) of fn() as the profiler sees them."""
+    import torch
+
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    ev = [e for e in prof.events() if e.name in _GEMM_EVENTS]
+    # FLOPs from the operands' shapes (the profiler's own count skips addmm_)
+    flops = 0
+    for e in ev:
+        first = 0 if e.name == "aten::mm" else 1  # addmm(c, a, b): skip c
+        (m, kk), (_, cols) = e.input_shapes[first : first + 2]
+        flops += 2 * m * kk * cols
+    return len(ev), flops
+
+
+class _NoRowWork:
+    """A row kernel that does nothing (zeros), with the optional methods, so the driver's
+    stacked-JS and low-memory paths run on the CPU without triton."""
+
+    @staticmethod
+    def stats(z, labels, inv_t, ignore_index, with_ent):
+        n = z.shape[0]
+        return z.new_zeros(n), (z.new_zeros(n) if with_ent else None), z.new_zeros(n)
+
+    @staticmethod
+    def grad_(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def grad_cols_(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def js_many(z, inv_t):
+        return z.new_zeros(z.shape[0] - 1, z.shape[1])
+
+
+@pytest.mark.parametrize("keep_rows", [0, 13, 40])
+def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
+    """mrtpo_kernels.stages.chunk_plan counts the GEMMs (and FLOPs) of real driver calls:
+    log-probs forward, forward + backward (kept rows), policy loss, JS per stream and
+    stacked, and the low-memory backward; chunks of 7 rows, 40 tokens (a partial chunk)."""
+    import torch
+
+    from mrtpo_kernels import stages
+    from mrtpo_kernels.backends import _chunked, torch_backend
+
+    n, d, v, k = 40, 16, 300, 3
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * v * 7))
+    monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * v * keep_rows))
+    monkeypatch.setenv("MRTPO_JS_SCRATCH_BYTES", str(4 * v * (1 + k) * 6))
+    monkeypatch.setenv("MRTPO_LOW_MEMORY", "0")
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    hq = torch.randn(k, n, d, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    one = torch.ones(n)
+    kern = torch_backend.ROW_KERNEL
+
+    def logprobs(backward):
+        lp, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+        if backward:
+            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+
+    def policy():
+        _chunked.linear_policy_loss(
+            kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
+        )
+
+    def plan(op, **kw):
+        p = stages.chunk_plan(op, n, v, d, **kw)
+        return p.count(), p.flops
+
+    assert _gemms_run(lambda: logprobs(False)) == plan("linear_logprobs", backward=False)
+    assert _gemms_run(lambda: logprobs(True)) == plan("linear_logprobs")
+    p = stages.chunk_plan("linear_logprobs", n, v, d)
+    assert p.kept_rows == keep_rows and p.rows_per_chunk == 7
+    assert p.count("recompute") == (
+        0 if keep_rows == n else len(stages.logprobs_spans(n, v, keep_rows))
+    )
+    assert _gemms_run(policy) == plan("linear_policy_loss")
+    assert stages.chunk_plan("linear_policy_loss", n, v, d).count() == 3 * -(-n // 7)
+    js = lambda kern: _chunked.linear_js(kern, h, hq, w, None, 1.0)  # noqa: E731
+    assert _gemms_run(lambda: js(kern)) == plan("linear_js_distance", k=k, js_stacked=False)
+    assert _gemms_run(lambda: js(_NoRowWork)) == plan("linear_js_distance", k=k)
+    assert plan("linear_js_distance", k=k)[0] == -(-n // 6)
+    monkeypatch.setenv("MRTPO_LOW_MEMORY", "1")
+    low = stages.chunk_plan("linear_logprobs", n, v, d, low_memory=True)
+
+    def low_run():
+        lp, ent, lse = _chunked.linear_logprobs_fwd(_NoRowWork, h, w, None, y, 1.0, -100, False)
+        _chunked.linear_logprobs_bwd(_NoRowWork, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+
+    assert _gemms_run(low_run) == (low.count(), low.flops)
+    assert low.low_memory and low.kept_rows == 0 and low.count("recompute") >= 1
+
+
+def test_chunk_plan_and_row_kernel_check_their_arguments():
+    from mrtpo_kernels import stages
+
+    with pytest.raises(ValueError, match="op: expected one of"):
+        stages.chunk_plan("linear_js", 4, 10, 2)
+    with pytest.raises(ValueError, match="v: expected a positive integer"):
+        stages.chunk_plan("linear_logprobs", 4, 0, 2)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        stages.row_kernel("cuda")
+    assert callable(stages.row_kernel("torch").stats)

@@ -64,6 +64,12 @@ def chunk_rows(vocab: int, streams: int = 1) -> int:
     return max(1, settings.chunk_bytes() // (4 * max(vocab, 1) * streams))
 
 
+def js_chunk_rows(vocab: int, k: int) -> int:
+    """Tokens per chunk of the stacked JS GEMM: (1 + K) fp32 rows of V per token in the
+    JS scratch budget (MRTPO_JS_SCRATCH_BYTES)."""
+    return max(1, settings.js_scratch_bytes() // (4 * max(vocab, 1) * (1 + k)))
+
+
 def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -370,7 +376,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
         return out
     head = _Head(kern, hidden_p, weight, bias)
     streams = 1 + k
-    c = max(1, min(n, settings.js_scratch_bytes() // (4 * v * streams)))
+    c = min(n, js_chunk_rows(v, k))
     a_buf = hidden_p.new_empty(streams * c * d)
     z_buf = hidden_p.new_empty(streams * c * v, dtype=acc)
     for s in range(0, n, c):

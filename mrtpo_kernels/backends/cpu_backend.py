@@ -84,6 +84,7 @@ SERVES = {op: Serves(("cpu",), FLOAT_DTYPES) for op in _chunked.OPS}
 
 if _C is not None:
     _K = _CppChunkKernel()
+    ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("cpu")
     linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
     linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
     linear_js = functools.partial(_chunked.linear_js, _K)

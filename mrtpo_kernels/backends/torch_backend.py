@@ -188,6 +188,7 @@ class _TorchChunkKernel:
 
 
 _K = _TorchChunkKernel()
+ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("torch")
 
 SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.OPS} | {
     "mrtpo_token_advantages": Serves((ANY_DEVICE,)),

@@ -53,6 +53,7 @@ if _ERR is None:
     from ..triton.rows import TritonRowKernel
 
     _K = TritonRowKernel()
+    ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("triton")
 
     def _variant(name: str, fused, first_tensor_arg: str):
         """The entry point ``name``: the chunk driver with the row kernels, or the fused
