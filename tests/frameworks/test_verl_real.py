@@ -8,6 +8,7 @@ loss, with the log-probs from `install_fused_forward`. Skipped where verl is not
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,17 @@ def test_install_fused_forward_refuses_softcapping():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         verl.install_fused_forward(model)
+
+
+def test_verl_example_check_runs_as_written():
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", str(root / "examples/verl/main_mrtpo.py"), "--check"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "adv_estimator=mrtpo" in out.stdout and "advantages (16, 6)" in out.stdout
