@@ -218,22 +218,36 @@ def zero_one(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def boundaries(name: str, cu, n_tokens: int, n_seqs: int | None = None) -> torch.Tensor:
-    """Sequence boundaries cu (n+1,) integer: 0 = cu[0] <= cu[1] <= ... <= cu[n] = n_tokens
-    (the order and the ends are value checks). Returns cu as int64."""
+    """Sequence boundaries cu (n+1,) integer: 0 = cu[0] <= cu[1] <= ... <= cu[n] = n_tokens.
+    Returns cu as int64.
+
+    The order and the ends are value checks. They also run with the checks off on CPU
+    tensors outside a torch.compile trace (no device sync to save there). Elsewhere (a GPU
+    tensor with the checks off, or while torch.compile traces) the boundaries are not read
+    but made safe without a sync: clamped into [0, n_tokens], made non-decreasing (running
+    maximum), first 0 and last n_tokens. The segment kernels (repeat_interleave with an
+    output size, the CUDA/Triton segment loops) trust the boundaries: a negative step or
+    one past N would make them write outside their buffers. Bad boundaries then give a
+    wrong result, never a memory error."""
     int_tensor(name, cu, ndim=1)
     if n_seqs is not None:
         shape_eq(name, cu, (n_seqs + 1,), "n + 1 boundaries")
     elif cu.shape[0] < 2:
         raise ValueError(f"{name}: expected at least 2 boundaries (0 and N), got {cu.shape[0]}")
     cu = cu.long()
-    if value_checks_enabled():
-        steps = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0 or int(cu[-1]) != n_tokens or bool((steps < 0).any()):
-            shown = cu.tolist()
-            shown = shown if len(shown) <= 8 else shown[:8] + ["..."]
-            raise ValueError(
-                f"{name}: expected non-decreasing boundaries from 0 to N = {n_tokens}, got {shown}"
-            )
+    eager_cpu = cu.device.type == "cpu" and not torch.compiler.is_compiling()
+    if not (value_checks_enabled() or eager_cpu):
+        if cu.shape[0] == 1:
+            return cu.new_full((1,), n_tokens)
+        inner = torch.cummax(cu[1:-1].clamp(0, n_tokens), 0).values
+        return torch.cat([cu.new_zeros(1), inner, cu.new_full((1,), n_tokens)])
+    steps = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != n_tokens or bool((steps < 0).any()):
+        shown = cu.tolist()
+        shown = shown if len(shown) <= 8 else shown[:8] + ["..."]
+        raise ValueError(
+            f"{name}: expected non-decreasing boundaries from 0 to N = {n_tokens}, got {shown}"
+        )
     return cu
 
 

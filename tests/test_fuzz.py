@@ -667,13 +667,16 @@ _CHECKS_OFF_SCRIPT = textwrap.dedent(
             else:
                 raise AssertionError(f"{op}/{backend}: out-of-range label {bad} accepted")
         y_ok = torch.randint(0, v, (n,), generator=gen)
-        if op == "cu":  # bad boundaries: an error (any kind), never a crash
-            cu = torch.tensor(draw(st.sampled_from([[1, n], [0, n + 5], [0, n + 1, n], [n, 0]])))
+        if op == "cu":  # bad boundaries: on CPU a ValueError naming cu_seqlens, never a crash
+            cu = torch.tensor(draw(st.sampled_from(
+                [[1, n], [0, n + 5], [0, n + 1, n], [0, -(10**6), n], [0, 10**6, n]])))
             try:
                 mk.linear_policy_loss(h, w, y_ok, torch.zeros(n), torch.ones(n),
                                       aggregation="seq-mean-token-mean", cu_seqlens=cu)
-            except (ValueError, RuntimeError):
-                pass
+            except ValueError as e:
+                assert str(e).startswith("cu_seqlens"), str(e)
+            else:
+                raise AssertionError(f"bad cu_seqlens {cu.tolist()} accepted")
         if op in ("adv", "rel"):
             k = 2
             rewards = torch.rand(n, k, generator=gen).to(dtype)
@@ -681,7 +684,8 @@ _CHECKS_OFF_SCRIPT = textwrap.dedent(
             cu = torch.arange(0, 3 * n + 1, 3)
             if op == "adv":
                 cu = cu.clone()
-                cu[draw(st.integers(0, n))] += draw(st.sampled_from([-5, 1, 10**6]))
+                cu[draw(st.integers(0, n))] += draw(st.sampled_from([-5, 1, 10**6, -(10**6)]))
+                cu_ok = int(cu[0]) == 0 and int(cu[-1]) == 3 * n and bool((cu.diff() >= 0).all())
             else:
                 rel[0, 0] = draw(st.sampled_from([math.nan, math.inf, -1.0]))
             try:
@@ -689,8 +693,10 @@ _CHECKS_OFF_SCRIPT = textwrap.dedent(
                                                 has_info=torch.ones(n, k, dtype=torch.bool),
                                                 cu_seqlens=cu)
                 out.token.sum().item()
-            except (ValueError, RuntimeError):
-                pass
+            except ValueError as e:
+                assert op == "rel" or (not cu_ok and str(e).startswith("cu_seqlens")), str(e)
+            else:
+                assert op == "rel" or cu_ok, f"bad cu_seqlens {cu.tolist()} accepted"
 
     run()
     # memory intact: a correct call still matches the reference
@@ -718,12 +724,71 @@ def _checks_off(examples: int, tmp_path: Path):
     assert proc.stdout.strip().endswith("done"), proc.stdout
 
 
-@pytest.mark.xfail(
-    reason="open finding: the subprocess aborts (free/realloc: invalid pointer) "
-    "under pytest; not reproduced standalone yet"
-)
 def test_fuzz_value_checks_off_in_subprocess(tmp_path):
     _checks_off(60, tmp_path)
+
+
+# Regression (root cause of the invalid free / segfault with the checks off): the segment
+# code behind cu_seqlens (torch.repeat_interleave with output_size in the policy loss's
+# sequence rules and in the packed reallocation) trusts the boundaries; [0, 3, 6, 10**6+9,
+# 12, ...] (the right total, a negative step) wrote past its output. Eager CPU calls now
+# check the boundaries even with the checks off; torch.compile traces (and GPU tensors)
+# get sync-free clamped boundaries.
+_BAD_CU_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import mrtpo_kernels as mk
+
+    n, k = 7, 2
+    rewards, rel = torch.rand(n, k), torch.rand(k, 3 * n)
+    h, w = torch.randn(3 * n, 4, requires_grad=True), torch.randn(9, 4)
+    y = torch.randint(0, 9, (3 * n,))
+
+    def adv(cu):
+        return mk.mrtpo_token_advantages(rewards, torch.arange(n) // 2, rel, cu_seqlens=cu,
+                                         has_info=torch.ones(n, k, dtype=torch.bool)).token
+
+    def loss(cu):
+        return mk.linear_policy_loss(h, w, y, torch.zeros(3 * n), torch.ones(3 * n),
+                                     aggregation="seq-mean-token-mean", cu_seqlens=cu)[0]
+
+    BAD = [[0, 3, 6, 10**6 + 9, 12, 15, 18, 21], [0, 3, 6, -(10**6), 12, 15, 18, 21],
+           [5, 3, 6, 9, 12, 15, 18, 2**40]]
+    if sys.argv[1] == "eager":
+        for fn in (adv, loss):
+            for bad in BAD:
+                try:
+                    fn(torch.tensor(bad))
+                except ValueError as e:
+                    assert str(e).startswith("cu_seqlens"), str(e)
+                else:
+                    raise AssertionError(f"{fn.__name__}: {bad} accepted")
+    else:  # traced: no value check, clamped boundaries, finite results
+        for fn in (adv, loss):
+            compiled = torch.compile(fn, backend="eager")
+            for bad in BAD:
+                out = compiled(torch.tensor(bad))
+                assert bool(out.isfinite().all()), (fn.__name__, bad, out)
+                if fn is loss:
+                    out.backward()
+                    assert bool(h.grad.isfinite().all())
+    print("done")
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_bad_cu_seqlens_with_checks_off_never_corrupt_memory(mode, tmp_path):
+    script = tmp_path / "bad_cu.py"
+    script.write_text(_BAD_CU_SCRIPT)
+    env = dict(os.environ, MRTPO_SKIP_VALUE_CHECKS="1", OMP_NUM_THREADS="2")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.strip().endswith("done"), proc.stdout
 
 
 @pytest.mark.slow
