@@ -293,7 +293,7 @@ def _settings(cfg: CompareConfig) -> dict:
         "alpha": t.alpha,
         "gamma": t.gamma,
         "relevance": t.relevance,
-        "warm_steps": t.tiny.warm_steps,
+        "warm_steps": t.tiny.for_task(cfg.task).warm_steps,
         "model": t.model,
     }
 
@@ -361,7 +361,8 @@ def _start(args: CompareConfig) -> str:
         return f"the model in `{args.train.model}`"
     if args.init_seed is not None:
         return (
-            f"the same warm-started tiny model ({args.train.tiny.warm_steps} supervised steps, "
+            f"the same warm-started tiny model ({args.train.tiny.for_task(args.task).warm_steps} "
+            "supervised steps, "
             f"task data and init of seed {args.init_seed}); the seed varies sampling and data order"
         )
     return "the warm-started tiny model of that seed (all algorithms of a seed share it)"

@@ -24,8 +24,8 @@ RELEVANCES = ("js", "specific", "control")
 VARIANT_KEYS = ("relevance", "gamma", "alpha")
 TASKS = ("constraints", "constraints-full", "sql", "tools")
 TASK_HELP = (
-    "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (2-4 of "
-    "every constraint kind per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
+    "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
+    "the 16 constraint kinds per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
     "sql or tools"
 )
 DTYPES = ("float32", "bfloat16", "float16")
@@ -203,11 +203,27 @@ class TinyConfig:
     num_heads: int = setting(4, "attention heads", lo=1)
     num_kv_heads: int = setting(2, "key/value heads", lo=1)
     max_positions: int = setting(1024, "longest sequence", lo=1)
-    warm_steps: int = setting(350, "supervised warm-start steps of the built-in model", lo=0)
+    warm_steps: int | None = setting(
+        None,
+        "supervised warm-start steps of the built-in model (default: the task's, "
+        "mrtpo.tasks.WARM_STEPS)",
+        kind="int",
+        lo=0,
+    )
     warm_batch: int = setting(16, "warm-start batch", lo=1)
     warm_lr: float = setting(3e-3, "warm-start learning rate", lo=0.0, open_lo=True)
 
+    def for_task(self, task: str) -> TinyConfig:
+        """This config with ``warm_steps`` resolved to ``task``'s default when unset."""
+        if self.warm_steps is not None:
+            return self
+        from .tasks import default_warm_steps
+
+        return replace(self, warm_steps=default_warm_steps(task))
+
     def key(self) -> str:
+        if self.warm_steps is None:
+            raise ValueError("warm_steps: resolve it with for_task(task) before keying")
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:10]
 

@@ -274,7 +274,7 @@ def default_model(
 ):
     """The built-in tiny model for ``task``, warm-started, cached under ``cache_dir`` keyed by
     task, seed and config (later runs, e.g. every algorithm of a comparison, reuse it)."""
-    cfg = TinyConfig() if cfg is None else cfg
+    cfg = (TinyConfig() if cfg is None else cfg).for_task(task.name)
     path = Path(cache_dir) / f"{task.name}-seed{seed}-{cfg.key()}"
     if (path / "config.json").exists() and (path / "warm_start.json").exists():
         return load_model(path)

@@ -9,8 +9,11 @@ the same seed. Names:
   (so that per-reward curves mean something and credit precision is known by construction).
 - ``"constraints:KIND,KIND,..."``: the same with another fixed list of constraint kinds
   (see `mrtpo.verifiers.constraints.KINDS`).
-- ``"constraints-full"``: each prompt draws 2-4 of all 16 kinds, in a random order; the
-  rewards are the four slots ``constraint_1..constraint_4`` (an absent slot scores 1).
+- ``"constraints-full"``: each prompt draws 3 of all 16 kinds (``FULL_CONSTRAINTS``), in a
+  random order; the rewards are the three slots ``constraint_1..constraint_3``. A fixed
+  count keeps every reward live in every group: with 2-4 per prompt an absent slot scored
+  1, which inflated the pass rates of slots 3-4 (0.67 / 0.91 against 0.39 / 0.51 on the
+  prompts that have them, 150 warm steps) and gave those groups no signal for the slot.
 - ``"sql"``: text-to-SQL on the built-in shop database; rewards ``sql_match``,
   ``sql_runs``, ``sql_schema``.
 - ``"tools"``: one JSON tool call per request; rewards ``tool_format``, ``tool_name``,
@@ -33,7 +36,7 @@ TASKS = ("constraints", "sql", "tools")
 N_CONSTRAINT_EXAMPLES = 400
 N_TOOL_EXAMPLES = 400
 EVAL_FRACTION = 0.2
-MAX_SLOTS = 4
+FULL_CONSTRAINTS = 3
 
 
 def _split(examples: list[Example], rng: random.Random) -> tuple[list[Example], list[Example]]:
@@ -52,10 +55,15 @@ def _split(examples: list[Example], rng: random.Random) -> tuple[list[Example], 
 def _constraints_task(name: str, kinds: tuple[str, ...] | None, seed: int) -> Task:
     rng = random.Random(1_000_003 * seed + 11)
     examples = instructions.make_examples(
-        rng, N_CONSTRAINT_EXAMPLES, kinds=kinds, shuffle_constraints=kinds is None, id_prefix=name
+        rng,
+        N_CONSTRAINT_EXAMPLES,
+        kinds=kinds,
+        shuffle_constraints=kinds is None,
+        id_prefix=name,
+        n_kinds=(FULL_CONSTRAINTS, FULL_CONSTRAINTS),
     )
     if kinds is None:
-        verifiers = [ConstraintVerifier(slot=i) for i in range(MAX_SLOTS)]
+        verifiers = [ConstraintVerifier(slot=i) for i in range(FULL_CONSTRAINTS)]
     else:
         verifiers = [ConstraintVerifier(k) for k in kinds]
     train, eval_ = _split(examples, rng)
@@ -132,6 +140,26 @@ def _tools_task(seed: int) -> Task:
         )
     train, eval_ = _split(examples, rng)
     return Task(name="tools", verifiers=tool_verifiers(), train=train, eval=eval_)
+
+
+# Supervised warm-start steps of the built-in model per task (``--warm-steps`` overrides),
+# chosen so that the rewards start short of solved (issue 11's test-bed: about 0.2-0.6 pass
+# rate where the rewards allow it). Pass rates of 48 train prompts x 8 samples, init seed 0:
+# constraints-full 150 steps: 0.43 / 0.40 / 0.43 (80 steps: 0.19-0.36). SQL's rewards are
+# nested (match => runs => schema): 150 steps give match 0.02, runs 0.45; 350 and 500 both
+# give match 0.16, runs = schema 0.72, so no step count puts all three in the band. Tools,
+# also nested: 350 steps give format 0.84, name 0.78, schema 0.58, args 0.06; 700 give
+# 0.85 / 0.80 / 0.71 / 0.35. "constraints" keeps 350 (`make run` unchanged).
+WARM_STEPS = {"constraints": 350, "constraints-full": 150, "sql": 350, "tools": 700}
+
+
+def default_warm_steps(name: str) -> int:
+    """The warm-start steps of task ``name`` (``constraints:KIND,...`` as ``constraints``)."""
+    if isinstance(name, str) and name.startswith("constraints:"):
+        name = "constraints"
+    if name not in WARM_STEPS:
+        raise ValueError(f"task: no warm-start default for {name!r}")
+    return WARM_STEPS[name]
 
 
 def load_task(name: str, *, seed: int = 0) -> Task:

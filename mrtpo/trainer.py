@@ -161,7 +161,8 @@ class Trainer:
             model, tok = default_model(
                 task, seed=init_seed, cache_dir=cfg.cache_dir, cfg=cfg.tiny, log=self.log
             )
-            self.init_path = Path(cfg.cache_dir) / f"{task.name}-seed{init_seed}-{cfg.tiny.key()}"
+            key = cfg.tiny.for_task(task.name).key()
+            self.init_path = Path(cfg.cache_dir) / f"{task.name}-seed{init_seed}-{key}"
             model = model.to(device=self.device, dtype=dtype)
         self.ref = None
         if cfg.kl_beta > 0:

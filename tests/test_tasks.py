@@ -1,11 +1,13 @@
 """The built-in tasks: gold references score 1 everywhere, splits, determinism, shapes."""
 
+import random
 import re
 
 import pytest
 
+from mrtpo.config import TinyConfig
 from mrtpo.data import instructions
-from mrtpo.tasks import TASKS, load_task
+from mrtpo.tasks import FULL_CONSTRAINTS, TASKS, WARM_STEPS, default_warm_steps, load_task
 from mrtpo.verifiers import Task
 from mrtpo.verifiers.constraints import KINDS, describe
 
@@ -85,14 +87,41 @@ def test_constraints_are_short_and_small_vocabulary():
     assert len(words) < 400
 
 
-def test_full_task_covers_every_kind_and_2_to_4_constraints():
+def test_full_task_covers_every_kind_with_one_reward_per_constraint():
     task = load_task("constraints-full")
-    seen = set()
+    assert [v.name for v in task.verifiers] == [
+        f"constraint_{i + 1}" for i in range(FULL_CONSTRAINTS)
+    ]
+    seen, orders = set(), set()
     for ex in task.train + task.eval:
         kinds = [c["kind"] for c in ex.fields["constraints"]]
-        assert 2 <= len(kinds) <= 4
+        assert len(kinds) == FULL_CONSTRAINTS  # every slot is live: no absent slot scores 1
         seen.update(kinds)
+        orders.add(tuple(kinds))
     assert seen == set(KINDS)
+    assert len(orders) > 100
+
+
+def test_make_examples_draws_the_asked_number_of_kinds():
+    rng = random.Random(0)
+    exs = instructions.make_examples(rng, 30, kinds=None, n_kinds=(2, 4))
+    assert {len(ex.fields["constraints"]) for ex in exs} == {2, 3, 4}
+    with pytest.raises(ValueError, match="n_kinds"):
+        instructions.make_examples(rng, 1, kinds=None, n_kinds=(3, 2))
+
+
+def test_warm_steps_default_per_task():
+    for name in ("constraints", "constraints-full", "sql", "tools"):
+        assert default_warm_steps(name) == WARM_STEPS[name] > 0
+    assert default_warm_steps("constraints:keyword_include") == WARM_STEPS["constraints"]
+    assert TinyConfig().for_task("sql").warm_steps == WARM_STEPS["sql"]
+    assert TinyConfig(warm_steps=7).for_task("sql").warm_steps == 7
+    # the cache key follows the resolved steps: a task default and the same explicit value agree
+    assert TinyConfig().for_task("tools").key() == TinyConfig(warm_steps=WARM_STEPS["tools"]).key()
+    with pytest.raises(ValueError, match="warm_steps"):
+        TinyConfig().key()
+    with pytest.raises(ValueError, match="task"):
+        default_warm_steps("nope")
 
 
 def test_sql_and_tools_fields():

@@ -1,7 +1,8 @@
 """The built-in instruction-following data: prompts composed from constraint templates.
 
 A prompt is a short base instruction ("Write a short note about the sea.") followed by
-2-4 constraint sentences. The gold response is assembled from closed word lists so that
+constraint sentences (a fixed list, or 2-4 drawn kinds unless ``n_kinds`` says otherwise).
+The gold response is assembled from closed word lists so that
 it satisfies every constraint by construction (and is checked against every verifier);
 count-like parameters (word bounds, letter counts, excluded words) are then chosen to
 agree with it. Everything is lowercase prose of a few dozen words over a vocabulary of
@@ -171,9 +172,11 @@ def make_examples(
     shuffle_constraints: bool = False,
     id_prefix: str = "constraints",
     max_tries: int = 100,
+    n_kinds: tuple[int, int] = (2, 4),
 ) -> list[Example]:
     """``n`` examples. With ``kinds``, every example has exactly those constraints, in that
-    order unless ``shuffle_constraints``; with ``kinds=None`` each draws 2-4 compatible kinds.
+    order unless ``shuffle_constraints``; with ``kinds=None`` each draws between
+    ``n_kinds[0]`` and ``n_kinds[1]`` compatible kinds (inclusive).
 
     ``fields["constraints"]`` lists ``{"kind", "params", "span"}`` in prompt order.
     """
@@ -185,10 +188,13 @@ def make_examples(
             )
         if not compatible(tuple(kinds)):
             raise ValueError(f"kinds: {kinds} cannot all hold at once")
+    low, high = n_kinds
+    if not 1 <= low <= high <= len(KINDS):
+        raise ValueError(f"n_kinds: expected 1 <= low <= high <= {len(KINDS)}, got {n_kinds!r}")
     out: list[Example] = []
     for i in range(n):
         for _ in range(max_tries):
-            chosen = list(kinds) if kinds is not None else _sample_kinds(rng, 2, 4)
+            chosen = list(kinds) if kinds is not None else _sample_kinds(rng, low, high)
             if shuffle_constraints:
                 rng.shuffle(chosen)
             topic = rng.choice(sorted(TOPICS))
