@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _dispatch, settings
 from .types import acc_dtype
 
 
@@ -303,12 +303,31 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     if eager and ctx.handed_versions is None and bool(g_loss == 1):
         out = tuple(t.detach() for t in ctx.grads)  # new aliases: stealable by autograd
         ctx.handed_versions = tuple(t._version for t in ctx.grads)
-    else:
-        out = tuple(t * g_loss.to(t.dtype) for t in ctx.grads)
-    gh = out[0] if ctx.needs_input_grad[0] else None
-    gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
-    gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        gh = out[0] if ctx.needs_input_grad[0] else None
+        gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
+        gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        return (gh, gw, gb) + (None,) * 14
+    gh = _scaled(dh, g_loss, dh.dtype, eager) if ctx.needs_input_grad[0] else None
+    gw = _scaled(dw, g_loss, w_dtype, eager) if ctx.needs_input_grad[1] else None
+    need_b = b_dtype is not None and ctx.needs_input_grad[2]
+    gb = _scaled(db, g_loss, b_dtype, eager) if need_b else None
     return (gh, gw, gb) + (None,) * 14
+
+
+def _scaled(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    """t * g computed in t's dtype and written in ``dtype``, by row blocks of at most
+    MRTPO_CHUNK_BYTES: no full-size copy in t's dtype before the cast (for a bf16 weight
+    that would be a second fp32 [V, d] dW; the CPU's mixed-dtype ``out=`` stages each block
+    in t's dtype). The saved t stays intact for a retained graph. Traced code keeps the
+    plain form, which the compiler fuses."""
+    g = g.to(t.dtype)
+    if not eager or dtype == t.dtype or t.dim() == 0 or t.numel() == 0:
+        return (t * g).to(dtype)
+    out = torch.empty_like(t, dtype=dtype)
+    rows = max(1, settings.chunk_bytes() // max(1, t[0].numel() * t.element_size()))
+    for a in range(0, t.shape[0], rows):
+        torch.mul(t[a : a + rows], g, out=out[a : a + rows])
+    return out
 
 
 linear_policy_loss.register_autograd(_policy_backward, setup_context=_policy_setup)

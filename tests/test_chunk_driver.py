@@ -193,3 +193,34 @@ def test_chunk_plan_and_row_kernel_check_their_arguments():
     with pytest.raises(ValueError, match="backend: expected one of"):
         stages.row_kernel("cuda")
     assert callable(stages.row_kernel("torch").stats)
+
+
+def test_policy_backward_scales_dw_without_a_second_fp32_copy(monkeypatch):
+    """The policy loss keeps its fp32 dW from the forward; a backward with an upstream
+    gradient other than 1 writes dW * g in the weight's dtype by row blocks (no fp32 [V, d]
+    copy before the cast) and equals the upstream-1 gradient scaled."""
+    import torch
+
+    import mrtpo_kernels as mk
+
+    n, d, v = 8, 64, 1000
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * d * 96))  # 96-row blocks, 11 of them
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.1).bfloat16().requires_grad_()
+    b = torch.zeros(v).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    old, adv = torch.full((n,), -7.0), torch.randn(n, generator=g)
+
+    def grads(scale):
+        loss, _ = mk.linear_policy_loss(h, w, y, old, adv, bias=b, backend="torch")
+        with torch.profiler.profile(profile_memory=True) as prof:
+            gh, gw, gb = torch.autograd.grad(scale * loss, (h, w, b))
+        biggest = max(e.self_cpu_memory_usage for e in prof.events())
+        return gh, gw, gb, biggest
+
+    _, gw1, gb1, _ = grads(1.0)
+    _, gw, gb, biggest = grads(0.5)
+    assert gw.dtype == torch.bfloat16 and gb.dtype == torch.bfloat16
+    assert torch.equal(gw, gw1 * 0.5) and torch.equal(gb, gb1 * 0.5)  # exact: a power of 2
+    assert biggest < 4 * v * d, biggest  # the bf16 result (2 V d) and fp32 blocks only

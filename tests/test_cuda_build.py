@@ -278,6 +278,30 @@ def test_cuda_backend_matches_the_backend_interface():
         assert cuda_backend.unavailable_reason()
 
 
+def test_cuda_backend_calls_the_bindings_by_their_argument_names():
+    """Every launch in cuda_backend passes keyword arguments, and they are exactly the
+    py::arg names of that function in csrc/cuda/bindings.cpp (checked without building)."""
+    import ast
+
+    src = (CSRC / "bindings.cpp").read_text()
+    bound = {}
+    for m in re.finditer(r'm\.def\("(\w+)",(.*?)\);', src, re.S):
+        bound[m.group(1)] = re.findall(r'py::arg\("(\w+)"\)', m.group(2))
+    tree = ast.parse((ROOT / "mrtpo_kernels" / "backends" / "cuda_backend.py").read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "_cuda"
+    ]
+    assert {c.func.attr for c in calls} == set(bound) and bound
+    for call in calls:
+        assert not call.args, f"{call.func.attr}: positional arguments"
+        assert [k.arg for k in call.keywords] == bound[call.func.attr], call.func.attr
+
+
 # =========================================================================== GPU tests
 
 V_REAL = 151936  # Qwen2 vocabulary

@@ -54,37 +54,69 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
 
     lse is 0 on rows whose label is ignore_index (never read: their gradient is 0)."""
     return _cuda.logits_logprobs_fwd(
-        logits, labels, float(temperature), int(ignore_index), bool(with_entropy)
+        logits=logits,
+        labels=labels,
+        temperature=float(temperature),
+        ignore_index=int(ignore_index),
+        with_entropy=bool(with_entropy),
     )
 
 
-def logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-                        ignore_index):  # fmt: skip
+def logits_logprobs_bwd(
+    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+):
     """dL/dlogits (N, V) in the logits' dtype."""
     f32 = torch.float32
     if entropy.numel() == 0 or grad_entropy.numel() == 0:
         # No entropy term: entropy not computed, or no gradient flows into it.
         entropy = grad_entropy = lse.new_empty(0, dtype=f32)
     return _cuda.logits_logprobs_bwd(
-        logits, labels, lse.to(f32).contiguous(), entropy.to(f32).contiguous(),
-        grad_logp.to(f32).contiguous(), grad_entropy.to(f32).contiguous(), float(temperature),
-        int(ignore_index),
-    )  # fmt: skip
+        logits=logits,
+        labels=labels,
+        lse=lse.to(f32).contiguous(),
+        entropy=entropy.to(f32).contiguous(),
+        grad_logp=grad_logp.to(f32).contiguous(),
+        grad_entropy=grad_entropy.to(f32).contiguous(),
+        temperature=float(temperature),
+        ignore_index=int(ignore_index),
+    )
 
 
 def logits_js(logits_p, logits_q, temperature):
     """(K, N) float32 JS distances between logits_p (N, V) and logits_q (K, N, V)."""
-    return _cuda.logits_js(logits_p, logits_q, float(temperature))
+    return _cuda.logits_js(logits_p=logits_p, logits_q=logits_q, temperature=float(temperature))
 
 
-def reallocate_packed(per_reward, lam, has_info, relevance, cu_seqlens, mean, std, alpha,
-                      gamma, eps_batch, delta, clip_min, clip_max):  # fmt: skip
+def reallocate_packed(
+    per_reward,
+    lam,
+    has_info,
+    relevance,
+    cu_seqlens,
+    mean,
+    std,
+    alpha,
+    gamma,
+    eps_batch,
+    delta,
+    clip_min,
+    clip_max,
+):
     """(token (N,), allocation (K, N)); see the backend interface. One program per response
     walks its tokens from cu_seqlens."""
     f32 = torch.float32
     return _cuda.reallocate_packed(
-        per_reward.to(f32).contiguous(), lam.to(f32).contiguous(), has_info.contiguous(),
-        relevance.contiguous(), cu_seqlens.long().contiguous(), mean.to(f32).reshape(1),
-        std.to(f32).reshape(1), float(alpha), float(gamma), float(eps_batch), float(delta),
-        float(clip_min), float(clip_max),
-    )  # fmt: skip
+        per_reward=per_reward.to(f32).contiguous(),
+        lam=lam.to(f32).contiguous(),
+        has_info=has_info.contiguous(),
+        relevance=relevance.contiguous(),
+        cu_seqlens=cu_seqlens.long().contiguous(),
+        mean=mean.to(f32).reshape(1),
+        std=std.to(f32).reshape(1),
+        alpha=float(alpha),
+        gamma=float(gamma),
+        eps_batch=float(eps_batch),
+        delta=float(delta),
+        clip_min=float(clip_min),
+        clip_max=float(clip_max),
+    )

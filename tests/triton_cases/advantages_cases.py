@@ -89,10 +89,22 @@ def group_packed():
     def zero_spans(rewards, rel, has_info, cu):
         has_info[:, 1] = False  # a reward whose verifier reads no span: plain GDPO broadcast
         rel[0, cu[2] : cu[3]] = 0.0  # mean d below delta: uniform weights
-        rel[2, cu[5] : cu[6]] = -1e-3  # negative relevance counts as 0
+        rel[2, cu[5] : cu[6]] = 1e-9  # a span of tiny relevance (mean d below delta)
         rewards[:4, 0] = 1.0  # zero variance in group 0 for reward 0: moves nothing
 
     _realloc_case(lengths, 3, seed=6, edit=zero_spans, alpha=0.8, tag=" edge cases")
+    # relevance is a distance: a negative value is a ValueError naming it (both backends)
+    rewards, gid, rel, has_info, cu = _packed_batch(lengths, 3, 6)
+    rel[2, cu[5]] = -1e-3
+    for backend in ("triton", "torch"):
+        try:
+            mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu,
+                                      backend=backend)  # fmt: skip
+            raised = ""
+        except ValueError as exc:
+            raised = str(exc)
+        check(f"reallocate negative relevance raises ({backend})", "relevance" in raised,
+              raised or "no error")  # fmt: skip
     # alpha = 0: every token gets the GDPO sequence advantage of its response.
     ours, g, cu = _realloc_case(lengths, 3, seed=7, alpha=0.0)
     seq = torch.repeat_interleave(g.sequence, cu[1:] - cu[:-1]).double()
