@@ -59,8 +59,24 @@ def _pow2_scale(m: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, torch.ldexp(torch.ones_like(m), e - 1), torch.ones_like(m))
 
 
+# The batch's S count as all equal (no spread: sequence advantage 0) when their spread is at
+# most FLAT_REL times the largest sum_k |lambda_k A_k| of a response, the magnitude of the
+# terms S is summed from. Exact equality would hang on rounding: S equal in exact arithmetic
+# may differ in their last bits (sums in another order), and S that differ only by rounding
+# are no signal. The reference applies the same rule.
+FLAT_REL = 2.0**-40
+
+
+def _stat_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """GDPO statistics run in float64 (O(n K) work) wherever the device has it, so that the
+    op's decisions and values do not depend on the rewards' dtype; float32 elsewhere."""
+    return torch.float32 if rewards.device.type == "mps" else torch.float64
+
+
 def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
-    r = rewards.to(acc_dtype(rewards))
+    """Returns ((per_reward, sequence, mean, std) in the rewards' accumulation dtype, lam)."""
+    out = acc_dtype(rewards)
+    r = rewards.to(_stat_dtype(rewards))
     n, k = r.shape
     _, inv = torch.unique(group_ids, return_inverse=True)
     g = n  # upper bound on the number of groups: no data-dependent shape below
@@ -86,19 +102,22 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     a = torch.where(moves[inv] & (denom > 0), dev / denom, torch.zeros_like(r))
     lam = torch.ones(k, dtype=r.dtype, device=r.device) if weights is None else weights.to(r.dtype)
     s = a @ lam
+    mag = (a.abs() @ lam.abs()).amax()  # the largest |terms| summed into one S
     w = torch.ones_like(s) if batch_norm == "sequence" else lengths.to(r.dtype)
-    return (a, *_batch_stats(s, w, eps_batch)), lam
+    parts = (a, *_batch_stats(s, w, eps_batch, mag))
+    return tuple(t.to(out) for t in parts), lam.to(out)
 
 
-def _batch_stats(s, w, eps_batch):
-    """Weighted batch normalization of S: (sequence, mean, std). Zero variance is tested
-    exactly (every S equal: std 0, mean that value); std + eps_batch = 0 gives 0."""
+def _batch_stats(s, w, eps_batch, mag):
+    """Weighted batch normalization of S: (sequence, mean, std). Every S equal (spread at
+    most FLAT_REL * mag, see there): std 0, mean S[0], sequence 0; std + eps_batch = 0
+    gives 0."""
     cs = _pow2_scale(s.abs().amax())
     x = s / cs
     tot = w.sum()
     mu = (w * x).sum() / tot
     var = (w * (x - mu) ** 2).sum() / (tot - 1.0).clamp(min=1.0)
-    flat = s.amax() == s.amin()
+    flat = (x.amax() - x.amin()) <= FLAT_REL * (mag / cs)
     mu = torch.where(flat, x[0], mu)
     sd = torch.where(flat | (tot <= 1), torch.zeros_like(var), var.sqrt())
     denom = sd + eps_batch / cs
@@ -129,8 +148,13 @@ def gdpo_advantages(
             ``lengths[i]`` times; then ``lengths`` (n,) is required).
         nan: "error" (non-finite rewards raise) or "zero" (count them as 0).
 
+    Zero variance gives advantage 0 whatever eps: a group's reward all equal (tested
+    exactly), or the batch's S all equal (spread <= FLAT_REL times the largest
+    sum_k |lambda_k A_k|). The statistics run in float64 whatever the rewards' dtype.
+
     Returns:
-        GDPOAdvantages(per_reward (n, K), sequence (n,), mean (), std ()).
+        GDPOAdvantages(per_reward (n, K), sequence (n,), mean (), std ()) in float32 (float64
+        for float64 rewards).
     """
     rewards = _check_rewards(rewards, group_ids, weights, nan)
     check.choice("batch_norm", batch_norm, BATCH_NORMS)

@@ -293,6 +293,9 @@ def _standardize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xs - xs.mean()) / (xs.std() + eps / c)
 
 
+FLAT_REL = 2.0**-40  # the batch's S count as all equal within FLAT_REL * max sum |lambda A|
+
+
 def gdpo_advantages_ref(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -306,8 +309,10 @@ def gdpo_advantages_ref(
     """GDPO (METHOD.md section 1), written as loops over groups for readability.
 
     rewards (n, K); group_ids (n,); weights (K,) = lambda; lengths (n,) = T_i, needed for
-    batch_norm="token" (each response counted T_i times). Zero variance is tested exactly
-    (a group's reward, or the batch's S, all equal): that advantage is 0, whatever eps.
+    batch_norm="token" (each response counted T_i times). A group's reward with zero
+    variance (tested exactly on the rewards) gets advantage 0, whatever eps; so does every
+    response when the batch's S are all equal: their spread is at most FLAT_REL (2^-40) times
+    the largest sum_k |lambda_k A_k| (S equal up to rounding count as equal, as in the op).
     """
     eps_batch = eps if eps_batch is None else eps_batch
     n, k = rewards.shape
@@ -330,7 +335,8 @@ def gdpo_advantages_ref(
         w = lengths.to(r.dtype)
     else:
         raise ValueError(f"batch_norm: unknown {batch_norm!r}")
-    if s.max() == s.min():  # every S equal (or n = 1): no spread to normalize
+    mag = (a.abs() * lam.abs()).sum(-1).max()  # the largest |terms| summed into one S
+    if s.max() - s.min() <= FLAT_REL * mag:  # every S equal (or n = 1): no spread
         zero = torch.zeros((), dtype=r.dtype)
         return GDPOAdvantages(a, torch.zeros_like(s), s[0], zero)
     c = s.abs().max()  # scaled as in _standardize

@@ -61,6 +61,46 @@ def test_gdpo_group_of_one_and_zero_variance_give_zero():
     assert torch.equal(out.per_reward, torch.zeros(4, 1, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_batch_flat_s_is_precision_consistent(dtype):
+    # rewards whose two per-reward advantages cancel exactly in exact arithmetic: every S
+    # is 0, but the two standardizations round differently (the old float32 op gave
+    # sequence +-0.71 on 698 of 1682 such batches; the reference gave 0)
+    g = torch.tensor([0, 0])
+    for s in range(1, 30):
+        for t in range(1, 30):
+            r = torch.tensor([[0.0, s * 0.1], [t * 0.37, 0.0]]).to(dtype)
+            out = mk.gdpo_advantages(r, g, eps=0.0)
+            ref = R.gdpo_advantages_ref(r.double(), g, eps=0.0)
+            assert torch.equal(ref.sequence, torch.zeros(2, dtype=torch.float64)), (s, t)
+            assert torch.equal(out.sequence, torch.zeros_like(out.sequence)), (s, t, dtype)
+            assert float(out.std) == 0.0 and float(ref.std) == 0.0
+
+
+def test_batch_norm_decided_on_float64_statistics():
+    # S = +-1.4e-9 (eps = 1e-9 breaks the symmetry): a spread far above the flat threshold
+    # (2^-40 of the terms) but below float32 rounding of the terms (~0.71): the float32 op
+    # must decide and normalize as the float64 reference does, not on rounded S
+    r = torch.tensor([[0.0, 1.0], [1.0, 0.5]])
+    g = torch.tensor([0, 0])
+    ref = R.gdpo_advantages_ref(r.double(), g, eps=1e-9, eps_batch=0.0)
+    assert ref.sequence.abs().min() > 0.7
+    for batch_norm in ("sequence", "token"):
+        kw = dict(eps=1e-9, eps_batch=0.0, batch_norm=batch_norm, lengths=torch.tensor([3, 5]))
+        ref = R.gdpo_advantages_ref(r.double(), g, **kw)
+        out = mk.gdpo_advantages(r, g, **kw)
+        assert out.sequence.dtype == torch.float32
+        assert torch.allclose(out.sequence.double(), ref.sequence, rtol=1e-6, atol=0)
+        assert torch.allclose(out.mean.double(), ref.mean, rtol=1e-6, atol=1e-30)
+        assert torch.allclose(out.std.double(), ref.std, rtol=1e-6, atol=0)
+
+
+def test_flat_threshold_is_the_same_in_op_and_reference():
+    from mrtpo_kernels import advantages
+
+    assert advantages.FLAT_REL == R.FLAT_REL
+
+
 @pytest.mark.parametrize(
     "alpha,gamma,clip", [(1.0, 1.0, None), (0.6, 2.0, None), (1.0, 0.5, (0.2, 3.0))]
 )

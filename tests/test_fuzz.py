@@ -51,6 +51,21 @@ def _names_an_argument(err: ValueError, fn) -> bool:
     return any(part in _params(fn) for part in head.split("/"))
 
 
+def _body(strategy):
+    """Marks a fuzz body: the tests wrap it in a fresh given() per profile (hypothesis
+    refuses a second settings object on one decorated function)."""
+
+    def mark(fn):
+        fn.strategy = strategy
+        return fn
+
+    return mark
+
+
+def _run(body, profile):
+    settings(**profile)(given(body.strategy)(body))()
+
+
 # --------------------------------------------------------------------------- drawing
 
 
@@ -223,7 +238,7 @@ def _acc(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-@given(st.data())
+@_body(st.data())
 def _linear_logprobs_body(data):
     backend, h, w, bias, temp, gen, draw = data.draw(_linear_case("linear_logprobs"))
     n, v = h.shape[0], w.shape[0]
@@ -292,7 +307,7 @@ def _check_js(case):
     assert bool((d[~d.isnan()] >= 0).all() and (d[~d.isnan()] <= 1).all()), what
 
 
-@given(st.data())
+@_body(st.data())
 def _linear_js_body(data):
     backend, hp, w, bias, temp, gen, draw = data.draw(_linear_case("linear_js_distance"))
     k = draw(st.sampled_from([None, 1, 2]))
@@ -312,7 +327,7 @@ def _linear_js_body(data):
 # --------------------------------------------------------------------------- policy loss
 
 
-@given(st.data())
+@_body(st.data())
 def _policy_body(data):
     backend, h, w, bias, temp, gen, draw = data.draw(_linear_case("linear_policy_loss"))
     n, v = h.shape[0], w.shape[0]
@@ -440,7 +455,7 @@ def _adv_tol(rewards):
     return 64 * eps * rewards.shape[0]
 
 
-@given(st.data())
+@_body(st.data())
 def _gdpo_body(data):
     rewards, gid, weights, eps, eps_batch, nan, gen, draw = data.draw(_rewards_case())
     batch_norm = draw(st.sampled_from(["sequence", "token"]))
@@ -487,7 +502,7 @@ def _relevance_case(draw, gen, n, k, dtype):
     return rel, cu, has_info, bad
 
 
-@given(st.data())
+@_body(st.data())
 def _token_adv_body(data):
     rewards, gid, weights, eps, eps_batch, nan, gen, draw = data.draw(_rewards_case())
     n, k = rewards.shape if rewards.dim() == 2 else (rewards.shape[0], 1)
@@ -532,7 +547,7 @@ def _token_adv_body(data):
     _assert_matches(out.sequence, g_ref.sequence, g_ref.sequence, what + " seq", atol=tol)
 
 
-@given(st.data())
+@_body(st.data())
 def _specific_body(data):
     draw = data.draw
     dtype = draw(st.sampled_from(DTYPES))
@@ -570,12 +585,12 @@ def _run_logits(case):
     _check_logprobs_from_logits(case)
 
 
-@given(_logits_case())
+@_body(_logits_case())
 def _logits_body(case):
     _run_logits(case)
 
 
-@given(_js_case())
+@_body(_js_case())
 def _js_body(case):
     _check_js(case)
 
@@ -596,24 +611,15 @@ def test_every_public_op_is_fuzzed():
     assert set(BODIES) == set(mk.OPS)
 
 
-# open finding: the batch "every S equal" test runs on fp32 S in the op and on float64 S in
-# the reference, so S equal only after fp32 rounding gives 0 in one and +-0.71 in the other
-_OPEN = {"gdpo_advantages": "zero-variance test precision differs from the reference"}
-
-
-@pytest.mark.parametrize(
-    "op",
-    [pytest.param(o, marks=pytest.mark.xfail(reason=_OPEN[o])) if o in _OPEN else o
-     for o in sorted(BODIES)],
-)  # fmt: skip
+@pytest.mark.parametrize("op", sorted(BODIES))
 def test_fuzz(op):
-    settings(**FAST)(BODIES[op])()
+    _run(BODIES[op], FAST)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(BODIES))
 def test_fuzz_long(op):
-    settings(**LONG)(BODIES[op])()
+    _run(BODIES[op], LONG)
 
 
 # --------------------------------------------------------------------------- checks off
