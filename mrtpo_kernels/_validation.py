@@ -86,8 +86,8 @@ def shape_eq(name: str, t: torch.Tensor, shape, what: str) -> None:
 
 def number(name: str, x) -> float:
     """float(x), or a ValueError naming ``name`` when x is not a real number (a string,
-    None, a complex number, a tensor of more than one element)."""
-    if isinstance(x, (str, bytes)) or x is None:
+    None, a bool, a complex number, a tensor of more than one element)."""
+    if isinstance(x, (str, bytes, bool)) or x is None:
         raise ValueError(f"{name}: expected a number, got {type(x).__name__} {x!r}")
     try:
         return float(x)

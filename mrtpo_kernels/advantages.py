@@ -324,6 +324,8 @@ def specific_relevance(
         NaN in the input stays NaN.
     """
     check.float_tensor("relevance", relevance, ndim=(2, 3))
+    if relevance.shape[0] == 0:
+        raise ValueError("relevance: expected at least one reward (K >= 1) in dimension 0, got 0")
     if check.value_checks_enabled() and bool(relevance.isinf().any()):
         raise ValueError("relevance: infinite value (a distance is at most 1); NaN stays NaN")
     k = relevance.shape[0]

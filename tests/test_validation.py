@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mrtpo_kernels as mk
+from mrtpo_kernels import reference as R
 
 
 def _lp_args(n=4, v=10, d=3):
@@ -140,3 +141,192 @@ def test_inputs_not_modified():
     hc, wc = h.clone(), w.clone()
     mk.linear_logprobs(h, w, y, return_entropy=True)
     assert torch.equal(h, hc) and torch.equal(w, wc)
+
+
+# --------------------------------------------------------------------------- the issue-9 checks
+
+
+def _pl_args(n=6, v=7, d=3):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(n, d, generator=gen, requires_grad=True)
+    w = torch.randn(v, d, generator=gen)
+    y = torch.randint(0, v, (n,), generator=gen)
+    return h, w, y, torch.full((n,), -2.0), torch.randn(n, generator=gen)
+
+
+@pytest.mark.parametrize("cu", [[1, 3, 6], [0, 4, 3, 6], [0, 3, 5], [0, 3, 7], [0, -1, 6]], ids=str)
+def test_policy_loss_cu_seqlens_boundaries(cu):
+    h, w, y, old, adv = _pl_args()
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected non-decreasing boundaries"):
+        mk.linear_policy_loss(
+            h, w, y, old, adv, aggregation="seq-mean-token-mean", cu_seqlens=torch.tensor(cu)
+        )
+
+
+@pytest.mark.parametrize("norm_len", [0.0, -3.0, float("nan"), float("inf"), "8"])
+def test_policy_loss_norm_len(norm_len):
+    h, w, y, old, adv = _pl_args()
+    with pytest.raises(ValueError, match=r"^norm_len"):
+        mk.linear_policy_loss(
+            h, w, y, old, adv, aggregation="seq-mean-token-sum-norm",
+            cu_seqlens=torch.tensor([0, 2, 6]), norm_len=norm_len,
+        )  # fmt: skip
+
+
+def test_policy_loss_create_graph_raises():
+    h, w, y, old, adv = _pl_args()
+    loss, _ = mk.linear_policy_loss(h, w, y, old, adv)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, h, create_graph=True)
+
+
+def test_mean_ratio_ignores_an_ignored_minus_inf_old_logprob():
+    h, w, y, old, adv = _pl_args()
+    y = y.clone()
+    y[2] = -100
+    old = old.clone()
+    old[2] = -float("inf")  # never read: token 2 is ignored
+    _, m = mk.linear_policy_loss(h, w, y, old, adv)
+    lp = R.linear_logprobs_ref(h.detach().double(), w.double(), y)
+    keep = y != -100
+    expect = torch.exp(lp[keep] - old[keep].double()).mean()
+    assert torch.isfinite(m["mean_ratio"])
+    assert abs(float(m["mean_ratio"]) - float(expect)) < 1e-5 * float(expect)
+
+
+def test_policy_loss_non_finite_scored_old_logprob_is_named():
+    h, w, y, old, adv = _pl_args()
+    old = old.clone()
+    old[1] = float("nan")
+    with pytest.raises(ValueError, match=r"^old_logprobs"):
+        mk.linear_policy_loss(h, w, y, old, adv)
+
+
+@pytest.mark.parametrize("gid", [[0, 1, 2], [0, 0, 0]], ids=["groups of one", "flat group"])
+def test_gdpo_eps_zero_zero_variance_gives_zero(gid):
+    rewards = torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, 1.0]])
+    out = mk.gdpo_advantages(rewards, torch.tensor(gid), eps=0.0, eps_batch=0.0)
+    for t in (out.per_reward, out.sequence):
+        assert torch.equal(t, torch.zeros_like(t))
+    assert float(out.std) == 0.0
+
+
+def test_gdpo_eps_zero_single_response_gives_zero():
+    out = mk.gdpo_advantages(torch.tensor([[0.3, 2.0]]), torch.tensor([4]), eps=0.0)
+    assert torch.equal(out.per_reward, torch.zeros(1, 2))
+    assert torch.equal(out.sequence, torch.zeros(1))
+    tok = mk.mrtpo_token_advantages(
+        torch.tensor([[0.3, 2.0]]), torch.tensor([4]), torch.rand(2, 3),
+        has_info=torch.ones(1, 2, dtype=torch.bool), cu_seqlens=torch.tensor([0, 3]),
+        eps=0.0,
+    )  # fmt: skip
+    assert torch.equal(tok.token, torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[0, 0, 0, 0], [3, -1, 2, 2], [3, 1.5, 2, 2], [3, float("nan"), 2, 2], [2, 2, 2]],
+    ids=["all zero", "negative", "fractional", "nan", "wrong length"],
+)
+def test_gdpo_token_lengths_checked(lengths):
+    rewards, gid, *_ = _adv_args()
+    with pytest.raises(ValueError, match=r"^lengths"):
+        mk.gdpo_advantages(rewards, gid, batch_norm="token", lengths=torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gdpo_non_finite_weights_named(bad):
+    rewards, gid, *_ = _adv_args()
+    with pytest.raises(ValueError, match=r"^weights"):
+        mk.gdpo_advantages(rewards, gid, weights=torch.tensor([1.0, bad]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -0.5])
+def test_token_advantages_relevance_values_named(bad):
+    rewards, gid, rel, cu, hi = _adv_args()
+    rel = rel.clone()
+    rel[1, 7] = bad
+    with pytest.raises(ValueError, match=r"^relevance"):
+        mk.mrtpo_token_advantages(rewards, gid, rel, has_info=hi, cu_seqlens=cu)
+
+
+def test_token_advantages_padding_relevance_never_read():
+    rewards, gid, rel, cu, hi = _adv_args()
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, 5] = False
+    padded = torch.zeros(2, 4, 6)
+    padded[:, mask] = rel
+    padded[:, :, 5] = float("nan")  # padding: never read
+    got = mk.mrtpo_token_advantages(rewards, gid, padded, has_info=hi, response_mask=mask)
+    ref = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=hi, cu_seqlens=cu)
+    assert torch.equal(got.token[mask], ref.token)
+
+
+def test_specific_relevance_refuses_inf_keeps_nan():
+    rel = torch.rand(2, 8)
+    hi = torch.ones(3, 2, dtype=torch.bool)
+    bad = rel.clone()
+    bad[0, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"^relevance"):
+        mk.specific_relevance(bad, has_info=hi, cu_seqlens=torch.tensor([0, 3, 5, 8]))
+    nan = rel.clone()
+    nan[0, 1] = float("nan")
+    out = mk.specific_relevance(nan, has_info=hi, cu_seqlens=torch.tensor([0, 3, 5, 8]))
+    assert bool(out[0, 1].isnan())
+
+
+def test_empty_dimensions_named():
+    h, w, y = _lp_args()
+    with pytest.raises(ValueError, match=r"^weight"):  # V = 0
+        mk.linear_logprobs(h, w[:0], y)
+    with pytest.raises(ValueError, match=r"^hidden"):  # d = 0
+        mk.linear_logprobs(h[:, :0], w[:, :0], y)
+    with pytest.raises(ValueError, match=r"^logits"):  # V = 0
+        mk.logprobs_from_logits(torch.randn(4, 0), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^rewards"):  # K = 0
+        mk.gdpo_advantages(torch.zeros(4, 0), torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"^relevance"):  # K = 0
+        mk.specific_relevance(
+            torch.zeros(0, 8), has_info=torch.ones(3, 0, dtype=torch.bool),
+            cu_seqlens=torch.tensor([0, 3, 5, 8]),
+        )  # fmt: skip
+
+
+def test_lists_for_tensors_named():
+    rewards, gid, rel, cu, hi = _adv_args()
+    with pytest.raises(ValueError, match=r"^cu_seqlens"):
+        mk.mrtpo_token_advantages(rewards, gid, rel, has_info=hi, cu_seqlens=cu.tolist())
+    with pytest.raises(ValueError, match=r"^response_mask"):
+        mk.mrtpo_token_advantages(
+            rewards, gid, rel.view(2, 4, 5), has_info=hi, response_mask=[[1] * 5] * 4
+        )
+    h, w, y, old, adv = _pl_args()
+    with pytest.raises(ValueError, match=r"^cu_seqlens"):
+        mk.linear_policy_loss(
+            h, w, y, old, adv, aggregation="seq-mean-token-mean", cu_seqlens=[0, 2, 6]
+        )
+    with pytest.raises(ValueError, match=r"^labels"):
+        mk.linear_logprobs(h, w, y.tolist())
+
+
+@pytest.mark.parametrize("clip", [(0.5,), (0.5, 2.0, 3.0), 0.5, (2.0, 3.0)], ids=str)
+def test_clip_shape_and_order_named(clip):
+    rewards, gid, rel, cu, hi = _adv_args()
+    with pytest.raises(ValueError, match=r"^clip"):
+        mk.mrtpo_token_advantages(rewards, gid, rel, has_info=hi, cu_seqlens=cu, clip=clip)
+
+
+@pytest.mark.parametrize("temperature", ["0.7", None, [0.7], True])
+def test_non_numeric_temperature_named(temperature):
+    h, w, y = _lp_args()
+    with pytest.raises(ValueError, match=r"^temperature"):
+        mk.linear_logprobs(h, w, y, temperature=temperature)
+    with pytest.raises(ValueError, match=r"^temperature"):
+        mk.logprobs_from_logits(torch.randn(4, 10), y, temperature=temperature)
+
+
+def test_bad_chunk_bytes_variable_named(monkeypatch):
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", "lots")
+    h, w, y = _lp_args()
+    with pytest.raises(ValueError, match="MRTPO_CHUNK_BYTES"):
+        mk.linear_logprobs(h, w, y, backend="torch")
