@@ -151,6 +151,14 @@ def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
     if not cfg.rerun:
         saved = _finished(run_cfg)
         if saved is not None:
+            # the target and window are not trajectory settings: summarize the saved metrics
+            # again under this comparison's (a rerun with another --target reuses the runs)
+            metrics_path = Path(run_cfg.out) / "metrics.jsonl"
+            if metrics_path.is_file():
+                metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x]
+                s = summarize_run(metrics, saved["names"], cfg.target, cfg.window)
+                s["seed"], s["wall_s"] = seed, saved["summary"]["wall_s"]
+                saved["summary"] = s
             saved["reused"] = True
             return saved
     if cfg.train.threads:

@@ -4,6 +4,7 @@ and a 2-step smoke run of every built-in task family and every relevance variant
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_trainer import TINY, standin_task
@@ -125,6 +126,26 @@ def test_compare_variants_resume_and_results_folder(tmp_path):
     assert sum("(reused)" in line for line in logs2) == 4
     assert (
         again["runs"]["mrtpo:specific"][0]["curve"] == summary["runs"]["mrtpo:specific"][0]["curve"]
+    )
+    # another target reuses the runs but measures steps to target under the new target
+    low = replace(cfg, target=1e-9, window=1)
+    logs_t = []
+    relaxed = run_compare(low, task=standin_task(), log=logs_t.append)
+    assert sum("(reused)" in line for line in logs_t) == 4
+    for a in algos:
+        curve = summary["runs"][a][0]["curve"]
+        first = next((i + 1 for i, v in enumerate(curve) if v >= 1e-9), None)
+        assert relaxed["runs"][a][0]["steps_to_target"] == first
+        assert relaxed["runs"][a][0]["curve"] == curve
+    # the reused summary comes from the run's metrics, not from what the last call saved
+    done = tmp_path / "runs" / "constraints" / "gdpo-seed0" / "compare_run.json"
+    saved = json.loads(done.read_text())
+    saved["summary"]["steps_to_target"] = 999
+    done.write_text(json.dumps(saved))
+    again2 = run_compare(low, task=standin_task(), log=lambda _: None)
+    assert (
+        again2["runs"]["gdpo"][0]["steps_to_target"]
+        == relaxed["runs"]["gdpo"][0]["steps_to_target"]
     )
     # another setting is not reused
     other = _cfg(tmp_path, algos=("gdpo",), seeds=1, lr=1e-3)
