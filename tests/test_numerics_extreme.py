@@ -328,3 +328,91 @@ def test_triton_label_bound_and_nonfinite_under_interpreter():
     )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert "0 failures" in proc.stdout, proc.stdout
+
+
+_TRITON_SWEEP = textwrap.dedent(
+    """
+    import sys, traceback
+    import torch
+    import mrtpo_kernels as mk
+    from mrtpo_kernels import reference as R
+    import test_numerics_extreme as T
+
+    fails = 0
+    def case(name, fn):
+        global fails
+        try:
+            fn()
+            print("ok   " + name)
+        except AssertionError as exc:
+            fails += 1
+            print("FAIL " + name + ": " + str(exc)[:300])
+
+    def sweep(temp, scale):
+        z, zq = T._logits(scale, temp, seed=10 * T.TEMPS.index(temp) + T.SCALES.index(scale))
+        y = torch.randint(0, T.V, (T.N,), generator=torch.Generator().manual_seed(3))
+        y[1] = -100
+        g_lp = torch.randn(T.N, generator=torch.Generator().manual_seed(4))
+        g_en = torch.randn(T.N, generator=torch.Generator().manual_seed(5))
+        what = f"triton T={temp} scale={scale}"
+        zz = z.clone().requires_grad_()
+        lp, en = mk.logprobs_from_logits(zz, y, temperature=temp, return_entropy=True,
+                                         backend="triton")
+        ((lp * g_lp).sum() + (en * g_en).sum()).backward()
+        zr = z.double().requires_grad_()
+        rlp, ren = R.logprobs_from_logits_ref(zr, y, temperature=temp, return_entropy=True)
+        ((rlp * g_lp.double()).sum() + (ren * g_en.double()).sum()).backward()
+        T._close(lp, rlp, 2e-6, 2e-5, f"{what} logp")
+        T._close(en, ren, 2e-6, 2e-5, f"{what} entropy")
+        gscale = zr.grad.abs().max().item() + 1.0 / temp
+        T._close(zz.grad, zr.grad, 0.0, 2e-5 * gscale, f"{what} grad")
+        d = mk.js_distance(z, zq, temperature=temp, backend="triton")
+        rd = R.js_distance_ref(z.double(), zq.double(), temperature=temp)
+        T._close(d.double() ** 2, rd**2, 1e-5, 2e-6, f"{what} JS")
+        # the policy row kernel: logits = z @ I (exact), so dh is dL/dz; labels on each row's
+        # top entry (log-probs of order 1 at every scale: a well-conditioned ratio)
+        eye = torch.eye(T.V)
+        h = z.clone().requires_grad_()
+        y = z.argmax(-1)
+        y[1] = -100
+        top = R.logprobs_from_logits_ref(z.double(), y, temperature=temp)
+        old = (top - 0.05).float()
+        adv = torch.randn(T.N, generator=torch.Generator().manual_seed(6))
+        loss, m = mk.linear_policy_loss(h, eye, y, old, adv, temperature=temp,
+                                        backend="triton")
+        loss.backward()
+        h64 = z.double().requires_grad_()
+        rloss, rm = mk.linear_policy_loss(h64, eye.double(), y, old.double(), adv.double(),
+                                          temperature=temp, backend="torch")
+        rloss.backward()
+        T._close(loss.reshape(1), rloss.reshape(1), 1e-5, 1e-5, f"{what} policy loss")
+        pscale = h64.grad.abs().max().item() + 1.0 / temp
+        T._close(h.grad, h64.grad, 0.0, 2e-5 * pscale, f"{what} policy grad")
+
+    for temp in T.TEMPS:
+        for scale in T.SCALES:
+            case(f"T={temp} scale={scale}", lambda: sweep(temp, scale))
+    print(f"{fails} failures")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_row_kernels_scale_sweep_under_interpreter():
+    """The scale sweep of test_scale_sweep_against_float64 on the Triton row kernels (the
+    default "triton" variant: chunk driver + triton/rows.py) under TRITON_INTERPRET=1:
+    log-probs, entropy and their gradient, JS (js_many), the policy loss and its gradient
+    (through linear_policy_loss with an identity head, so the logits are exactly z)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env.pop("MRTPO_TRITON_VARIANT", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_SWEEP],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "\n0 failures" in proc.stdout, proc.stdout

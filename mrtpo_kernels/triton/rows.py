@@ -28,8 +28,9 @@ In-place 16-bit output: row r of ``out`` starts where row r of z does (row strid
 read of bytes [4 j B, 4 (j + 1) B): it only overwrites what this program already read.
 
 Row offsets are int64 (``_row_offset``): C x V passes 2^31 at V = 151936 beyond 14134 rows.
-JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM with the
-kernels of js.py (a per-row log-sum-exp, then the split sums of the terms).
+JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM: a per-row
+pass for (M, log s), then split sums of the terms of js.py over the vocabulary, with
+log p = x - log s formed from each row's own raw max (no z / tau, no rounded lse).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, interpreting
+from .js import _js_terms
 
 __all__ = ["TritonRowKernel"]
 
@@ -327,6 +329,83 @@ def _policy_rows_kernel(
         )
 
 
+@triton.jit
+def _row_norm_kernel(
+    z_ptr,
+    m_ptr,
+    log_s_ptr,
+    V,
+    rows,
+    stride_s,
+    stride_r,
+    inv_t,
+    BLOCK: tl.constexpr,
+):
+    """Per (row, stream) of the stacked JS logits: the raw max M and log s (NaN for a row
+    with a NaN or +inf, or nothing but -inf), stored at stream * rows + row."""
+    r = tl.program_id(0)
+    st = tl.program_id(1)
+    row_ptr = z_ptr + _row_offset(st, stride_s) + _row_offset(r, stride_r)
+    m, s, _, bad = _row_scan(row_ptr, V, inv_t, False, BLOCK)
+    ok = (bad == 0) & (m > float("-inf"))
+    at = _row_offset(st, rows) + r
+    tl.store(m_ptr + at, m)
+    tl.store(log_s_ptr + at, tl.where(ok, tl.log(s), float("nan")))
+
+
+@triton.jit
+def _js_rows_sum_kernel(
+    z_ptr,  # (1 + K, rows, V): P at stream 0, Q_k at stream 1 + k
+    m_ptr,  # (1 + K, rows) raw row max
+    log_s_ptr,  # (1 + K, rows) log s of x = (z - M) / tau
+    part_ptr,  # (S, K, rows) fp32: this split's half sum of terms
+    K,
+    rows,
+    cols,
+    cols_per_split,
+    stride_s,
+    stride_r,
+    inv_t,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per (token row, vocabulary split), P's block shared by the K streams:
+    log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
+    and sum (no z / tau, no rounded lse), then the terms of js._js_terms."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    q_at = (1 + kk).to(tl.int64) * rows + r
+    m_p = tl.load(m_ptr + r)
+    ls_p = tl.load(log_s_ptr + r)
+    m_q = tl.load(m_ptr + q_at, mask=k_mask, other=0.0)
+    ls_q = tl.load(log_s_ptr + q_at, mask=k_mask, other=0.0)
+    two_inv_t = 2.0 * inv_t
+    p_row = z_ptr + r * stride_r
+    q_rows = z_ptr + (1 + kk).to(tl.int64)[:, None] * stride_s + r * stride_r
+    v_lo = sp * cols_per_split
+    v_hi = tl.minimum(v_lo + cols_per_split, cols)
+    acc = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        vm = offs < v_hi
+        zp = tl.load(p_row + offs, mask=vm, other=float("-inf")).to(tl.float32)
+        zq = tl.load(
+            q_rows + offs[None, :], mask=k_mask[:, None] & vm[None, :], other=float("-inf")
+        ).to(tl.float32)
+        lp = (zp * 0.5 - m_p * 0.5) * two_inv_t - ls_p
+        lq = (zq * 0.5 - m_q[:, None] * 0.5) * two_inv_t - ls_q[:, None]
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        acc += _js_terms(p[None, :], q, lp[None, :] - lq)
+    half = 0.5 * tl.sum(acc, axis=1)
+    # no distribution on either side (log s NaN): NaN, never 0 (README "Numerics")
+    defined = tl.abs(ls_p - ls_q) < float("inf")  # finite iff both are
+    half = tl.where(defined, half, float("nan"))
+    tl.store(part_ptr + sp * (K * rows) + kk.to(tl.int64) * rows + r, half, k_mask)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -472,29 +551,65 @@ class TritonRowKernel:
     @staticmethod
     def js_many(z, inv_t):
         """(K, C) distances between row block 0 of z (1 + K, C, V) fp32 (P) and each of the
-        K blocks after it (Q streams)."""
-        from .js import _js_sum_and_finish, _lse_block, _row_lse_kernel
+        K blocks after it (Q streams). Each row is shifted by its raw max before the
+        temperature, as in stats: finite logits never overflow through z / tau."""
+        from .js import _js_finish_kernel, _splits, _sum_blocks
 
         check_device("z", z)
         streams, rows, v = z.shape
         k = streams - 1
-        out = torch.empty((k, rows), dtype=torch.float32, device=z.device)
+        f32 = dict(dtype=torch.float32, device=z.device)
+        out = torch.empty((k, rows), **f32)
         if rows == 0 or k == 0:
             return out
-        lse = torch.empty((streams, rows), dtype=torch.float32, device=z.device)
-        block = _lse_block(v)
-        _row_lse_kernel[(rows, streams)](
+        if z.stride(2) != 1:
+            z = z.contiguous()
+        m, log_s = torch.empty((streams, rows), **f32), torch.empty((streams, rows), **f32)
+        block = row_block(v)
+        _row_norm_kernel[(rows, streams)](
             z,
-            lse,
-            cols=v,
-            stride_xs=z.stride(0),
-            stride_xr=z.stride(1),
-            stride_os=rows,
-            scale=float(inv_t),
+            m,
+            log_s,
+            V=v,
+            rows=rows,
+            stride_s=z.stride(0),
+            stride_r=z.stride(1),
+            inv_t=float(inv_t),
             BLOCK=block,
             num_warps=_warps(block),
         )
-        _js_sum_and_finish(z[0], z[1:], lse, out, 0, float(inv_t))
+        block_k, block_v = _sum_blocks(k)
+        splits, per_split = _splits(rows, v, block_v, z.device)
+        part = torch.empty((splits, k, rows), **f32)
+        _js_rows_sum_kernel[(rows, splits)](
+            z,
+            m,
+            log_s,
+            part,
+            K=k,
+            rows=rows,
+            cols=v,
+            cols_per_split=per_split,
+            stride_s=z.stride(0),
+            stride_r=z.stride(1),
+            inv_t=float(inv_t),
+            BLOCK_K=block_k,
+            BLOCK_V=block_v,
+            num_warps=8,
+        )
+        _js_finish_kernel[(triton.cdiv(k * rows, 1024),)](
+            part,
+            out,
+            K=k,
+            rows=rows,
+            splits=splits,
+            row0=0,
+            stride_part_s=k * rows,
+            stride_part_k=rows,
+            stride_out_k=out.stride(0),
+            BLOCK=1024,
+            num_warps=4,
+        )
         return out
 
     @classmethod
