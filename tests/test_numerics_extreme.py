@@ -389,6 +389,39 @@ _TRITON_SWEEP = textwrap.dedent(
         pscale = h64.grad.abs().max().item() + 1.0 / temp
         T._close(h.grad, h64.grad, 0.0, 2e-5 * pscale, f"{what} policy grad")
 
+    def spread():
+        # -float max in the first column block, +float max in a later one: the online max
+        # rescales a sum whose old entries underflow (entropy 0 * -inf would be NaN)
+        z = torch.zeros(2, 1500)
+        z[:, :3] = -T.FMAX
+        z[:, 1200:1203] = T.FMAX
+        y = torch.tensor([1201, 1])
+        for temp in (0.3, 1.0):
+            zz = z.clone().requires_grad_()
+            lp, en = mk.logprobs_from_logits(zz, y, temperature=temp, return_entropy=True,
+                                             backend="triton")
+            lp[0].backward()
+            assert abs(lp[0].item() + math.log(3)) < 1e-6, lp
+            assert lp[1].item() == -math.inf or lp[1].item() < -1e38, lp
+            assert bool((en - math.log(3)).abs().max() < 1e-6), en
+            want = torch.zeros(1500)
+            want[1200:1203] = -1 / 3
+            want[1201] += 1
+            assert torch.allclose(zz.grad[0], want / temp, atol=1e-6), zz.grad[0, 1199:1204]
+
+    def close_js():
+        # d ~ 1e-4: delta = log p - log q from the raw differences keeps its digits
+        g = torch.Generator().manual_seed(8)
+        z = 3 * torch.randn(6, 300, generator=g)
+        zq = (z + 1e-4 * torch.randn(3, 6, 300, generator=g)).float()
+        for temp in (0.7, 1.3):
+            d = mk.js_distance(z, zq, temperature=temp, backend="triton").double()
+            rd = R.js_distance_ref(z.double(), zq.double(), temperature=temp)
+            assert bool(((d - rd).abs() <= 2e-3 * rd + 1e-9).all()), (d - rd).abs().max()
+
+    import math
+    case("spread row across column blocks", spread)
+    case("JS of close rows", close_js)
     for temp in T.TEMPS:
         for scale in T.SCALES:
             case(f"T={temp} scale={scale}", lambda: sweep(temp, scale))

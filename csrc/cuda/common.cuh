@@ -5,8 +5,9 @@
 //   to_float / from_float    element conversions, fp32 math from fp32 / bf16 / fp16 storage
 //   Pack<T>                  one 16-byte vector: 4 fp32 or 8 bf16 / fp16 elements
 //   RowSplit                 a row cut into an unaligned head, 16-byte vectors and a tail
-//   LseState                 online log-sum-exp (running max m, sum s = sum e^(z-m),
-//                            t = sum e^(z-m) (z-m) for the entropy), and its merge
+//   scaled_diff              x = (z - m) / tau without overflow (the raw-max shift)
+//   LseState                 online log-sum-exp (raw running max m, s = sum e^x,
+//                            t = sum e^x x for the entropy), and its merge
 //   block_allreduce          CTA-wide reduction of any mergeable state, result in every thread
 //
 // Conventions: element offsets are int64_t (row * V exceeds 2^31 at N = 16384, V = 151936);
@@ -148,10 +149,19 @@ struct RowSplit {
 
 // ------------------------------------------------------------------ online log-sum-exp
 
-// Running statistics of a stream of (temperature-scaled) logits z:
-//   m = max z,  s = sum e^(z - m),  t = sum e^(z - m) (z - m)
-// so that lse = m + log s and the entropy H = lse - E_p[z] = log s - t / s. Keeping t
-// relative to m avoids the cancellation of lse - E_p[z] when |z| is large.
+// Scaling (README "Numerics"): each row is shifted by its RAW maximum m before the
+// temperature, x = (z - m) / tau, formed as (z/2 - m/2)(2/tau): the halves cannot overflow,
+// so finite logits never overflow through z / tau (at tau < 1 near float max), and the
+// maximum entry gives exactly 0. two_inv_t = 2 / tau.
+MRTPO_HD float scaled_diff(float z, float m, float two_inv_t) {
+  return (0.5f * z - 0.5f * m) * two_inv_t;
+}
+
+// Running statistics of a stream of raw logits z at temperature tau:
+//   m = max z (raw),  x = (z - m) / tau,  s = sum e^x,  t = sum e^x x
+// so that lse = m / tau + log s and the entropy H = log s - t / s. Keeping t relative to m
+// avoids the cancellation of lse - E_p[z / tau] when |z / tau| is large. A NaN or +inf
+// element makes s NaN, and a NaN state wins every merge: the row's statistics are NaN.
 struct LseState {
   float m;
   float s;
@@ -161,48 +171,59 @@ struct LseState {
 
   // Add one element. WITH_T: also track t (only the entropy needs it).
   template <bool WITH_T>
-  MRTPO_HD void push(float z) {
+  MRTPO_HD void push(float z, float two_inv_t) {
     if (z > m) {
-      // New max: rescale what we have by e^(m_old - m_new); t shifts by (m_old - m_new) s.
+      // New max: rescale what we have by e^x(m_old); t shifts by x(m_old) s.
       if (s > 0.f) {
-        const float shift = m - z;
+        const float shift = scaled_diff(m, z, two_inv_t);
         const float a = fast_exp(shift);
-        if (WITH_T) t = a * (t + shift * s);
+        // a = 0 (the old entries underflow, shift may be -inf): t is 0, not 0 * -inf
+        if (WITH_T) t = a > 0.f ? a * (t + shift * s) : 0.f;
         s *= a;
       }
       m = z;
     }
-    const float d = z - m;  // <= 0, or NaN when z = m = -inf (then e = 0 below)
+    const float d = scaled_diff(z, m, two_inv_t);  // <= 0, NaN for z = m = +-inf or NaN z
     const float e = (z == -INFINITY) ? 0.f : fast_exp(d);
     s += e;
     if (WITH_T) t += (e > 0.f) ? e * d : 0.f;
   }
 
-  MRTPO_HD float lse() const { return m + fast_log(s); }
+  MRTPO_HD float lse(float inv_t) const { return m * inv_t + fast_log(s); }
   MRTPO_HD float entropy() const { return fast_log(s) - t / s; }
 };
 
-// Merge two online states: rescale both to M = max(m_a, m_b).
+// Merge two online states: rescale both to M = max(m_a, m_b). A NaN sum (the row held a
+// NaN or +inf) propagates.
 struct LseMerge {
+  float two_inv_t;
   MRTPO_HD LseState operator()(const LseState& a, const LseState& b) const {
-    if (!(a.s > 0.f)) return b;
-    if (!(b.s > 0.f)) return a;
+    // s == 0 only for an empty state (a pushed finite z adds e^0 = 1 at the max); a NaN s
+    // (a NaN or +inf pushed) is not 0 and flows into the merged sum
+    if (a.s == 0.f) return b;
+    if (b.s == 0.f) return a;
     const float mx = fmaxf(a.m, b.m);
-    const float da = a.m - mx;
-    const float db = b.m - mx;
+    const float da = scaled_diff(a.m, mx, two_inv_t);
+    const float db = scaled_diff(b.m, mx, two_inv_t);
     const float ea = fast_exp(da);
     const float eb = fast_exp(db);
-    return LseState{mx, ea * a.s + eb * b.s, ea * (a.t + da * a.s) + eb * (b.t + db * b.s)};
+    // a part whose weight underflows (da may be -inf) adds nothing to t, not 0 * -inf
+    const float ta = ea > 0.f ? ea * (a.t + da * a.s) : 0.f;
+    const float tb = eb > 0.f ? eb * (b.t + db * b.s) : 0.f;
+    return LseState{mx, ea * a.s + eb * b.s, ta + tb};
   }
 };
 
-// A log-normalizer kept as its two parts, lse = m + log_s: log p = (z - m) - log_s keeps the
-// digits that z - lse loses to the rounding of lse when |m| is large (fp32 ulp at 1e4 is 1e-3).
+// A row's log-normalizer kept as its two parts, the raw max m and log s:
+// log p = (z - m) / tau - log s keeps the digits that z / tau - lse loses to the rounding of
+// lse when |m / tau| is large (fp32 ulp at 1e4 is 1e-3), and never forms z / tau.
 struct LogNorm {
   float m;
   float log_s;
 
-  MRTPO_HD float log_prob(float z) const { return (z - m) - log_s; }
+  MRTPO_HD float log_prob(float z, float two_inv_t) const {
+    return scaled_diff(z, m, two_inv_t) - log_s;
+  }
 };
 
 // Running max / sum pair (no entropy statistic): half the registers of LseState.
@@ -212,23 +233,27 @@ struct MaxSum {
 
   MRTPO_HD static MaxSum empty() { return MaxSum{-INFINITY, 0.f}; }
 
-  MRTPO_HD void push(float z) {
+  MRTPO_HD void push(float z, float two_inv_t) {
     if (z > m) {
-      if (s > 0.f) s *= fast_exp(m - z);
+      if (s > 0.f) s *= fast_exp(scaled_diff(m, z, two_inv_t));
       m = z;
     }
-    s += (z == -INFINITY) ? 0.f : fast_exp(z - m);
+    s += (z == -INFINITY) ? 0.f : fast_exp(scaled_diff(z, m, two_inv_t));
   }
 
   MRTPO_HD LogNorm log_norm() const { return LogNorm{m, fast_log(s)}; }
 };
 
 struct MaxSumMerge {
+  float two_inv_t;
   MRTPO_HD MaxSum operator()(const MaxSum& a, const MaxSum& b) const {
-    if (!(a.s > 0.f)) return b;
-    if (!(b.s > 0.f)) return a;
+    // s == 0 only for an empty state (a pushed finite z adds e^0 = 1 at the max); a NaN s
+    // (a NaN or +inf pushed) is not 0 and flows into the merged sum
+    if (a.s == 0.f) return b;
+    if (b.s == 0.f) return a;
     const float mx = fmaxf(a.m, b.m);
-    return MaxSum{mx, fast_exp(a.m - mx) * a.s + fast_exp(b.m - mx) * b.s};
+    return MaxSum{mx, fast_exp(scaled_diff(a.m, mx, two_inv_t)) * a.s +
+                          fast_exp(scaled_diff(b.m, mx, two_inv_t)) * b.s};
   }
 };
 

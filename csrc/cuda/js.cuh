@@ -1,20 +1,20 @@
 // Per-token Jensen-Shannon distance from existing logits, one P row against K Q rows.
 // Torch-free.
 //
-// Math, per token n and stream k (z_p = logits_p[n] / tau, z_q = logits_q[k, n] / tau):
-//   P = softmax(z_p), Q = softmax(z_q), M = (P + Q) / 2
+// Math, per token n and stream k (z_p = logits_p[n], z_q = logits_q[k, n], raw):
+//   P = softmax(z_p / tau), Q = softmax(z_q / tau), M = (P + Q) / 2
 //   JSD = 1/2 KL(P || M) + 1/2 KL(Q || M) = 1/2 sum_v m_v h(t_v)
 //   with m = (p + q) / 2, t = (p - q) / (p + q) in [-1, 1] and
 //   h(t) = (1 + t) log(1 + t) + (1 - t) log(1 - t) = sum_{j >= 1} t^(2j) / (j (2j - 1))
 //   d = sqrt(max(JSD, 0) / ln 2), clamped to [0, 1]
 // Every term needs both log-normalizers, so the row is read twice:
-//   pass 1: lse_p and lse_q (online max / sum), P's shared by all K streams, each kept as
-//           max + log(sum) (LogNorm) so that log p = (z - max) - log(sum) stays exact-ish
-//           at large |z|;
+//   pass 1: the log-normalizers (online raw max / sum), P's shared by all K streams, each
+//           kept as raw max and log(sum) (LogNorm) so that log p = (z - max) / tau - log(sum)
+//           (common.cuh scaled_diff: no z / tau, no overflow) stays exact at large |z / tau|;
 //   pass 2: sum_v m_v h(t_v).
-// Numerics of one term: t = tanh(delta / 2) with delta = log p - log q computed as
-// (z_p - z_q) - ((max_p - max_q) + (log sum_p - log sum_q)), which is exactly 0 for identical
-// rows and has no cancellation between two large logits. For |delta / 2| < 1/4 the tanh and
+// Numerics of one term: t = tanh(delta / 2) with delta = log p - log q, each log formed
+// from its own row's normalizer: exactly 0 for identical rows, no cancellation between two
+// large logits. For |delta / 2| < 1/4 the tanh and
 // h series (errors below 1e-8 relative) avoid the cancellation in h for t -> 0; otherwise
 //   m h(t) = p (ln 2 + log p - log(p + q)) + q (ln 2 + log q - log(p + q))
 // with the p = 0 or q = 0 terms dropped (disjoint supports give d = 1 exactly in exact math).
@@ -52,10 +52,11 @@ struct MaxSumArray {
 
 template <int R>
 struct MaxSumArrayMerge {
+  float two_inv_t;
   MRTPO_HD MaxSumArray<R> operator()(const MaxSumArray<R>& a,
                                                        const MaxSumArray<R>& b) const {
     MaxSumArray<R> out;
-    MaxSumMerge merge;
+    MaxSumMerge merge{two_inv_t};
 MRTPO_UNROLL
     for (int r = 0; r < R; ++r) out.v[r] = merge(a.v[r], b.v[r]);
     return out;
@@ -101,15 +102,15 @@ MRTPO_HD float h_small(float t) {
   return t2 * c;
 }
 
-// m h(t) for one vocabulary entry. zp, zq: scaled logits; lp = log p, p = e^lp; nq: Q's
-// log-normalizer; dm, dls: the differences of P's and Q's max and log-sum.
-MRTPO_HD float js_term(float zp, float zq, float lp, float p, const LogNorm& nq, float dm,
-                       float dls) {
-  const float lq = nq.log_prob(zq);
+// m h(t) for one vocabulary entry from lp = log p, p = e^lp and lq = log q (each from its own
+// row's raw max and log-sum, LogNorm::log_prob), and delta = log p - log q formed from the
+// raw logits first (js_delta): exactly 0 for identical rows, and for close rows free of the
+// rounding of lp and lq.
+MRTPO_HD float js_term(float lp, float p, float lq, float delta) {
   const float q = fast_exp(lq);
   const float pq = p + q;
   if (!(pq > 0.f)) return 0.f;  // both underflow: m = 0
-  const float half_delta = 0.5f * ((zp - zq) - (dm + dls));
+  const float half_delta = 0.5f * delta;
   if (p > 0.f && q > 0.f && fabsf(half_delta) < 0.25f) {
     return 0.5f * pq * h_small(tanh_small(half_delta));
   }
@@ -117,6 +118,13 @@ MRTPO_HD float js_term(float zp, float zq, float lp, float p, const LogNorm& nq,
   const float tp = p > 0.f ? p * (kLn2 + lp - log_pq) : 0.f;
   const float tq = q > 0.f ? q * (kLn2 + lq - log_pq) : 0.f;
   return tp + tq;
+}
+
+// delta = log p - log q = ((z_p - z_q) - (m_p - m_q)) / tau - (log s_p - log s_q), in halves
+// (no overflow of a difference of finite values before it is scaled): exactly 0 for identical
+// rows; for close rows the raw differences are small and exact-ish. dmh = (m_p - m_q) / 2.
+MRTPO_HD float js_delta(float zp, float zq, float dmh, float dls, float two_inv_t) {
+  return ((0.5f * zp - 0.5f * zq) - dmh) * two_inv_t - dls;
 }
 
 // d from the summed m h(t): JSD = sum / 2; NaN propagates (a NaN logit gives NaN).
@@ -225,13 +233,14 @@ MRTPO_UNROLL
 template <typename T, int BLOCK, int R>
 MRTPO_HD MaxSumArray<R> js_pass1_partial(const T* const (&rows)[R], unsigned mask, int64_t vocab,
                                          float inv_temp, int64_t tid) {
+  const float two_inv_t = 2.f * inv_temp;
   MaxSumArray<R> st;
 MRTPO_UNROLL
   for (int r = 0; r < R; ++r) st.v[r] = MaxSum::empty();
   auto push = [&](int64_t, const float (&x)[R]) {
 MRTPO_UNROLL
     for (int r = 0; r < R; ++r) {
-      if ((mask >> r) & 1u) st.v[r].push(x[r] * inv_temp);
+      if ((mask >> r) & 1u) st.v[r].push(x[r], two_inv_t);
     }
   };
   for_each_in_rows<T, BLOCK, kJsUnroll, R>(rows, mask, vocab, tid, push);
@@ -248,15 +257,21 @@ MRTPO_HD FloatArray<KB> js_pass2_partial(const T* const (&rows)[1 + KB], int kb,
   FloatArray<KB> acc;
 MRTPO_UNROLL
   for (int j = 0; j < KB; ++j) acc.v[j] = 0.f;
+  const float two_inv_t = 2.f * inv_temp;
+  float dmh[KB], dls[KB];  // per stream: (m_p - m_q) / 2 and log s_p - log s_q
+MRTPO_UNROLL
+  for (int j = 0; j < KB; ++j) {
+    dmh[j] = 0.5f * np.m - 0.5f * nq[j].m;
+    dls[j] = np.log_s - nq[j].log_s;
+  }
   auto accumulate = [&](int64_t, const float (&x)[R]) {
-    const float zp = x[0] * inv_temp;
-    const float lp = np.log_prob(zp);
+    const float lp = np.log_prob(x[0], two_inv_t);
     const float p = fast_exp(lp);
 MRTPO_UNROLL
     for (int j = 0; j < KB; ++j) {
       if (j < kb) {
-        acc.v[j] += js_term(zp, x[1 + j] * inv_temp, lp, p, nq[j], np.m - nq[j].m,
-                            np.log_s - nq[j].log_s);
+        acc.v[j] += js_term(lp, p, nq[j].log_prob(x[1 + j], two_inv_t),
+                            js_delta(x[0], x[1 + j], dmh[j], dls[j], two_inv_t));
       }
     }
   };
@@ -279,7 +294,9 @@ MRTPO_HD bool js_row_defined(const LogNorm& a, const LogNorm& b) {
 
 // out[k, n] = JS distance between softmax(logits_p[n] / tau) and softmax(logits_q[k, n] / tau).
 template <typename T, int BLOCK, int KB>
-__global__ void __launch_bounds__(BLOCK)
+// (BLOCK, 1): without the minimum, ptxas capped the fp16 KB = 1 variant at 40 registers and
+// spilled; one CTA of BLOCK threads per SM is all the bound has to guarantee.
+__global__ void __launch_bounds__(BLOCK, 1)
     js_kernel(const T* __restrict__ logits_p, const T* __restrict__ logits_q, int64_t n_rows,
               int64_t n_streams, int64_t vocab, float inv_temp, float* __restrict__ out) {
   constexpr int R = 1 + KB;  // row 0: P; rows 1..KB: a group of Q streams
@@ -295,7 +312,7 @@ __global__ void __launch_bounds__(BLOCK)
       const unsigned mask1 = (((1u << kb) - 1u) << 1) | (k0 == 0 ? 1u : 0u);
       MaxSumArray<R> st =
           js_pass1_partial<T, BLOCK, R>(rows, mask1, vocab, inv_temp, threadIdx.x);
-      st = block_allreduce<BLOCK>(st, MaxSumArrayMerge<R>(), scratch1);
+      st = block_allreduce<BLOCK>(st, MaxSumArrayMerge<R>{2.f * inv_temp}, scratch1);
       if (k0 == 0) np = st.v[0].log_norm();
       LogNorm nq[KB];
 MRTPO_UNROLL

@@ -23,7 +23,8 @@ cudaError_t launch_logprobs_fwd(DType dtype, const void* logits, const int64_t* 
                                 int64_t ignore_index, float* logp, float* entropy, float* lse,
                                 cudaStream_t stream);
 
-// grad_logits (N, V) in dtype; entropy and grad_entropy both nullptr: no entropy term.
+// grad_logits (N, V) in dtype; entropy and grad_entropy both nullptr: no entropy term. lse
+// is part of the interface but not read: each row's raw max and sum are recomputed.
 cudaError_t launch_logprobs_bwd(DType dtype, const void* logits, const int64_t* labels,
                                 const float* lse, const float* entropy, const float* grad_logp,
                                 const float* grad_entropy, int64_t n_rows, int64_t vocab,

@@ -32,16 +32,16 @@ cudaError_t logprobs_bwd_typed(const void* logits, const int64_t* labels, const 
                                float inv_temp, int64_t ignore_index, void* grad_logits,
                                cudaStream_t stream) {
   constexpr int kBlock = kLogprobsBlock;
+  (void)lse;  // not read: the kernel recomputes each row's raw max and sum (logprobs.cuh)
   const T* z = static_cast<const T*>(logits);
   T* dz = static_cast<T*>(grad_logits);
   const unsigned grid = rows_grid(n_rows);
   if (entropy != nullptr && grad_entropy != nullptr) {
     logprobs_bwd_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(
-        z, labels, lse, entropy, grad_logp, grad_entropy, n_rows, vocab, inv_temp, ignore_index,
-        dz);
+        z, labels, entropy, grad_logp, grad_entropy, n_rows, vocab, inv_temp, ignore_index, dz);
   } else {
     logprobs_bwd_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(
-        z, labels, lse, nullptr, grad_logp, nullptr, n_rows, vocab, inv_temp, ignore_index, dz);
+        z, labels, nullptr, grad_logp, nullptr, n_rows, vocab, inv_temp, ignore_index, dz);
   }
   return cudaGetLastError();
 }

@@ -76,7 +76,9 @@ def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
         e = tl.exp(x)
         if WITH_T:
             shift0 = tl.where(m == float("-inf"), 0.0, shift)
-            t = alpha * (t + s * shift0) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+            # alpha = 0 (the old entries underflow; shift may be -inf): 0, never 0 * -inf
+            t_old = tl.where(alpha > 0.0, alpha * (t + s * shift0), 0.0)
+            t = t_old + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
         s = s * alpha + tl.sum(e, axis=0)
         m = m_new
     return m, s, t, bad
@@ -371,7 +373,8 @@ def _js_rows_sum_kernel(
 ):
     """One program per (token row, vocabulary split), P's block shared by the K streams:
     log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
-    and sum (no z / tau, no rounded lse), then the terms of js._js_terms."""
+    and sum (no z / tau, no rounded lse), delta = ((z_p - z_q) - (M_p - M_q)) / tau -
+    (log s_p - log s_q) in halves, then the terms of js._js_terms."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -382,6 +385,8 @@ def _js_rows_sum_kernel(
     m_q = tl.load(m_ptr + q_at, mask=k_mask, other=0.0)
     ls_q = tl.load(log_s_ptr + q_at, mask=k_mask, other=0.0)
     two_inv_t = 2.0 * inv_t
+    dmh = m_p * 0.5 - m_q * 0.5  # (M_p - M_q) / 2 per stream
+    dls = ls_p - ls_q
     p_row = z_ptr + r * stride_r
     q_rows = z_ptr + (1 + kk).to(tl.int64)[:, None] * stride_s + r * stride_r
     v_lo = sp * cols_per_split
@@ -398,7 +403,10 @@ def _js_rows_sum_kernel(
         lq = (zq * 0.5 - m_q[:, None] * 0.5) * two_inv_t - ls_q[:, None]
         p = tl.exp(lp)
         q = tl.exp(lq)
-        acc += _js_terms(p[None, :], q, lp[None, :] - lq)
+        # delta = log p - log q from the raw differences first: exactly 0 for identical rows,
+        # and for close rows free of the rounding of lp and lq
+        delta = ((zp[None, :] * 0.5 - zq * 0.5) - dmh[:, None]) * two_inv_t - dls[:, None]
+        acc += _js_terms(p[None, :], q, delta)
     half = 0.5 * tl.sum(acc, axis=1)
     # no distribution on either side (log s NaN): NaN, never 0 (README "Numerics")
     defined = tl.abs(ls_p - ls_q) < float("inf")  # finite iff both are

@@ -16,6 +16,7 @@
 //    It prints one line per failed check and exits with status 1 if any failed.
 // The exp / log here are the C library's, not the GPU's MUFU approximations: what is checked is
 // the algorithm (indexing, online statistics, merges, series), not the last ulp.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -169,6 +170,35 @@ void check_row_coverage() {
 
 // ---- log-probs forward and backward
 
+struct RowOut {
+  float logp, entropy, lse;
+};
+
+// The backward's recompute of a row's (raw max, log sum), over simulated threads.
+template <typename T>
+LogNorm simulate_norm(const T* row, int64_t vocab, float inv_temp) {
+  constexpr int B = kLogprobsBlock;
+  std::vector<MaxSum> parts(B);
+  for (int64_t tid = 0; tid < B; ++tid) {
+    parts[tid] = logprobs_row_norm_partial<T, B>(row, vocab, inv_temp, tid);
+  }
+  return simulate_block_allreduce(parts, MaxSumMerge{2.f * inv_temp}).log_norm();
+}
+
+// The forward over simulated threads: (logp, entropy, lse) of one row.
+template <typename T>
+RowOut simulate_logprobs_row(const T* row, int64_t vocab, int64_t y, float inv_temp) {
+  constexpr int B = kLogprobsBlock;
+  std::vector<LseState> parts(B);
+  for (int64_t tid = 0; tid < B; ++tid) {
+    parts[tid] = logprobs_row_partial<T, B, true>(row, vocab, inv_temp, tid);
+  }
+  const LseState st = simulate_block_allreduce(parts, LseMerge{2.f * inv_temp});
+  RowOut out{0.f, 0.f, 0.f};
+  logprobs_row_finish<T, true>(st, row, vocab, y, inv_temp, &out.logp, &out.entropy, &out.lse);
+  return out;
+}
+
 struct RowRef {
   double logp, entropy, lse;
 };
@@ -218,7 +248,7 @@ void check_logprobs() {
       for (int64_t tid = 0; tid < B; ++tid) {
         parts[tid] = logprobs_row_partial<T, B, true>(row.data, vocab, 1.f / tau, tid);
       }
-      const LseState st = simulate_block_allreduce(parts, LseMerge());
+      const LseState st = simulate_block_allreduce(parts, LseMerge{2.f / tau});
       float logp = 0.f, ent = 0.f, lse = 0.f;
       logprobs_row_finish<T, true>(st, row.data, vocab, y, 1.f / tau, &logp, &ent, &lse);
       char ctx[96];
@@ -232,11 +262,12 @@ void check_logprobs() {
       expect(close_to(ent, ref.entropy, 2e-5 * (ref.entropy + 1.0), 0.0), "entropy", ctx, ent,
              ref.entropy);
 
-      // Backward against float64, output rounded to T.
+      // Backward against float64, output rounded to T (the row's max and sum recomputed).
       const float g = 0.37f, gh = -1.3f;
+      const LogNorm nz = simulate_norm<T>(row.data, vocab, 1.f / tau);
       Buffer<T> grad(vocab, off);
       for (int64_t tid = 0; tid < B; ++tid) {
-        logprobs_bwd_row<T, B, true>(row.data, grad.data, vocab, y, false, lse, ent, g, gh,
+        logprobs_bwd_row<T, B, true>(row.data, grad.data, vocab, y, false, nz, ent, g, gh,
                                      1.f / tau, tid);
       }
       double worst = 0.0;
@@ -258,8 +289,8 @@ void check_logprobs() {
 
       // Ignored rows: a zero gradient, whatever the logits.
       for (int64_t tid = 0; tid < B; ++tid) {
-        logprobs_bwd_row<T, B, true>(row.data, grad.data, vocab, y, true, 0.f, 0.f, 0.f, 0.f,
-                                     1.f, tid);
+        logprobs_bwd_row<T, B, true>(row.data, grad.data, vocab, y, true, LogNorm{0.f, 0.f}, 0.f,
+                                     0.f, 0.f, 1.f, tid);
       }
       int64_t nonzero = 0;
       for (int64_t v = 0; v < vocab; ++v) nonzero += to_float(grad.data[v]) != 0.f;
@@ -307,7 +338,7 @@ void simulate_js_row(const T* logits_p, const T* logits_q, int64_t row, int64_t 
     for (int64_t tid = 0; tid < B; ++tid) {
       p1[tid] = js_pass1_partial<T, B, R>(rows, mask1, vocab, inv_temp, tid);
     }
-    const MaxSumArray<R> st = simulate_block_allreduce(p1, MaxSumArrayMerge<R>());
+    const MaxSumArray<R> st = simulate_block_allreduce(p1, MaxSumArrayMerge<R>{2.f * inv_temp});
     if (k0 == 0) np = st.v[0].log_norm();
     LogNorm nq[KB];
     for (int j = 0; j < KB; ++j) nq[j] = st.v[1 + j].log_norm();
@@ -316,7 +347,9 @@ void simulate_js_row(const T* logits_p, const T* logits_q, int64_t row, int64_t 
       p2[tid] = js_pass2_partial<T, B, KB>(rows, kb, vocab, inv_temp, np, nq, tid);
     }
     const FloatArray<KB> acc = simulate_block_allreduce(p2, FloatArraySum<KB>());
-    for (int j = 0; j < kb; ++j) out[k0 + j] = js_distance_from_sum(acc.v[j]);
+    for (int j = 0; j < kb; ++j) {
+      out[k0 + j] = js_row_defined(np, nq[j]) ? js_distance_from_sum(acc.v[j]) : NAN;
+    }
   }
 }
 
@@ -447,16 +480,150 @@ void check_js_series() {
   expect(worst_tanh < 1e-6, "tanh series relative error", "|u| <= 1/4", worst_tanh, 1e-6);
   expect(worst_h < 1e-6, "h series relative error", "|t| <= 0.245", worst_h, 1e-6);
   // m h(t) is continuous across the switch between the series and the log form.
-  const LogNorm zero{0.f, 0.f};
   for (float half_delta : {0.2499f, 0.2501f, -0.2499f, -0.2501f}) {
     const float zq = -1.f, zp = zq + 2.f * half_delta;
     const float p = std::exp(zp), q = std::exp(zq);
     const double pd = std::exp(static_cast<double>(zp)), qd = std::exp(static_cast<double>(zq));
     const double md = 0.5 * (pd + qd);
     const double want = pd * std::log(pd / md) + qd * std::log(qd / md);
-    const float got = js_term(zp, zq, zp, p, zero, 0.f, 0.f);
+    const float got = js_term(zp, p, zq, zp - zq);
     expect(close_to(got, want, 0.0, 2e-5), "js_term near the series switch", "|delta/2| ~ 1/4",
            got, want);
+  }
+}
+
+// ---- scaling, non-finite rows, out-of-range labels (README "Numerics")
+
+// Rows near float max at tau < 1, where z / tau overflows: the raw-max shift keeps every
+// answer finite and right. fp32 rows only (the other dtypes cannot hold these values).
+void check_logprobs_scaling() {
+  constexpr float kMax = 3.402823466e38f;
+  const int64_t vocab = 67;
+  for (float tau : {0.3f, 0.7f, 1.7f}) {
+    for (float value : {kMax, -kMax, 1e38f}) {
+      std::vector<float> row(vocab, value);
+      const int64_t y = 5;
+      const RowOut out = simulate_logprobs_row(row.data(), vocab, y, 1.f / tau);
+      char ctx[96];
+      std::snprintf(ctx, sizeof(ctx), "equal row %g tau=%g", value, tau);
+      const double want = -std::log(static_cast<double>(vocab));
+      expect(close_to(out.logp, want, 1e-5, 0.0), "logp of an equal row is -log V", ctx,
+             out.logp, want);
+      expect(close_to(out.entropy, -want, 1e-5, 0.0), "entropy of an equal row is log V", ctx,
+             out.entropy, -want);
+      const LogNorm nz = simulate_norm(row.data(), vocab, 1.f / tau);
+      std::vector<float> grad(vocab);
+      for (int64_t tid = 0; tid < kLogprobsBlock; ++tid) {
+        logprobs_bwd_row<float, kLogprobsBlock, false>(row.data(), grad.data(), vocab, y, false,
+                                                       nz, 0.f, 1.f, 0.f, 1.f / tau, tid);
+      }
+      double worst = 0.0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        const double d = ((v == y ? 1.0 : 0.0) - 1.0 / vocab) / tau;
+        worst = std::fmax(worst, std::fabs(grad[v] - d));
+      }
+      expect(worst < 1e-5, "gradient of an equal row", ctx, worst, 0.0);
+    }
+    // Both ends of the float range in one row: z / tau overflows both ways.
+    std::vector<float> row(vocab, 0.f);
+    for (int v = 0; v < 3; ++v) row[v] = kMax;
+    for (int v = 3; v < 6; ++v) row[v] = -kMax;
+    char ctx[64];
+    std::snprintf(ctx, sizeof(ctx), "spread row tau=%g", tau);
+    const RowOut top = simulate_logprobs_row(row.data(), vocab, 1, 1.f / tau);
+    expect(close_to(top.logp, -std::log(3.0), 1e-6, 0.0), "logp of a top entry", ctx, top.logp,
+           -std::log(3.0));
+    expect(close_to(top.entropy, std::log(3.0), 1e-6, 0.0), "entropy of the spread row", ctx,
+           top.entropy, std::log(3.0));
+    const RowOut low = simulate_logprobs_row(row.data(), vocab, 4, 1.f / tau);
+    const double want = -2.0 * static_cast<double>(kMax) / tau;  // beyond fp32 at tau < 2
+    expect(low.logp == -INFINITY || close_to(low.logp, want, 0.0, 1e-6),
+           "logp of a bottom entry (-inf where beyond fp32)", ctx, low.logp, want);
+  }
+  // A random row of magnitude 1e30 / tau, against float64 (the raw shift's one rounding).
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (float tau : {0.3f, 1.7f}) {
+    std::vector<float> row(1001);
+    for (auto& x : row) x = 1e30f * tau * normal(rng);
+    const int64_t y = static_cast<int64_t>(std::max_element(row.begin(), row.end()) - row.begin());
+    std::vector<double> z(row.begin(), row.end());
+    const RowRef ref = logprobs_ref(z, y, tau);
+    const RowOut out = simulate_logprobs_row(row.data(), 1001, y, 1.f / tau);
+    char ctx[64];
+    std::snprintf(ctx, sizeof(ctx), "|z / tau| ~ 1e30, tau=%g", tau);
+    expect(close_to(out.logp, ref.logp, 1e-6, 0.0), "logp of the top entry", ctx, out.logp,
+           ref.logp);
+    expect(close_to(out.entropy, ref.entropy, 1e-6, 0.0), "entropy", ctx, out.entropy,
+           ref.entropy);
+  }
+}
+
+template <typename T>
+void check_nonfinite_and_labels() {
+  const int64_t vocab = 1001;
+  const float inv_t = 1.f / 0.7f;
+  // Labels the backward leaves at zero: ignored and out of range; not an in-range one.
+  expect(logprobs_row_skipped(-100, -100, vocab) && logprobs_row_skipped(vocab, -100, vocab) &&
+             logprobs_row_skipped(-7, -100, vocab) && logprobs_row_skipped(int64_t{1} << 40, -100, vocab) &&
+             !logprobs_row_skipped(0, -100, vocab) && !logprobs_row_skipped(vocab - 1, -100, vocab),
+         "rows skipped by the backward: ignored and out-of-range labels", type_name<T>(), 0, 0);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  Buffer<T> finite(vocab, 1);
+  for (int64_t v = 0; v < vocab; ++v) finite.data[v] = from_float<T>(normal(rng));
+  const RowOut oob = simulate_logprobs_row(finite.data, vocab, vocab, inv_t);
+  expect(std::isnan(oob.logp), "logp NaN for a label outside [0, V)", type_name<T>(), oob.logp,
+         NAN);
+  // NaN anywhere, +inf anywhere, nothing but -inf: NaN log-prob, entropy, gradient and JS.
+  for (int kind = 0; kind < 3; ++kind) {
+    Buffer<T> bad(vocab, 1);
+    for (int64_t v = 0; v < vocab; ++v) {
+      bad.data[v] = kind == 2 ? from_float<T>(-INFINITY) : finite.data[v];
+    }
+    if (kind == 0) bad.data[vocab / 3] = from_float<T>(NAN);
+    if (kind == 1) bad.data[vocab - 2] = from_float<T>(INFINITY);
+    char ctx[64];
+    std::snprintf(ctx, sizeof(ctx), "%s %s row", type_name<T>(),
+                  kind == 0 ? "NaN" : kind == 1 ? "+inf" : "all -inf");
+    const RowOut out = simulate_logprobs_row(bad.data, vocab, 3, inv_t);
+    expect(std::isnan(out.logp) && std::isnan(out.entropy), "logp and entropy NaN", ctx,
+           out.logp, NAN);
+    const LogNorm nz = simulate_norm(bad.data, vocab, inv_t);
+    Buffer<T> grad(vocab, 1);
+    for (int64_t tid = 0; tid < kLogprobsBlock; ++tid) {
+      logprobs_bwd_row<T, kLogprobsBlock, false>(bad.data, grad.data, vocab, 3, false, nz, 0.f,
+                                                 1.f, 0.f, inv_t, tid);
+    }
+    int64_t not_nan = 0;
+    for (int64_t v = 0; v < vocab; ++v) not_nan += !std::isnan(to_float(grad.data[v]));
+    expect(not_nan == 0, "gradient row NaN", ctx, static_cast<double>(not_nan), 0.0);
+    float d[2] = {0.f, 0.f};
+    simulate_js_row<T, 1>(bad.data, finite.data, 0, 1, 1, vocab, inv_t, d);
+    simulate_js_row<T, 1>(finite.data, bad.data, 0, 1, 1, vocab, inv_t, d + 1);
+    expect(std::isnan(d[0]) && std::isnan(d[1]), "JS NaN on either side, never 0", ctx, d[0],
+           NAN);
+  }
+}
+
+// JS at scales where z / tau overflows: identical rows 0, P and Q with the same top entries 0.
+void check_js_scaling() {
+  constexpr float kMax = 3.402823466e38f;
+  const int64_t vocab = 67;
+  std::vector<float> p(vocab), q(vocab);
+  for (int64_t v = 0; v < vocab; ++v) {
+    p[v] = (v == 7) ? kMax : -kMax + static_cast<float>(v) * 1e36f;
+    q[v] = (v == 7) ? kMax : -0.5f * kMax;
+  }
+  for (float tau : {0.3f, 1.f}) {
+    float d[2] = {1.f, 1.f};
+    simulate_js_row<float, 1>(p.data(), p.data(), 0, 1, 1, vocab, 1.f / tau, d);
+    simulate_js_row<float, 1>(p.data(), q.data(), 0, 1, 1, vocab, 1.f / tau, d + 1);
+    char ctx[48];
+    std::snprintf(ctx, sizeof(ctx), "rows near float max, tau=%g", tau);
+    expect(d[0] == 0.f, "JS of identical extreme rows is 0", ctx, d[0], 0.0);
+    expect(close_to(d[1], 0.0, 1e-6, 0.0), "JS of one-hot rows on the same entry is 0", ctx,
+           d[1], 0.0);
   }
 }
 
@@ -499,6 +666,11 @@ int main() {
   check_js_extreme<float>();
   check_js_extreme<__nv_bfloat16>();
   check_js_extreme<__half>();
+  check_logprobs_scaling();
+  check_nonfinite_and_labels<float>();
+  check_nonfinite_and_labels<__nv_bfloat16>();
+  check_nonfinite_and_labels<__half>();
+  check_js_scaling();
   check_allocation_weight();
   std::printf("%d checks, %d failed\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
