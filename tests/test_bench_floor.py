@@ -180,3 +180,32 @@ def test_keep_logits_setting_is_read():
             settings.keep_logits_bytes()
         mp.setenv("MRTPO_KEEP_LOGITS_BYTES", "0")
         assert settings.keep_logits_bytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_js_stacked_chunks_against_reference(monkeypatch, dtype):
+    """The CPU backend's stacked JS path (one GEMM of the 1 + K streams per chunk, then
+    _C.js_many): chunk boundaries with a partial last chunk, K = 1, 3, and the non-finite
+    contract (a NaN or +inf logit row gives NaN, not 0) against the float64 reference."""
+    import mrtpo_kernels as mk
+    from mrtpo_kernels import reference as ref
+
+    if providers.availability("mrtpo-cpu") is not None:
+        pytest.skip(providers.availability("mrtpo-cpu"))
+    n, v = 23, 257
+    g = torch.Generator().manual_seed(7)
+    for k in (1, 3):
+        streams = 1 + k
+        monkeypatch.setenv("MRTPO_JS_SCRATCH_BYTES", str(8 * v * streams * 5))  # <= 10 tokens
+        h = torch.randn(n, D, generator=g, dtype=torch.float64)
+        w = torch.randn(v, D, generator=g, dtype=torch.float64) * 0.4
+        hq = h + 0.5 * torch.randn(k, n, D, generator=g, dtype=torch.float64)
+        want = ref.linear_js_distance_ref(h, hq, w)
+        got = mk.linear_js_distance(h.to(dtype), hq.to(dtype), w.to(dtype), backend="cpu")
+        tol = 1e-10 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+        bad = hq.clone()
+        bad[k - 1, 11, 0] = float("nan")  # a NaN hidden value makes that Q row's logits NaN
+        got = mk.linear_js_distance(h.to(dtype), bad.to(dtype), w.to(dtype), backend="cpu")
+        assert torch.isnan(got[k - 1, 11]) and torch.isfinite(got[:, :11]).all()
+        assert torch.isfinite(got[:, 12:]).all()

@@ -146,6 +146,31 @@ std::tuple<Tensor, Tensor> js(const Tensor& zp, const Tensor& zq, double inv_t,
   return {out, lse_p};
 }
 
+// z: [1 + K, C, V] stacked logits (P first, then the K Q streams of the same C tokens),
+// as one GEMM wrote them; returns the [K, C] distances of each Q_j to P.
+Tensor js_many(const Tensor& z, double inv_t) {
+  TORCH_CHECK(z.device().is_cpu(), "z: expected a CPU tensor");
+  TORCH_CHECK(z.dim() == 3 && z.size(0) >= 2, "z: expected [1 + K, rows, V] with K >= 1, got ",
+              z.sizes());
+  TORCH_CHECK(z.is_contiguous(), "z: expected a contiguous tensor");
+  TORCH_CHECK(z.scalar_type() == at::kFloat || z.scalar_type() == at::kDouble,
+              "z: expected float32 or float64, got ", z.scalar_type());
+  const int64_t S = z.size(0), C = z.size(1), V = z.size(2);
+  Tensor out = at::empty({S - 1, C}, z.options());
+  if (z.scalar_type() == at::kFloat) {
+    at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
+      mrtpo::js_many_rows_f32(z.data_ptr<float>(), S, C, V, static_cast<float>(inv_t),
+                              out.data_ptr<float>(), b, e);
+    });
+  } else {
+    at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
+      mrtpo::js_many_rows<double>(z.data_ptr<double>(), S, C, V, inv_t, out.data_ptr<double>(),
+                                  b, e);
+    });
+  }
+  return out;
+}
+
 std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, const Tensor& old_lp,
                                            const Tensor& adv, const Tensor& weight,
                                            const std::optional<Tensor>& ref_lp, double inv_t,
@@ -200,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("inv_t"), py::arg("ignore_index"));
   m.def("js", &js, "JS distance between rows of zp and zq", py::arg("zp"), py::arg("zq"),
         py::arg("inv_t"), py::arg("lse_p"));
+  m.def("js_many", &js_many, "JS distance of each stacked Q stream's rows to P's (stream 0)",
+        py::arg("z"), py::arg("inv_t"));
   m.def("policy_", &policy_, "clipped surrogate per row; dL/dlogits in place", py::arg("z"),
         py::arg("labels"), py::arg("old_lp"), py::arg("adv"), py::arg("weight"),
         py::arg("ref_lp"), py::arg("inv_t"), py::arg("clip_low"), py::arg("clip_high"),

@@ -22,6 +22,11 @@ MRTPO_CLONES void js_rows_f32(const float* zp, const float* zq, int64_t V, float
   js_rows<float>(zp, zq, V, inv_t, stat_p, have_stat_p, out, begin, end);
 }
 
+MRTPO_CLONES void js_many_rows_f32(const float* z, int64_t S, int64_t C, int64_t V, float inv_t,
+                                   float* out, int64_t begin, int64_t end) {
+  js_many_rows<float>(z, S, C, V, inv_t, out, begin, end);
+}
+
 MRTPO_CLONES int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                                      int64_t ignore_index, const float* old_lp, const float* adv,
                                      const float* weight, const float* ref_lp, float clip_low,

@@ -66,6 +66,24 @@ MRTPO_INLINE void js_rows(const T* zp, const T* zq, int64_t V, T inv_t, T* stat_
   }
 }
 
+// One-vs-many on stacked rows z [S = 1 + K, C, V] (stream 0 = P): per token row r, P's
+// shift statistics once, then each Q_j against it while P's row is still in cache;
+// out [K, C].
+template <typename T>
+MRTPO_INLINE void js_many_rows(const T* z, int64_t S, int64_t C, int64_t V, T inv_t, T* out,
+                               int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* p = z + r * V;
+    const RowShift<T> sp = row_shift(p, V, inv_t, false);
+    for (int64_t j = 1; j < S; ++j) {
+      const T* q = z + (j * C + r) * V;
+      const RowShift<T> sq = row_shift(q, V, inv_t, false);
+      out[(j - 1) * C + r] = row_js(p, q, V, inv_t, sp.m, static_cast<T>(sp.log_s), sq.m,
+                                    static_cast<T>(sq.log_s));
+    }
+  }
+}
+
 template <typename T>
 MRTPO_INLINE int64_t policy_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
                                  int64_t ignore_index, const T* old_lp, const T* adv,
@@ -95,6 +113,8 @@ int64_t grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                       const float* g_ent, int64_t begin, int64_t end);
 void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t, float* stat_p,
                  bool have_stat_p, float* out, int64_t begin, int64_t end);
+void js_many_rows_f32(const float* z, int64_t S, int64_t C, int64_t V, float inv_t, float* out,
+                      int64_t begin, int64_t end);
 int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                      int64_t ignore_index, const float* old_lp, const float* adv,
                         const float* weight, const float* ref_lp, float clip_low,

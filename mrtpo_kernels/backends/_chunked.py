@@ -30,7 +30,8 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
         operands (torch.mm's out_dtype, checked on the device at run time) and no fp32
         copy of the weight is made. Without out_dtype the driver upcasts as for the others.
     js_many(z (1 + K, C, V), inv_temp) -> (K, C): JS one-vs-many on the stacked rows of one
-        GEMM (1 GEMM of (1 + K) C rows per chunk instead of 1 + K).
+        GEMM (1 GEMM of (1 + K) C rows per chunk instead of 1 + K); the C++ kernels
+        (cpu backend) have it too.
     grad_cols_(z, labels, lse, entropy|None, g_logp, g_entropy|None, inv_temp,
         ignore_index, v_lo, V, out=None) and policy_terms(logp, labels, old, adv, tw, ref|None,
         V, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw)

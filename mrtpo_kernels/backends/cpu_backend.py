@@ -57,6 +57,11 @@ class _CppChunkKernel:
         return _C.js(zp, zq, inv_t, lse_p)
 
     @staticmethod
+    def js_many(z, inv_t):
+        # the driver's stacked path: one GEMM of the 1 + K streams' rows per token chunk
+        return _C.js_many(z, inv_t)
+
+    @staticmethod
     def policy_(
         z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad,
         clip_ratio_c=math.inf, kl_iw=False,
