@@ -65,7 +65,7 @@ step() {
 }
 
 # The GPU tests by name: the op tests first, torch.compile tests last.
-GPU_TESTS="tests/test_triton_logprobs.py tests/test_triton_policy_loss.py tests/test_triton_js.py tests/test_triton_advantages.py tests/test_bench.py"
+GPU_TESTS="tests/test_triton_logprobs.py tests/test_triton_policy_loss.py tests/test_triton_js.py tests/test_triton_advantages.py tests/test_cuda_build.py tests/test_bench.py"
 PYTEST=("$PY" -m pytest -m gpu -o addopts= -p no:cacheprovider -rA --durations=15
         "--timeout=$TEST_TIMEOUT")
 

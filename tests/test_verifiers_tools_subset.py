@@ -5,6 +5,7 @@ verifiers and the test suite import without jsonschema."""
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,21 +139,47 @@ def test_tasks_and_tool_rewards_work_without_jsonschema():
 
 
 # The test modules that import the task code, and those with GPU tests (bench/gpu_check.sh
-# runs `pytest -m gpu` on an image without jsonschema or trl).
-_COLLECT = [
+# runs `pytest -m gpu` on an image without jsonschema or trl): every module with a gpu mark
+# and every module the script names, found from the files so a new one cannot be missed.
+_TASK_MODULES = [
     "tests/test_tasks.py",
     "tests/test_verifiers_tools.py",
     "tests/test_verifiers_sql.py",
     "tests/test_verifiers_constraints.py",
-    "tests/test_bench.py",
-    "tests/test_cuda_build.py",
-    "tests/test_triton_js.py",
-    "tests/test_triton_logprobs.py",
 ]
 
 
+# a gpu mark as a decorator, a module mark, a helper that applies it (pytest.mark.gpu(fn)),
+# or a helper imported from a module that defines one (@gpu_test)
+_GPU_MARK = re.compile(
+    r"^\s*(@pytest\.mark\.gpu\b|@gpu_test\b|pytestmark\s*=.*\bgpu\b|.*pytest\.mark\.gpu\()", re.M
+)
+
+
+def _gpu_marked_modules() -> set[str]:
+    return {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if path != Path(__file__).resolve() and _GPU_MARK.search(path.read_text())
+    }
+
+
+def _gpu_check_modules() -> set[str]:
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    line = next(x for x in script.splitlines() if x.startswith("GPU_TESTS="))
+    return set(line.split("=", 1)[1].strip().strip('"').split())
+
+
+def test_gpu_check_runs_every_module_with_gpu_tests():
+    marked = _gpu_marked_modules()
+    assert {"tests/test_cuda_build.py", "tests/test_triton_logprobs.py"} <= marked
+    assert marked <= _gpu_check_modules(), marked - _gpu_check_modules()
+
+
 def test_test_modules_collect_without_jsonschema_or_trl():
-    files = [f for f in _COLLECT if (ROOT / f).exists()]
+    names = set(_TASK_MODULES) | _gpu_marked_modules() | _gpu_check_modules()
+    files = sorted(f for f in names if (ROOT / f).exists())
+    assert len(files) >= 8, files
     out = _run_blocked(
         f"""
         import pytest
