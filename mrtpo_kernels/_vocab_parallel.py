@@ -160,12 +160,12 @@ class _LinearPolicyLoss(torch.autograd.Function):
             h, w, b, mapped.contiguous(), temperature, ignore_index, False, backend
         )
         logp, _, lse, w_r = _combine(logp_r, None, lse_r, owned, valid, False, group)
-        per_tok, dlogp, unclipped = policy_token_terms(
+        per_tok, dlogp, clipped = policy_token_terms(
             logp, old, adv, ref if ref.numel() else None, cl, ch, cc, beta, kl_iw
         )
         zero = torch.zeros_like(logp)
         loss = torch.where(valid, per_tok * coef, zero).sum()
-        clipped = torch.where(valid & ~unclipped, 1.0, 0.0).to(logp.dtype)
+        clipped = torch.where(valid & clipped, 1.0, 0.0).to(logp.dtype)
         g = torch.where(valid, dlogp * coef, zero)
         ctx.save_for_backward(h, w, b, mapped, owned, valid, lse, lse_r, w_r, g)
         ctx.cfg = (temperature, ignore_index, backend, group)

@@ -293,7 +293,9 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   PolicyOut o;
   o.loss = loss;
   o.logp = logp;
-  o.clipped = unclipped ? 0.0 : 1.0;
+  // clip_fraction counts ratio A > clamp(ratio) A, strictly (as the reference): a tie at the
+  // clip boundary and a NaN ratio or logp are not clipped
+  o.clipped = (ratio * a > cr * a) ? 1.0 : 0.0;
   if (need_grad) {
     const T g = static_cast<T>(dlogp * static_cast<double>(weight)) * inv_t;
     const T c = -g / s;

@@ -80,12 +80,13 @@ def js_terms(a, b):
 
 
 def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw):
-    """Per-token loss L_t, dL_t/dlogp_t and the unclipped flag from the log-probs (N,).
+    """Per-token loss L_t, dL_t/dlogp_t and the clipped flag from the log-probs (N,).
 
     L = -min(r A, clamp(r, 1 - clip_low, 1 + clip_high) A), capped at -A clip_ratio_c for
     A < 0 (the dual clip; inf: none; gradient 0 where the cap binds), plus beta k3 with
     k3 = exp(ref - logp) - (ref - logp) - 1, times r when kl_iw (its derivative is then
-    r k3 + r (1 - exp(ref - logp)) = r (logp - ref))."""
+    r k3 + r (1 - exp(ref - logp)) = r (logp - ref)). Clipped: r A > clamp(r) A, strictly
+    as in the reference (a tie at the clip boundary, or a NaN, is not clipped)."""
     ratio = torch.exp(logp - old)
     cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     unclipped = ratio * adv <= cr * adv
@@ -105,7 +106,7 @@ def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, b
         else:
             per_tok = per_tok + beta * k3
             dlogp = dlogp + beta * (1.0 - torch.exp(diff))
-    return per_tok, dlogp, unclipped
+    return per_tok, dlogp, ratio * adv > cr * adv
 
 
 class _TorchChunkKernel:
@@ -171,11 +172,11 @@ class _TorchChunkKernel:
         logp = x.gather(-1, safe[:, None])[:, 0] - log_s
         logp = torch.where(use & ok, logp, _nan_like(logp))
         logp = torch.where(valid, logp, torch.zeros_like(logp))
-        per_tok, dlogp, unclipped = policy_token_terms(
+        per_tok, dlogp, clipped = policy_token_terms(
             logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw
         )
         per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
-        clipped = torch.where(valid & ~unclipped & ~logp.isnan(), 1.0, 0.0)
+        clipped = torch.where(valid & clipped, 1.0, 0.0)
         if need_grad:
             g = torch.where(use, dlogp * tw, torch.zeros_like(dlogp))
             p = torch.exp(x - log_s[:, None])
