@@ -124,6 +124,25 @@ def row_kernels(torch, stages, v):
     return res
 
 
+def plan(stages, n, d, v, k=4):
+    """What the chunk driver will run at this shape (no GPU needed): rows per chunk, kept
+    rows, GEMM count and TFLOP per op, so each measured time has its GEMM work beside it."""
+    out = {}
+    for name, kw in (
+        ("linear_logprobs_fwd_bwd", {"op": "linear_logprobs"}),
+        ("linear_policy_loss_fwd_bwd", {"op": "linear_policy_loss"}),
+        ("linear_js_distance_k4", {"op": "linear_js_distance", "k": k}),
+    ):
+        p = stages.chunk_plan(n=n, v=v, d=d, **kw)
+        out[name] = {
+            "rows_per_chunk": p.rows_per_chunk,
+            "kept_rows": p.kept_rows,
+            "gemms": p.count(),
+            "tflop": round(p.flops / 1e12, 2),
+        }
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_micro", description=__doc__)
     ap.add_argument("--out", required=True)
@@ -140,11 +159,14 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         print(f"gpu_micro: would measure N={args.n} d={args.d} V={args.v} into {args.out}")
+        print(f"gpu_micro: plan {json.dumps(plan(stages, args.n, args.d, args.v))}")
         return 0
     if not torch.cuda.is_available():
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
     result = {"shape": {"N": args.n, "d": args.d, "V": args.v}, "torch": torch.__version__}
+    result["plan"] = plan(stages, args.n, args.d, args.v)
+    print(f"[micro] plan: {json.dumps(result['plan'])}", flush=True)
 
     def save():
         with open(args.out, "w") as f:
