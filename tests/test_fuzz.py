@@ -756,7 +756,6 @@ def test_fuzz_value_checks_off_in_subprocess(tmp_path):
 # get sync-free clamped boundaries.
 _BAD_CU_SCRIPT = textwrap.dedent(
     """
-    import sys
     import torch
     import mrtpo_kernels as mk
 
@@ -775,37 +774,34 @@ _BAD_CU_SCRIPT = textwrap.dedent(
 
     BAD = [[0, 3, 6, 10**6 + 9, 12, 15, 18, 21], [0, 3, 6, -(10**6), 12, 15, 18, 21],
            [5, 3, 6, 9, 12, 15, 18, 2**40]]
-    if sys.argv[1] == "eager":
-        for fn in (adv, loss):
-            for bad in BAD:
-                try:
-                    fn(torch.tensor(bad))
-                except ValueError as e:
-                    assert str(e).startswith("cu_seqlens"), str(e)
-                else:
-                    raise AssertionError(f"{fn.__name__}: {bad} accepted")
-    else:  # traced: no value check, clamped boundaries, finite results
-        for fn in (adv, loss):
-            compiled = torch.compile(fn, backend="eager")
-            for bad in BAD:
-                out = compiled(torch.tensor(bad))
-                assert bool(out.isfinite().all()), (fn.__name__, bad, out)
-                if fn is loss:
-                    out.backward()
-                    assert bool(h.grad.isfinite().all())
+    for fn in (adv, loss):  # eager: named ValueError, as with the checks on
+        for bad in BAD:
+            try:
+                fn(torch.tensor(bad))
+            except ValueError as e:
+                assert str(e).startswith("cu_seqlens"), str(e)
+            else:
+                raise AssertionError(f"{fn.__name__}: {bad} accepted")
+    for fn in (adv, loss):  # traced: no value check, clamped boundaries, finite results
+        compiled = torch.compile(fn, backend="eager")
+        for bad in BAD:
+            out = compiled(torch.tensor(bad))
+            assert bool(out.isfinite().all()), (fn.__name__, bad, out)
+            if fn is loss:
+                out.backward()
+                assert bool(h.grad.isfinite().all())
     print("done")
     """
 )
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_bad_cu_seqlens_with_checks_off_never_corrupt_memory(mode, tmp_path):
+def test_bad_cu_seqlens_with_checks_off_never_corrupt_memory(tmp_path):
     script = tmp_path / "bad_cu.py"
     script.write_text(_BAD_CU_SCRIPT)
     env = dict(os.environ, MRTPO_SKIP_VALUE_CHECKS="1", OMP_NUM_THREADS="2")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.strip().endswith("done"), proc.stdout
