@@ -87,6 +87,27 @@ def test_row_kernels_compile_for_hopper(out_dtype):
 
 @hopper
 @compiled_mode
+@pytest.mark.parametrize("k", [1, 4, 5])
+def test_js_row_kernels_compile_for_hopper(k):
+    """js_many's kernels: per-row (raw max, log sum) of the stacked rows, then the split
+    sums of the terms for K streams (block sizes as js_many picks them on a GPU)."""
+    from mrtpo_kernels.triton import js, rows
+
+    block = rows.row_block(151936)
+    _compile(rows._row_norm_kernel, {
+        "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "V": "i32", "rows": "i32",
+        "stride_s": "i64", "stride_r": "i64", "inv_t": "fp32", "BLOCK": "constexpr"},
+        {"BLOCK": block}, num_warps=8)  # fmt: skip
+    block_k, block_v = js._sum_blocks(k)
+    _compile(rows._js_rows_sum_kernel, {
+        "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "part_ptr": "*fp32",
+        "K": "i32", "rows": "i32", "cols": "i32", "cols_per_split": "i32", "stride_s": "i64",
+        "stride_r": "i64", "inv_t": "fp32", "BLOCK_K": "constexpr", "BLOCK_V": "constexpr"},
+        {"BLOCK_K": block_k, "BLOCK_V": block_v}, num_warps=8)  # fmt: skip
+
+
+@hopper
+@compiled_mode
 def test_fused_logprob_and_policy_kernels_compile_for_hopper():
     """The opt-in fused variant: forward partials (16-bit GEMM tiles), dlogits, the GEMM,
     and the policy token kernel."""

@@ -120,11 +120,16 @@ MRTPO_HD float js_term(float lp, float p, float lq, float delta) {
   return tp + tq;
 }
 
-// delta = log p - log q = ((z_p - z_q) - (m_p - m_q)) / tau - (log s_p - log s_q), in halves
-// (no overflow of a difference of finite values before it is scaled): exactly 0 for identical
-// rows; for close rows the raw differences are small and exact-ish. dmh = (m_p - m_q) / 2.
-MRTPO_HD float js_delta(float zp, float zq, float dmh, float dls, float two_inv_t) {
-  return ((0.5f * zp - 0.5f * zq) - dmh) * two_inv_t - dls;
+// delta = log p - log q in the form with the smaller rounding error: from the raw
+// differences ((z_p - z_q) - (m_p - m_q)) / tau - (log s_p - log s_q) (in halves: no overflow)
+// where those are small next to |lp| + |lq| (close rows: exactly 0 for identical ones, free
+// of the rounding of lp and lq), else lp - lq (rows of different scales, where the raw form
+// would cancel two huge terms). dmh = (m_p - m_q) / 2, dls = log s_p - log s_q.
+MRTPO_HD float js_delta(float zp, float zq, float lp, float lq, float dmh, float dls,
+                        float two_inv_t) {
+  const float dz = 0.5f * zp - 0.5f * zq;
+  const bool raw_ok = (fabsf(dz) + fabsf(dmh)) * two_inv_t <= fabsf(lp) + fabsf(lq);
+  return raw_ok ? (dz - dmh) * two_inv_t - dls : lp - lq;
 }
 
 // d from the summed m h(t): JSD = sum / 2; NaN propagates (a NaN logit gives NaN).
@@ -270,8 +275,9 @@ MRTPO_UNROLL
 MRTPO_UNROLL
     for (int j = 0; j < KB; ++j) {
       if (j < kb) {
-        acc.v[j] += js_term(lp, p, nq[j].log_prob(x[1 + j], two_inv_t),
-                            js_delta(x[0], x[1 + j], dmh[j], dls[j], two_inv_t));
+        const float lq = nq[j].log_prob(x[1 + j], two_inv_t);
+        acc.v[j] += js_term(lp, p, lq, js_delta(x[0], x[1 + j], lp, lq, dmh[j], dls[j],
+                                                two_inv_t));
       }
     }
   };

@@ -373,8 +373,8 @@ def _js_rows_sum_kernel(
 ):
     """One program per (token row, vocabulary split), P's block shared by the K streams:
     log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
-    and sum (no z / tau, no rounded lse), delta = ((z_p - z_q) - (M_p - M_q)) / tau -
-    (log s_p - log s_q) in halves, then the terms of js._js_terms."""
+    and sum (no z / tau, no rounded lse), delta = log p - log q from the raw differences
+    where that form rounds less (close rows), then the terms of js._js_terms."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -403,9 +403,15 @@ def _js_rows_sum_kernel(
         lq = (zq * 0.5 - m_q[:, None] * 0.5) * two_inv_t - ls_q[:, None]
         p = tl.exp(lp)
         q = tl.exp(lq)
-        # delta = log p - log q from the raw differences first: exactly 0 for identical rows,
-        # and for close rows free of the rounding of lp and lq
-        delta = ((zp[None, :] * 0.5 - zq * 0.5) - dmh[:, None]) * two_inv_t - dls[:, None]
+        # delta = log p - log q in the form with the smaller rounding error: from the raw
+        # differences ((z_p - z_q) - (M_p - M_q)) / tau - (log s_p - log s_q) where those are
+        # small next to |lp| + |lq| (close rows: exactly 0 for identical ones, and free of the
+        # rounding of lp, lq), else lp - lq (rows of different scales, where the raw form
+        # would cancel two huge terms)
+        dz = zp[None, :] * 0.5 - zq * 0.5
+        raw = (dz - dmh[:, None]) * two_inv_t - dls[:, None]
+        raw_ok = (tl.abs(dz) + tl.abs(dmh[:, None])) * two_inv_t <= tl.abs(lp[None, :]) + tl.abs(lq)
+        delta = tl.where(raw_ok, raw, lp[None, :] - lq)
         acc += _js_terms(p[None, :], q, delta)
     half = 0.5 * tl.sum(acc, axis=1)
     # no distribution on either side (log s NaN): NaN, never 0 (README "Numerics")

@@ -625,6 +625,27 @@ void check_js_scaling() {
     expect(close_to(d[1], 0.0, 1e-6, 0.0), "JS of one-hot rows on the same entry is 0", ctx,
            d[1], 0.0);
   }
+  // Rows of different scales: P one-hot at a huge logit, Q of order 1 (log p - log q must not
+  // come from cancelling two huge raw differences).
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  std::vector<float> big(vocab), small(vocab);
+  for (int64_t v = 0; v < vocab; ++v) {
+    small[v] = normal(rng);
+    big[v] = normal(rng);
+  }
+  big[3] = 3e38f;
+  big[7] = -3e38f;
+  small[11] = 30.f;  // Q's mass at another entry: log s_q ~ 0, log q at P's top ~ -30 / tau
+  for (float tau : {0.9f, 1.f, 2.f}) {
+    float d = 0.f;
+    simulate_js_row<float, 1>(big.data(), small.data(), 0, 1, 1, vocab, 1.f / tau, &d);
+    const double want = js_ref(std::vector<double>(big.begin(), big.end()),
+                               std::vector<double>(small.begin(), small.end()), tau);
+    char ctx[48];
+    std::snprintf(ctx, sizeof(ctx), "one-hot huge P vs order-1 Q, tau=%g", tau);
+    expect(close_to(d, want, 2e-6, 0.0), "JS of rows of different scales", ctx, d, want);
+  }
 }
 
 // ---- reallocation weights
