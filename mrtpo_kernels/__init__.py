@@ -14,6 +14,9 @@ benchmark):
 
 Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
 Validation helper: ``check_tensor`` (ValueError naming the argument).
+Public modules: ``mrtpo_kernels.reference`` (float64 references), ``mrtpo_kernels.settings``
+(every ``MRTPO_*`` variable), ``mrtpo_kernels.stages`` (the chunk driver's plan and its
+stages on their own, for benchmarks).
 """
 
 from ._dispatch import available_backends, backend_status, resolve_backend
