@@ -46,6 +46,8 @@ class Op:
 _CHUNKED = "mrtpo_kernels/backends/_chunked.py"
 _TORCH = "mrtpo_kernels/backends/torch_backend.py"
 _CPU_ROWS = "csrc/cpu/row_kernels.h"
+# the default Triton variant; MRTPO_TRITON_VARIANT=fused: triton/logprobs.py, js.py, policy_loss.py
+_TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton/rows.py"
 
 
 def _op(name, entry_points, kernels, reference, tests, bench_ops=()):
@@ -62,7 +64,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": "mrtpo_kernels/triton/logprobs.py",
+                    "triton": _TRITON_ROWS,
                 },
                 "linear_logprobs_ref",
                 ("tests/test_logprobs.py", "tests/test_triton_logprobs.py"),
@@ -74,7 +76,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": "mrtpo_kernels/triton/logprobs.py",
+                    "triton": _TRITON_ROWS,
                     "cuda": "csrc/cuda/logprobs.cu",
                 },
                 "logprobs_from_logits_ref",
@@ -86,7 +88,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": "mrtpo_kernels/triton/js.py",
+                    "triton": _TRITON_ROWS,
                 },
                 "linear_js_distance_ref",
                 ("tests/test_js.py", "tests/test_triton_js.py"),
@@ -98,7 +100,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": "mrtpo_kernels/triton/js.py",
+                    "triton": _TRITON_ROWS,
                     "cuda": "csrc/cuda/js.cu",
                 },
                 "js_distance_ref",
@@ -110,7 +112,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": "mrtpo_kernels/triton/policy_loss.py",
+                    "triton": _TRITON_ROWS,
                 },
                 "linear_policy_loss_ref",
                 ("tests/test_policy_loss.py", "tests/test_triton_policy_loss.py"),
