@@ -51,7 +51,8 @@ SETTINGS: dict[str, Setting] = {
             "MRTPO_SKIP_VALUE_CHECKS",
             "0",
             "1: skip the input checks that read data (labels in range, finite rewards, "
-            "boundaries), which synchronize with the device",
+            "boundaries), which synchronize with the device; the kernels stay memory-safe "
+            "(CPU: out-of-range labels and bad cu_seqlens still raise)",
         ),
         Setting(
             "MRTPO_CHUNK_BYTES",
