@@ -63,8 +63,8 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "MRTPO_JS_SCRATCH_BYTES",
             str(DEFAULT_JS_SCRATCH_BYTES),
-            "bytes of the Triton JS kernel's fp32 logits scratch (P and K streams of one "
-            "token chunk)",
+            "bytes of the JS one-vs-K fp32 logits scratch (P and the K streams of one token "
+            "chunk, stacked for one GEMM; the cpu, triton and fused Triton paths)",
         ),
         Setting(
             "MRTPO_JS_GEMM",
