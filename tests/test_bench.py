@@ -280,7 +280,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert order == sorted(order)  # the steps run in this order
     assert "MRTPO_SKIP_CPU_BUILD=1" in out and "setup.py build_ext --inplace" in out
     assert "-m pytest -m gpu" in out and "-rA --durations=15 --timeout=" in out
-    assert '-k not compile' in out and out.index("-k not compile") < out.index("-k compile")
+    assert "-k not compile" in out and out.index("-k not compile") < out.index("-k compile")
     assert "bench.gpu_micro --out" in out and "would measure N=16384 d=4096 V=151936" in out
     assert "preset gpu-target:" in out and "N=16384" in out and "d=4096" in out
     # at most 8 files come back from the GPU machine: the dry run leaves at most that many

@@ -33,7 +33,16 @@ def group_backend():
 
 
 def _policy_case(
-    n, v, d, *, bias, beta, aggregation="token-mean", temp=1.0, seed=2, dtype=torch.float32,
+    n,
+    v,
+    d,
+    *,
+    bias,
+    beta,
+    aggregation="token-mean",
+    temp=1.0,
+    seed=2,
+    dtype=torch.float32,
     opts=None,
 ):
     g = torch.Generator().manual_seed(seed)
