@@ -289,6 +289,15 @@ def mrtpo_token_advantages(
         clip_max=clip_max,
         backend=be,
     )
+    # A token whose allocation is exactly 1 for every reward (alpha = 0, no spans, relevance
+    # below delta) takes GDPO's sequence value itself: the kernels' sum_k lam_k A_k w_k and
+    # GDPO's S = A lam agree in exact arithmetic but may round differently (a BLAS product
+    # with or without FMA), and METHOD.md's invariant "alpha = 0 is GDPO" is exact.
+    seg = torch.repeat_interleave(
+        torch.arange(n, device=token.device), lengths, output_size=token.shape[0]
+    )
+    untouched = (alloc == 1).all(0) if k else torch.ones_like(token, dtype=torch.bool)
+    token = torch.where(untouched, g.sequence.to(token.dtype)[seg], token)
     # std + eps_batch = 0 (every S equal and eps_batch = 0): 0, as for the sequence
     token = torch.where(g.std + eps_batch > 0, token, torch.zeros_like(token))
     if relevance.dim() == 3:

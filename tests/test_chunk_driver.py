@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "triton_cases" / "rows_cases.py"
@@ -224,3 +225,35 @@ def test_policy_backward_scales_dw_without_a_second_fp32_copy(monkeypatch):
     assert gw.dtype == torch.bfloat16 and gb.dtype == torch.bfloat16
     assert torch.equal(gw, gw1 * 0.5) and torch.equal(gb, gb1 * 0.5)  # exact: a power of 2
     assert biggest < 4 * v * d, biggest  # the bf16 result (2 V d) and fp32 blocks only
+
+
+@pytest.mark.parametrize("rows", [16, 17, 33])
+def test_16bit_gradient_view_gemms_ignore_the_buffers_other_half(monkeypatch, rows):
+    # The 16-bit path writes each row's gradient into the first V bf16 slots of an fp32
+    # logits row (row stride 2 V); the other V slots hold logit bits. torch's CPU bf16 GEMM
+    # read past V on a row-strided operand (33 rows: NaN rows), so the head's GEMMs must
+    # only ever see the V columns: NaN in the other half must not reach dh or dW.
+    from mrtpo_kernels.backends import _chunked, torch_backend
+
+    monkeypatch.setattr(_chunked, "f32_out_supported", lambda device, dtype: True)
+    monkeypatch.setattr(
+        _chunked, "_mm_f32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
+    )
+    monkeypatch.setattr(_chunked, "_addmm_f32", lambda c, a, b: c.addmm_(a.float(), b.float()))
+    monkeypatch.setattr(torch_backend, "GRAD_OUT", True, raising=False)
+    gen = torch.Generator().manual_seed(rows)
+    v, d = 900, 16
+    h = torch.randn(rows, d, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(v, d, generator=gen) * d**-0.5).to(torch.bfloat16)
+    head = _chunked._Head(torch_backend, h, w, None)
+    assert head.low
+    z = torch.full((rows, v), float("nan"))
+    g = head.grad_view(z)
+    g.copy_(torch.randn(rows, v, generator=gen).to(torch.bfloat16))
+    want_dh = g.double() @ w.double()
+    want_dw = g.double().t() @ h.double()
+    dh = torch.empty_like(h)
+    dw = torch.zeros(v, d)
+    head.backward(g, h, dh, dw, None)
+    torch.testing.assert_close(dh.double(), want_dh, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dw.double(), want_dw, atol=1e-4, rtol=1e-4)

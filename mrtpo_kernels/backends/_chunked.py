@@ -165,6 +165,7 @@ class _Head:
     def backward(self, g, h, dh_rows, dw, db):
         """dh_rows = g W (written in hidden's dtype) and dw += g^T h (fp32 accumulator)."""
         if self.low:
+            g = _strided16(g)
             torch.mm(g, self.w, out=dh_rows)
             _addmm_f32(dw, g.t(), h)
             if db is not None:
@@ -175,6 +176,15 @@ class _Head:
         dw.addmm_(g.t(), h32)
         if db is not None:
             db += g.sum(0)
+
+
+def _strided16(g: torch.Tensor) -> torch.Tensor:
+    """The 16-bit gradient view (row stride 2 V) as a GEMM operand. torch's CPU bf16 GEMM
+    (2.13, x86 with AVX512-BF16) reads past the V columns of a row-strided operand for
+    some row counts (33 rows: NaN from the buffer's other half), so on the CPU, where this
+    path runs only when tests emulate out_dtype GEMMs, the view is copied first; CUDA
+    GEMMs take the strided view as it is."""
+    return g.contiguous() if g.device.type == "cpu" and not g.is_contiguous() else g
 
 
 def _kern_out(kern, head, z):
@@ -332,6 +342,7 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
                         **_kern_out(kern, head, z))  # fmt: skip
         g = head.grad_view(z)
         if head.low:
+            g = _strided16(g)
             torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
             _addmm_f32(dh32, g, w_c)
         else:
