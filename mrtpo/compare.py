@@ -273,6 +273,8 @@ def command_line(cfg: CompareConfig) -> str:
         if f.name == "tiny":
             if v.warm_steps != d.warm_steps:
                 parts.append(f"--warm-steps {v.warm_steps}")
+            if v.warm_noise != d.warm_noise:
+                parts.append(f"--warm-noise {v.warm_noise}")
             continue
         if isinstance(v, bool):
             parts.append(flag_of(f))
@@ -302,6 +304,7 @@ def _settings(cfg: CompareConfig) -> dict:
         "gamma": t.gamma,
         "relevance": t.relevance,
         "warm_steps": t.tiny.for_task(cfg.task).warm_steps,
+        "warm_noise": t.tiny.warm_noise,
         "model": t.model,
     }
 
@@ -371,7 +374,14 @@ def _start(args: CompareConfig) -> str:
         return (
             f"the same warm-started tiny model ({args.train.tiny.for_task(args.task).warm_steps} "
             "supervised steps, "
-            f"task data and init of seed {args.init_seed}); the seed varies sampling and data order"
+            + (
+                f"references' swappable constraints wrong with probability "
+                f"{args.train.tiny.warm_noise:g} each, "
+                if args.train.tiny.warm_noise
+                else ""
+            )
+            + f"task data and init of seed {args.init_seed}); the seed varies sampling and "
+            "data order"
         )
     return "the warm-started tiny model of that seed (all algorithms of a seed share it)"
 

@@ -210,6 +210,14 @@ class TinyConfig:
         kind="int",
         lo=0,
     )
+    warm_noise: float = setting(
+        0.0,
+        "share of warm-start references whose start phrase, keyword or end phrase is "
+        "swapped for a wrong one, each independently (calibrates the constraints tasks' "
+        "starting pass rates; mrtpo.data.instructions.noisy_reference)",
+        lo=0.0,
+        hi=1.0,
+    )
     warm_batch: int = setting(16, "warm-start batch", lo=1)
     warm_lr: float = setting(3e-3, "warm-start learning rate", lo=0.0, open_lo=True)
 
@@ -372,7 +380,10 @@ class TrainConfig:
         0, "torch CPU threads, 0 = torch's default", lo=0, group="run", resume_may_change=True
     )
     tiny: TinyConfig = setting(
-        help="the built-in model", factory=TinyConfig, nested=("warm_steps",), group="run"
+        help="the built-in model",
+        factory=TinyConfig,
+        nested=("warm_steps", "warm_noise"),
+        group="run",
     )
 
     def validate(self, *, builtin_task: bool = True) -> TrainConfig:

@@ -16,7 +16,7 @@ import json
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -281,12 +281,20 @@ def default_model(
     tokenizer = build_tokenizer(task_texts(task), vocab_size=cfg.vocab_size)
     model = build_tiny_model(tokenizer, cfg, seed=seed)
     prompter = ChatPrompter(tokenizer)
+    examples = list(task.train)
+    if cfg.warm_noise > 0:
+        from mrtpo.data.instructions import noisy_reference
+
+        rng = random.Random(seed + 7919)
+        examples = [
+            replace(ex, reference=noisy_reference(rng, ex, cfg.warm_noise)) for ex in examples
+        ]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         loss = warm_start(
             model,
             prompter,
-            list(task.train),
+            examples,
             steps=cfg.warm_steps,
             batch=cfg.warm_batch,
             lr=cfg.warm_lr,

@@ -124,6 +124,51 @@ def test_warm_steps_default_per_task():
         default_warm_steps("nope")
 
 
+@pytest.mark.parametrize("name", ["constraints", "constraints-full"])
+def test_noisy_reference_fails_exactly_the_drawn_constraints(name):
+    from mrtpo.verifiers.constraints import CONSTRAINTS
+
+    t = load_task(name, seed=0)
+    rng = random.Random(3)
+    failed = {k: [0, 0] for k in instructions.NOISY_KINDS}
+    stuck = [0, 0]
+    for ex in t.train:
+        entries = ex.fields["constraints"]
+        assert instructions.noisy_reference(rng, ex, 0.0) == ex.reference
+        text = instructions.noisy_reference(rng, ex, 0.5)
+        for e in entries:
+            ok = CONSTRAINTS[e["kind"]].check(text, e["params"]) is None
+            if e["kind"] in failed:
+                failed[e["kind"]][0] += not ok
+                failed[e["kind"]][1] += 1
+            else:
+                assert ok, (e["kind"], text)  # kinds that cannot be swapped stay satisfied
+        if any(e["kind"] in failed for e in entries):
+            always = instructions.noisy_reference(rng, ex, 1.0)
+            for e in entries:
+                ok = CONSTRAINTS[e["kind"]].check(always, e["params"]) is None
+                if e["kind"] in failed:
+                    stuck[0] += ok  # no wrong value kept the other verdicts: left right
+                    stuck[1] += 1
+                else:
+                    assert ok, (e["kind"], always)
+    assert stuck[0] <= 0.05 * stuck[1], stuck
+    for kind, (bad, n) in failed.items():
+        if n >= 30:  # each swappable constraint fails about half the time
+            assert 0.3 < bad / n < 0.7, (kind, bad, n)
+    with pytest.raises(ValueError, match="p_wrong"):
+        instructions.noisy_reference(rng, t.train[0], 1.5)
+
+
+def test_warm_noise_is_part_of_the_model_key_and_checked():
+    from mrtpo.config import TrainConfig
+
+    base = TinyConfig(warm_steps=5)
+    assert TinyConfig(warm_steps=5, warm_noise=0.5).key() != base.key()
+    with pytest.raises(ValueError, match="tiny.warm_noise"):
+        TrainConfig(tiny=TinyConfig(warm_noise=1.5)).validate()
+
+
 def test_sql_and_tools_fields():
     sql = load_task("sql")
     ex = sql.train[0]

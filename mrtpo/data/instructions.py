@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 from mrtpo.verifiers.base import Example
 from mrtpo.verifiers.constraints import CONSTRAINTS, KINDS, describe
@@ -219,3 +220,65 @@ def make_examples(
             )
         )
     return out
+
+
+# The parameter of each kind that a reference can get wrong while keeping its form, and the
+# values to draw a wrong one from (the warm start's data mix, `noisy_reference`).
+_SWAPPABLE = {
+    "start_phrase": ("phrase", START_PHRASES),
+    "end_phrase": ("phrase", END_PHRASES),
+    "keyword_include": ("word", KEYWORDS),
+}
+NOISY_KINDS = tuple(_SWAPPABLE)
+
+
+def noisy_reference(rng: random.Random, example: Example, p_wrong: float) -> str:
+    """``example``'s gold response with, independently for each of its constraints whose
+    kind is in ``NOISY_KINDS``, probability ``p_wrong`` of that constraint's parameter (the
+    start phrase, the keyword, the end phrase) replaced by another value of the same kind:
+    the response keeps its form and fails exactly the constraints drawn. A supervised warm
+    start on such references passes each of those constraints about 1 - p_wrong of the time
+    (a model that has the behaviour but not yet reliably), which calibrates the rewards'
+    starting pass rates without changing the task. Other kinds are left as they are."""
+    if not 0.0 <= p_wrong <= 1.0:
+        raise ValueError(f"p_wrong: expected a probability in [0, 1], got {p_wrong!r}")
+    text = example.reference
+    if text is None:
+        raise ValueError(f"example: {example.id!r} has no gold reference")
+    entries = example.fields.get("constraints", [])
+    for entry in entries:
+        kind = entry["kind"]
+        if kind not in _SWAPPABLE or rng.random() >= p_wrong:
+            continue
+        key, values = _SWAPPABLE[kind]
+        right = entry["params"][key]
+        for wrong in rng.sample([x for x in values if x != right], len(values) - 1):
+            cand = _swap(text, kind, right, wrong)
+            if cand is None:
+                break
+            verdicts = [CONSTRAINTS[e["kind"]].check(cand, e["params"]) is None for e in entries]
+            wanted = [
+                e is not entry and CONSTRAINTS[e["kind"]].check(text, e["params"]) is None
+                for e in entries
+            ]
+            if verdicts == wanted:  # fails this one, keeps every other verdict
+                text = cand
+                break
+    return text
+
+
+def _swap(text: str, kind: str, right: str, wrong: str) -> str | None:
+    """``text`` with the occurrence of ``right`` that ``kind`` checks (any letter case; the
+    replacement takes the case of what it replaces) replaced by ``wrong``; None if absent."""
+    found = list(re.finditer(rf"\b{re.escape(right)}\b", text, flags=re.IGNORECASE))
+    if not found:
+        return None
+    if kind == "start_phrase":
+        found = found[:1]
+    elif kind == "end_phrase":
+        found = found[-1:]
+    # keyword_include: every whole-word occurrence (the gold says it once: "i think of X.")
+    for m in reversed(found):
+        new = wrong.upper() if m.group().isupper() else wrong
+        text = text[: m.start()] + new + text[m.end() :]
+    return text
