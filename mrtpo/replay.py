@@ -16,7 +16,7 @@ predicts response token t of every row sits at column P - 1 + t whatever the pro
 
 from __future__ import annotations
 
-import warnings
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -126,7 +126,7 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
         owner = torch.tensor(
             [i for i, key in enumerate(chunk) for _ in rows_of[key]], dtype=torch.long
         ).to(device)
-        cache = head.past_key_values
+        cache = _output_cache(head)
         cache.batch_select_indices(owner)
         r_width = max(len(responses[r]) for r in rows)
         rid = torch.full((len(rows), r_width), pad_id, dtype=torch.long)
@@ -137,15 +137,13 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
         rid, rmask = rid.to(device), rmask.to(device)
         p_len = mask.sum(-1)[owner]
         rpos = p_len[:, None] + torch.arange(r_width, device=device)[None, :]
-        with warnings.catch_warnings():  # the cache keyword's name changes across versions
-            warnings.simplefilter("ignore", FutureWarning)
-            tail = base(
-                input_ids=rid,
-                attention_mask=torch.cat([mask[owner], rmask], dim=1),
-                position_ids=rpos,
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state
+        tail = base(
+            input_ids=rid,
+            attention_mask=torch.cat([mask[owner], rmask], dim=1),
+            position_ids=rpos,
+            use_cache=True,
+            **{_cache_keyword(base): cache},
+        ).last_hidden_state
         last = head.last_hidden_state[:, -1][owner]  # predicts each response's first token
         for j, r in enumerate(rows):
             t = len(responses[r])
@@ -279,3 +277,17 @@ def contrastive_replay(
     dist = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
     ctrl = dist[k] if control is not None else None
     return ReplayResult(hidden_p, old, dist[:k], len(jobs), ctrl)
+
+
+def _cache_keyword(model) -> str:
+    """The forward's key/value cache argument: ``cache`` in newer transformers (which log a
+    deprecation for the older name), ``past_key_values`` before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    """The key/value cache of a model output, under either name."""
+    if "cache" in out.keys():
+        return out["cache"]
+    return out["past_key_values"]
