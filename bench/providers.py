@@ -24,7 +24,10 @@ import torch
 from . import torch_impls
 from .ops import Inputs
 
-OURS = ("mrtpo-cpu", "mrtpo-torch", "mrtpo-triton", "mrtpo-cuda")
+# mrtpo-cpu-keep-all: the cpu backend with MRTPO_KEEP_LOGITS_BYTES raised to every logit
+# row (4 N V bytes) for the call: the log-probs backward's three-GEMM plan at a peer's memory
+KEEP_ALL = "mrtpo-cpu-keep-all"
+OURS = ("mrtpo-cpu", "mrtpo-torch", "mrtpo-triton", "mrtpo-cuda", KEEP_ALL)
 BASELINES = ("pytorch", "pytorch-compiled")
 FLOOR = "gemm-floor"
 PEERS = ("liger", "cce", "verl")
@@ -44,6 +47,8 @@ _NOTES = {
     "upstream -g (same dh, dW as ours with g); CUDA: impl cce, gradient filtering on "
     "(filter_eps auto: small softmax entries skipped); CPU: impl torch_compile (full [N, V] "
     "logits under torch.compile, exact gradient)",
+    (KEEP_ALL, "linear_logprobs_fwd_bwd"): "MRTPO_KEEP_LOGITS_BYTES = 4 N V for the call: "
+    "every logit row kept for the backward (3 GEMMs, no recompute)",
     ("gemm-floor", "linear_logprobs_fwd_bwd"): "GEMMs only: forward 1, backward 3 per chunk "
     "(2 for the rows whose logits the forward kept)",
     ("gemm-floor", "linear_policy_loss_fwd_bwd"): "GEMMs only: 3 per chunk",
@@ -80,13 +85,41 @@ def availability(provider: str) -> str | None:
     if _is_ours(provider):
         import mrtpo_kernels as mk
 
-        name = provider.split("-", 1)[1]
+        name = _backend_of(provider)
         status = mk.backend_status()[name]
         return None if status == "ok" else f"backend {name!r} not available: {status}"
     module = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "verl": "verl"}.get(provider)
     if module is not None and importlib.util.find_spec(module) is None:
         return f"not installed (python package {module!r}; pip install '.[bench]')"
     return None
+
+
+def _backend_of(provider: str) -> str:
+    return "cpu" if provider == KEEP_ALL else provider.split("-", 1)[1]
+
+
+def _keep_all(op: str, x: Inputs):
+    """Ours on the cpu backend with every logit row kept for the backward (the setting is
+    raised for the call and restored after)."""
+    import os
+
+    if op != "linear_logprobs_fwd_bwd":
+        raise Unsupported("only the log-probs forward + backward keeps logits")
+    fn = _ours("cpu", op, x)
+    full = str(4 * x["hidden"].shape[0] * x["weight"].shape[0])
+
+    def run():
+        saved = os.environ.get("MRTPO_KEEP_LOGITS_BYTES")
+        os.environ["MRTPO_KEEP_LOGITS_BYTES"] = full
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop("MRTPO_KEEP_LOGITS_BYTES", None)
+            else:
+                os.environ["MRTPO_KEEP_LOGITS_BYTES"] = saved
+
+    return run
 
 
 def _need_cuda(provider: str, device: torch.device) -> None:
@@ -372,6 +405,8 @@ def prepare(provider: str, op: str, x: Inputs, device: torch.device):
     reason = availability(provider)
     if reason is not None:
         raise Unsupported(reason)
+    if provider == KEEP_ALL:
+        return _keep_all(op, x)
     if _is_ours(provider):
         return _ours(provider.split("-", 1)[1], op, x)
     if provider == "pytorch":
