@@ -8,8 +8,10 @@ Options: the dual clip caps L_t's surrogate at -A clip_ratio_c for A < 0 (gradie
 it binds; clip_ratio_c = inf: none); KL_IW multiplies the k3 term by ratio (its gradient
 is then ratio (logp - ref)).
     loss  = sum_t w_t L_t                      (w = token_weight: the aggregation rule)
-    g_t   = dloss/dlogp_t = w_t (-A ratio [ratio A <= r_c A] + beta (1 - exp(ref - logp)))
-    clipped_t = [ratio A > r_c A]; L, g, clipped are 0 on ignored tokens.
+    g_t   = dloss/dlogp_t = w_t (-A ratio [not clipped_t] + beta (1 - exp(ref - logp)))
+    clipped_t = [ratio A > r_c A], strictly: a tie or a NaN is not clipped (the reference's
+    rule; its autograd passes the whole gradient at a tie, and NaN through a NaN);
+    L, g, clipped are 0 on ignored tokens.
 The gradients of hidden, weight and bias are those of sum_t g_t logp_t, i.e. the log-prob
 backward with upstream g and no entropy term: dlogits = g ([v == y] - p) / tau.
 
@@ -81,12 +83,17 @@ def _policy_token_kernel(
     adv = tl.load(adv_ptr + rows, mask=mask, other=0.0)
     w = tl.load(tw_ptr + rows, mask=mask, other=0.0)
     ratio = tl.exp(logp - old)
-    r_c = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-    unclipped_obj = ratio * adv
-    clipped_obj = r_c * adv
-    unclipped = unclipped_obj <= clipped_obj
-    loss = -tl.minimum(unclipped_obj, clipped_obj)
-    dlogp = tl.where(unclipped, -adv * ratio, 0.0)
+    lo = 1.0 - clip_low
+    hi = 1.0 + clip_high
+    r_c = tl.where(ratio < lo, lo, tl.where(ratio > hi, hi, ratio))  # NaN stays NaN
+    a = ratio * adv
+    b = r_c * adv
+    # the reference's rule: clipped iff a > b, strictly (a tie or a NaN is not clipped);
+    # L = -min(a, b) with NaN in, NaN out; dL/dlogp = -A ratio unless clipped (autograd of
+    # torch.minimum and clamp: a tie passes the whole gradient, a NaN passes it as NaN)
+    clipped = a > b
+    loss = -tl.where(clipped, b, a)
+    dlogp = tl.where(clipped, 0.0, -adv * ratio)
     if DUAL_CLIP:
         cap = -adv * clip_c
         dual = (adv < 0.0) & (loss > cap)
@@ -102,7 +109,7 @@ def _policy_token_kernel(
             loss += beta * (e_diff - diff - 1.0)
             dlogp += beta * (1.0 - e_diff)
     tl.store(wloss_ptr + rows, tl.where(valid, loss * w, 0.0), mask=mask)
-    tl.store(clipped_ptr + rows, tl.where(valid & (~unclipped), 1.0, 0.0), mask=mask)
+    tl.store(clipped_ptr + rows, tl.where(valid & clipped, 1.0, 0.0), mask=mask)
     tl.store(g_ptr + rows, tl.where(valid, dlogp * w, 0.0), mask=mask)
 
 

@@ -20,9 +20,11 @@ Gradient (written over the row, or into ``out``, a 16-bit view of the same stora
   derivative of the surrogate, known as soon as the row's log s is:
     ratio = exp(logp - old),  r_c = clamp(ratio, 1 - clip_low, 1 + clip_high)
     L = -min(ratio A, r_c A) + beta (exp(ref - logp) - (ref - logp) - 1)
-    g = w (-A ratio [ratio A <= r_c A] + beta (1 - exp(ref - logp)))
-  and the options of the contract: the dual clip caps the surrogate at -A clip_ratio_c for
-  A < 0 (g's surrogate part 0 where it binds); kl_iw multiplies the k3 term by the ratio.
+    g = w (-A ratio [not clipped] + beta (1 - exp(ref - logp))),  clipped = [ratio A > r_c A]
+  (strictly, as the reference: a tie or a NaN is not clipped, and passes the gradient,
+  NaN for a NaN), and the options of the contract: the dual clip caps the surrogate at
+  -A clip_ratio_c for A < 0 (g's surrogate part 0 where it binds); kl_iw multiplies the k3
+  term by the ratio.
 In-place 16-bit output: row r of ``out`` starts where row r of z does (row stride 2 V in
 16-bit elements); block j of a row writes bytes [2 j B, 2 (j + 1) B) of the row after its
 read of bytes [4 j B, 4 (j + 1) B): it only overwrites what this program already read.
@@ -229,9 +231,12 @@ def _policy_terms(
     r_c = tl.where(ratio < lo, lo, tl.where(ratio > hi, hi, ratio))  # NaN stays NaN
     a = ratio * adv
     b = r_c * adv
-    unclipped = a <= b
-    loss = -tl.where(unclipped | (a != a), a, b)
-    dlogp = tl.where(unclipped, -adv * ratio, 0.0)
+    # the reference's rule: clipped iff a > b, strictly (a tie or a NaN is not clipped);
+    # L = -min(a, b) with NaN in, NaN out; dL/dlogp = -A ratio unless clipped (autograd of
+    # torch.minimum and clamp: a tie passes the whole gradient, a NaN passes it as NaN)
+    is_clipped = a > b
+    loss = -tl.where(is_clipped, b, a)
+    dlogp = tl.where(is_clipped, 0.0, -adv * ratio)
     if DUAL_CLIP:
         cap = -adv * clip_c
         dual = (adv < 0.0) & (loss > cap)
@@ -247,7 +252,7 @@ def _policy_terms(
             loss += beta * k3
             dlogp += beta * (1.0 - tl.exp(diff))
     loss = tl.where(valid, loss, 0.0)
-    clipped = tl.where(valid & (~unclipped) & (logp == logp), 1.0, 0.0)
+    clipped = tl.where(valid & is_clipped, 1.0, 0.0)
     g = tl.where(use, dlogp * tw, 0.0)
     return loss, clipped, g
 

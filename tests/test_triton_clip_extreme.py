@@ -1,0 +1,315 @@
+"""The clipped-flag rule of the Triton kernels, checked against the float64 reference under
+the Triton interpreter (this file runs itself as a script in a subprocess, because
+TRITON_INTERPRET=1 must be set before triton is imported):
+
+    python tests/test_triton_clip_extreme.py clip
+
+clip: the clipped flag (clip_fraction) is the reference's ratio A > clamp(ratio) A, strictly:
+    a tie is not clipped and passes the whole gradient, a NaN is not clipped and gives a NaN
+    loss and gradient (reference.policy_loss_ref and its autograd), in every Triton kernel:
+    the row kernel, the low-memory token terms (triton/rows.py) and the fused token kernel
+    (triton/policy_loss.py), through the public op in every variant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+triton_missing = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+def _run(group: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), group],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "0 failures" in proc.stdout, proc.stdout
+
+
+@triton_missing
+def test_triton_clip_flag_follows_reference_under_interpreter():
+    _run("clip")
+
+
+# --------------------------------------------------------------------------- the script
+# Everything below runs only in the subprocess (TRITON_INTERPRET=1 set before the imports).
+
+FAILURES: list[str] = []
+CHECKS = [0]
+II = -100
+ENV_KEYS = (
+    "MRTPO_TRITON_VARIANT",
+    "MRTPO_LOW_MEMORY",
+    "MRTPO_POLICY_KEEP_LOGITS",
+    "MRTPO_CHUNK_BYTES",
+    "MRTPO_SKIP_VALUE_CHECKS",
+)
+VARIANTS = {  # the Triton paths of the public ops
+    "rows": dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY="0"),
+    "rows low-memory": dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY="1"),
+    "fused": dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS="0"),
+    "fused keep-logits": dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS="1"),
+}
+
+
+class _env:
+    """Set MRTPO_* variables for a block, restoring every one of ENV_KEYS after it."""
+
+    def __init__(self, **kv):
+        self.kv = kv
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in ENV_KEYS}
+        os.environ.update(self.kv)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def close(name, ours, want, same=None, *, atol=1e-6, rtol=1e-6):
+    """Non-finite entries of ``want`` matched exactly (NaN to NaN, inf to inf), and
+    max |ours - want| <= 2 max |same - want| + atol + rtol max |want| on the finite ones
+    (``same``: plain PyTorch in fp32, its error taken where it is finite)."""
+    import torch
+
+    CHECKS[0] += 1
+    ours, want = ours.detach().double(), want.detach().double()
+    if ours.shape != want.shape:
+        FAILURES.append(f"{name}: shape {tuple(ours.shape)} != {tuple(want.shape)}")
+        return
+    fin = torch.isfinite(want)
+    nan = torch.isnan(want)
+    inf = ~fin & ~nan
+    n_bad = int((~torch.isnan(ours[nan])).sum()) + int((ours[inf] != want[inf]).sum())
+    if n_bad:  # (not nan_to_num: that would match a NaN with a 0)
+        FAILURES.append(f"{name}: {n_bad} non-finite reference entries not matched")
+        return
+    if not bool(torch.isfinite(ours[fin]).all()):
+        FAILURES.append(f"{name}: non-finite values where the reference is finite")
+        return
+    if not bool(fin.any()):
+        return
+    err = (ours[fin] - want[fin]).abs().max().item()
+    base = 0.0
+    if same is not None:  # plain fp32 PyTorch's error where it has a finite value
+        same = same.detach().double()
+        both = fin & torch.isfinite(same)
+        base = (same[both] - want[both]).abs().max().item() if bool(both.any()) else 0.0
+    bound = 2.0 * base + atol + rtol * want[fin].abs().max().item()
+    if not err <= bound:
+        FAILURES.append(f"{name}: max error {err:.3e} > bound {bound:.3e} (torch fp32 {base:.3e})")
+
+
+def expect(name, cond, detail=""):
+    CHECKS[0] += 1
+    if not cond:
+        FAILURES.append(f"{name}: {detail}")
+
+
+# --------------------------------------------------------------------------- clip
+
+
+def _token_inputs():
+    """Per-token (logp, old, adv, labels) in fp32, exact in float64 too: exact ties
+    (logp == old: ratio 1 at the lower bound with clip_low = 0; A = 0), NaN old, NaN A,
+    NaN logp, A = 0 with ratio inf and A = inf with ratio 0 (0 * inf), plain clipped and
+    unclipped tokens (ratio far from the bounds), an ignored token with NaN inputs. (Not
+    here: ratio inf with A != 0, where the reference's autograd forms 0 * inf = NaN through
+    exp's backward even for a clipped token, an artifact, not a rule.)"""
+    import torch
+
+    nan, inf = float("nan"), float("inf")
+    rows = [  # logp, old, adv
+        (-1.0, -1.0, 1.0),  # ratio 1 = 1 - clip_low: tie, not clipped, whole gradient
+        (-1.0, -1.0, -1.0),  # the same tie with A < 0
+        (-0.5, -0.5, 0.0),  # A = 0: tie
+        (-1.0, -3.0, 0.0),  # A = 0, ratio e^2 outside the range: tie
+        (-1.0, -3.0, 1.0),  # ratio e^2 > 1 + clip_high, A > 0: clipped
+        (-3.0, -1.0, -1.0),  # ratio e^-2 < 1 - clip_low = 1, A < 0: clipped
+        (-3.0, -1.0, 1.0),  # ratio e^-2, A > 0: not clipped
+        (-1.0, nan, 1.0),  # NaN old: not clipped, NaN loss and gradient
+        (-1.0, -1.5, nan),  # NaN A
+        (nan, -1.0, 1.0),  # NaN logp (an undefined row)
+        (-1.0, -inf, 0.0),  # ratio inf, A = 0: a = 0 * inf = NaN
+        (-1.0, inf, inf),  # ratio 0, A = inf: a = 0 * inf = NaN
+        (nan, nan, nan),  # ignored: 0, not clipped, no gradient
+    ]
+    t = torch.tensor(rows, dtype=torch.float32)
+    labels = torch.zeros(len(rows), dtype=torch.long)
+    labels[-1] = II
+    return t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].contiguous(), labels
+
+
+def _token_reference(logp, old, adv, labels, cl, ch, clip_c, beta, ref_lp):
+    """Per token: (loss, clipped, dloss/dlogp) of reference.policy_loss_ref on that token
+    alone (float64; 0 / False / 0 on an ignored token)."""
+    import torch
+
+    from mrtpo_kernels.reference import policy_loss_ref
+
+    out = []
+    for i in range(logp.shape[0]):
+        if labels[i] == II:
+            out.append((0.0, 0.0, 0.0))
+            continue
+        lp = logp[i : i + 1].double().requires_grad_()
+        kw = dict(clip_low=cl, clip_high=ch, clip_ratio_c=clip_c)
+        if beta:
+            kw.update(ref_logprobs=ref_lp[i : i + 1].double(), beta=beta)
+        mask = torch.ones(1, dtype=torch.bool)
+        loss, met = policy_loss_ref(
+            lp, old[i : i + 1].double(), adv[i : i + 1].double(), mask, **kw
+        )
+        (g,) = torch.autograd.grad(loss, lp)
+        out.append((loss.item(), met["clip_fraction"].item(), g.item()))
+    return torch.tensor(out, dtype=torch.float64).unbind(1)
+
+
+def check_clip_token_kernels():
+    """The low-memory token terms (rows.policy_terms) and the fused token kernel
+    (policy_loss._token_terms) on every token kind, with and without the dual clip / KL."""
+    import math
+
+    import torch
+
+    from mrtpo_kernels.triton import policy_loss, rows
+
+    logp, old, adv, labels = _token_inputs()
+    n = logp.shape[0]
+    ref_lp = torch.full((n,), -1.25)
+    for cl, ch, clip_c, beta in ((0.0, 0.2, math.inf, 0.0), (0.0, 0.2, 3.0, 0.1)):
+        want_l, want_c, want_g = _token_reference(
+            logp, old, adv, labels, cl, ch, None if math.isinf(clip_c) else clip_c, beta, ref_lp
+        )
+        tag = f"clip_low={cl} clip_high={ch} clip_c={clip_c} beta={beta}"
+        tw = torch.ones(n)
+        loss, clipped, g = rows.policy_terms(
+            logp, labels, old, adv, tw, ref_lp if beta else None, 5, cl, ch, beta, II, clip_c
+        )
+        close(f"rows.policy_terms loss {tag}", loss, want_l)
+        close(f"rows.policy_terms dloss/dlogp {tag}", g, want_g)
+        expect(f"rows.policy_terms clipped {tag}", torch.equal(clipped.double(), want_c),
+               f"{clipped.tolist()} != {want_c.tolist()}")  # fmt: skip
+        f32 = dict(dtype=torch.float32)
+        wloss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
+        policy_loss._token_terms(
+            logp, labels, old, adv, tw, ref_lp if beta else None, wloss, clipped, g, cl, ch,
+            beta, II, clip_c,
+        )  # fmt: skip
+        close(f"fused token kernel loss {tag}", wloss, want_l)
+        close(f"fused token kernel dloss/dlogp {tag}", g, want_g)
+        expect(f"fused token kernel clipped {tag}", torch.equal(clipped.double(), want_c),
+               f"{clipped.tolist()} != {want_c.tolist()}")  # fmt: skip
+
+
+def _clip_head(nan_cases: bool):
+    """(hidden, weight, labels, old, adv) of 8 tokens, d = 2, V = 40, logits exact in fp32.
+    Tokens 0-3 have a label logit 300 above the others, so log p = 0 exactly in fp32 and in
+    float64 and old = 0 makes ratio = 1 exactly: a tie at 1 - clip_low with clip_low = 0.
+    nan_cases: token 1 gets a NaN old log-prob, token 2 a NaN advantage, token 4 a NaN
+    hidden row (every logit NaN); token 5 is ignored."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    v = 40
+    w = torch.zeros(v, 2)
+    w[:, 1] = torch.randint(-1024, 1024, (v,), generator=g).float() / 256.0
+    w[3, 1] = 300.0
+    w[:, 0] = torch.randint(-512, 512, (v,), generator=g).float() / 256.0
+    h = torch.ones(8, 2)
+    h[4:, 0] = torch.tensor([0.5, 2.0, -1.0, 1.0])
+    lab = torch.tensor([3, 3, 3, 3, 7, II, 11, 20])
+    with torch.no_grad():
+        from mrtpo_kernels.reference import linear_logprobs_ref
+
+        cur = linear_logprobs_ref(h.double(), w.double(), lab).float()
+    old = cur.clone()
+    old[6] += 0.75  # ratio e^-0.75 < 1: clipped for A < 0 at lo = 1
+    old[7] -= 0.75  # ratio e^0.75 > 1.2: clipped for A > 0
+    adv = torch.tensor([1.0, -1.0, 0.0, 2.0, 1.0, 1.0, -1.0, 1.0])
+    if nan_cases:
+        old[1] = float("nan")
+        adv[2] = float("nan")
+        h[4, 1] = float("nan")
+    old[5] = float("nan")  # ignored: never read
+    return h, w, lab, old, adv
+
+
+def check_clip_public_op():
+    """clip_fraction, loss and gradients of mk.linear_policy_loss in every Triton variant
+    against linear_policy_loss_ref: exact ties (finite inputs: every value compared), then
+    NaN inputs with the value checks off (the reference's clip_fraction, NaN loss, and its
+    gradient's NaN pattern: the token's row of d hidden, all of d weight)."""
+    import mrtpo_kernels as mk
+    from mrtpo_kernels.reference import linear_policy_loss_ref
+
+    for nan_cases in (False, True):
+        h, w, lab, old, adv = _clip_head(nan_cases)
+        kw = dict(clip_low=0.0, clip_high=0.2)
+        h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+        rl, rm = linear_policy_loss_ref(h64, w64, lab, old.double(), adv.double(), **kw)
+        rl.backward()
+        for name, env in VARIANTS.items():
+            tag = f"{name} nan_cases={nan_cases}"
+            with _env(MRTPO_SKIP_VALUE_CHECKS="1", MRTPO_CHUNK_BYTES=str(4 * 40 * 3), **env):
+                hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                loss, met = mk.linear_policy_loss(hh, ww, lab, old, adv, backend="triton", **kw)
+                loss.backward()
+            close(f"clip_fraction {tag}", met["clip_fraction"], rm["clip_fraction"], atol=0)
+            close(f"loss {tag}", loss, rl)
+            close(f"mean_ratio {tag}", met["mean_ratio"], rm["mean_ratio"])
+            close(f"grad hidden {tag}", hh.grad, h64.grad, atol=1e-5, rtol=1e-6)
+            close(f"grad weight {tag}", ww.grad, w64.grad, atol=1e-5, rtol=1e-6)
+            if not nan_cases:
+                frac = rm["clip_fraction"].item()
+                expect(f"both branches {tag}", 0.0 < frac < 1.0, f"clip_fraction {frac}")
+
+
+GROUPS = {"clip": (check_clip_token_kernels, check_clip_public_op)}
+
+
+def main(argv: list[str]) -> int:
+    import time
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    for group in argv or list(GROUPS):
+        for fn in GROUPS[group]:
+            t0 = time.time()
+            before = len(FAILURES)
+            fn()
+            status = "ok" if len(FAILURES) == before else "FAIL"
+            print(f"{status} {fn.__name__} ({time.time() - t0:.1f} s)", flush=True)
+    print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
+    for f in FAILURES:
+        print("FAIL", f)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    os.environ["MRTPO_STRICT_BACKEND"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1:]))
