@@ -1,14 +1,21 @@
-"""The clipped-flag rule of the Triton kernels, checked against the float64 reference under
-the Triton interpreter (this file runs itself as a script in a subprocess, because
+"""Two numerics rules of the Triton kernels, checked against the float64 reference under the
+Triton interpreter (this file runs itself as a script in a subprocess, because
 TRITON_INTERPRET=1 must be set before triton is imported):
 
-    python tests/test_triton_clip_extreme.py clip
+    python tests/test_triton_clip_extreme.py clip|extreme
 
 clip: the clipped flag (clip_fraction) is the reference's ratio A > clamp(ratio) A, strictly:
     a tie is not clipped and passes the whole gradient, a NaN is not clipped and gives a NaN
     loss and gradient (reference.policy_loss_ref and its autograd), in every Triton kernel:
     the row kernel, the low-memory token terms (triton/rows.py) and the fused token kernel
     (triton/policy_loss.py), through the public op in every variant.
+extreme: at large |z / tau| (~1e4, one logit dominating, a tiny temperature, |z / tau| past
+    float max) the fused variant (MRTPO_TRITON_VARIANT=fused: triton/logprobs.py and
+    policy_loss.py) and the low-memory column kernel (rows.grad_cols_ with the (raw max,
+    log s) of rows.stats) keep the row kernels' accuracy: log p is formed as
+    (z/2 - M/2)(2/tau) - log s, never z / tau - lse from the rounded fp32 lse. Inputs are
+    exact in fp32 (powers of two times small integers), so the error budget (2x plain
+    PyTorch fp32 against float64, plus atol and rtol x the largest reference value) is tight.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ def _run(group: str) -> None:
 @triton_missing
 def test_triton_clip_flag_follows_reference_under_interpreter():
     _run("clip")
+
+
+@triton_missing
+def test_triton_extreme_logits_fused_and_low_memory_under_interpreter():
+    _run("extreme")
 
 
 # --------------------------------------------------------------------------- the script
@@ -286,7 +298,249 @@ def check_clip_public_op():
                 expect(f"both branches {tag}", 0.0 < frac < 1.0, f"clip_fraction {frac}")
 
 
-GROUPS = {"clip": (check_clip_token_kernels, check_clip_public_op)}
+# --------------------------------------------------------------------------- extreme
+
+
+def _extreme_head(kind: str, n: int = 12, v: int = 700, seed: int = 0):
+    """(hidden, weight, labels, temperature) with logits exact in fp32: hidden = [1, s]
+    with s a power of two, weight = [offset, small multiples of 2^-8], so every logit is
+    offset + s x small. big: offset 1e4, T = 1 (|z / T| ~ 1e4); tiny_t: offset 1, T = 1e-4;
+    dominant: offset -12000 and one column 40 above the rest, T = 0.5. Every 4th token is
+    ignored; columns 0-19 sit 3e4 below the rest (masked: p = 0)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    s = torch.tensor([1.0, 0.5, 2.0, -1.0])[torch.randint(0, 4, (n,), generator=g)]
+    h = torch.stack([torch.ones(n), s], 1)
+    small = torch.randint(-2048, 2048, (v,), generator=g).float() / 256.0
+    if kind == "big":
+        off, temp = 1.0e4, 1.0
+    elif kind == "tiny_t":
+        off, temp, small = 1.0, 1.0e-4, small / 64.0
+    elif kind == "dominant":
+        off, temp = -12000.0, 0.5
+        small[5] += 40.0
+    else:
+        raise ValueError(kind)
+    col = torch.full((v,), off)
+    col[:20] -= 3.0e4
+    w = torch.stack([col, small], 1)
+    lab = torch.randint(20, v, (n,), generator=g)
+    lab[::4] = II
+    return h, w, lab, temp
+
+
+def _ref_logprobs(h, w, lab, temp, g, ge, dtype):
+    """linear_logprobs_ref in dtype: (logp, entropy, d hidden, d weight) for upstream g, ge."""
+    from mrtpo_kernels.reference import linear_logprobs_ref
+
+    hh = h.detach().clone().to(dtype).requires_grad_()
+    ww = w.detach().clone().to(dtype).requires_grad_()
+    lp, en = linear_logprobs_ref(hh, ww, lab, temperature=temp, return_entropy=True)
+    ((lp * g.to(dtype)).sum() + (en * ge.to(dtype)).sum()).backward()
+    return lp, en, hh.grad, ww.grad
+
+
+def check_fused_linear_logprobs():
+    """The fused log-probs forward and backward (vocabulary-chunked recompute over several
+    chunks) at |z / T| ~ 1e4: values and gradients against float64."""
+    import torch
+
+    import mrtpo_kernels as mk
+
+    for kind in ("big", "tiny_t", "dominant"):
+        h, w, lab, temp = _extreme_head(kind)
+        gen = torch.Generator().manual_seed(5)
+        g, ge = torch.randn(h.shape[0], generator=gen), torch.randn(h.shape[0], generator=gen)
+        want = _ref_logprobs(h, w, lab, temp, g, ge, torch.float64)
+        same = _ref_logprobs(h, w, lab, temp, g, ge, torch.float32)
+        with _env(MRTPO_TRITON_VARIANT="fused", MRTPO_CHUNK_BYTES=str(12 * 2 * 256)):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            lp, en = mk.linear_logprobs(
+                hh, ww, lab, temperature=temp, return_entropy=True, backend="triton"
+            )
+            ((lp * g).sum() + (en * ge).sum()).backward()
+        for i, (what, got) in enumerate(
+            (("logp", lp), ("entropy", en), ("grad hidden", hh.grad), ("grad weight", ww.grad))
+        ):
+            close(f"fused linear_logprobs {kind} {what}", got, want[i], same[i], rtol=1e-5)
+
+
+def _extreme_logits():
+    """(16, 300) fp32 logits rows, exact: ~1e4 with fractional spread, -12000 with one
+    dominant entry, 3e38 ties (|z / T| past float max at T < 1), -inf masked entries, a
+    label on a masked entry (log p = -inf), a NaN row, an ignored row; labels (16,)."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    v = 300
+    small = torch.randint(-2048, 2048, (16, v), generator=g).float() / 256.0
+    z = small.clone()
+    z[0:3] += 1.0e4
+    z[3:5] -= 12000.0
+    z[3, 7] += 40.0
+    z[4, 9] += 25.0
+    z[5] = torch.where(small[5] > 0, 3.0e38, -3.0e38)  # ties at 3e38
+    z[6] = torch.where(small[6] > 2, 3.0e38, small[6])
+    z[7:10] += 1.0e4
+    z[7:10, :100] = float("-inf")
+    z[10, 5] = float("nan")
+    z[11] = small[11] * 1000.0  # an order-1e4 spread
+    lab = torch.randint(100, v, (16,), generator=g)
+    lab[8] = 50  # on a masked entry
+    lab[12] = II
+    lab[5] = int((z[5] > 0).nonzero()[0])
+    lab[6] = int((z[6] > 1e30).nonzero()[0])
+    return z, lab
+
+
+def _ref_from_logits(z, lab, temp, g, ge, dtype):
+    """logprobs_from_logits_ref in dtype, and the gradient of the rows it defines (-inf
+    entries as a value 1e39 below the row max in float64: p = 0 either way; autograd through
+    -inf gives NaN in the entropy's gradient); undefined rows: NaN, ignored rows: 0."""
+    import torch
+
+    from mrtpo_kernels.reference import logprobs_from_logits_ref
+
+    zz = z.to(dtype)
+    lp, en = logprobs_from_logits_ref(zz, lab, temperature=temp, return_entropy=True)
+    fin_max = torch.where(torch.isfinite(zz), zz, torch.zeros_like(zz)).abs().amax(-1, True)
+    zg = torch.where(zz == float("-inf"), -4.0 * fin_max - 1e6, zz).requires_grad_()
+    lpg, eng = logprobs_from_logits_ref(zg, lab, temperature=temp, return_entropy=True)
+    defined = ~torch.isnan(lp) & ~torch.isnan(en) & (lab != II)
+    gl = (torch.where(defined, lpg, 0) * g.to(dtype)).sum()
+    ge_ = (torch.where(defined, eng, 0) * ge.to(dtype)).sum()
+    (dz,) = torch.autograd.grad(gl + ge_, zg)
+    undefined = (lab != II) & ~defined  # a NaN row: a NaN gradient row
+    dz = torch.where(undefined[:, None], float("nan"), dz)
+    # a label at a masked entry: log p = -inf; its gradient (g (onehot - p)) is finite
+    return lp, en, dz
+
+
+def check_fused_from_logits():
+    """Fused logprobs_from_logits (the same dlogits kernel with FROM_LOGITS) on the extreme
+    rows at T = 1, 0.5 and 1e-3: values and gradients against float64."""
+    import torch
+
+    import mrtpo_kernels as mk
+
+    z, lab = _extreme_logits()
+    gen = torch.Generator().manual_seed(8)
+    g, ge = torch.randn(z.shape[0], generator=gen), torch.randn(z.shape[0], generator=gen)
+    for temp in (1.0, 0.5, 1e-3):
+        want = _ref_from_logits(z, lab, temp, g, ge, torch.float64)
+        same = _ref_from_logits(z, lab, temp, g, ge, torch.float32)
+        with _env(MRTPO_TRITON_VARIANT="fused", MRTPO_SKIP_VALUE_CHECKS="1"):
+            zz = z.clone().requires_grad_()
+            lp, en = mk.logprobs_from_logits(
+                zz, lab, temperature=temp, return_entropy=True, backend="triton"
+            )
+            defined = ~torch.isnan(lp) & ~torch.isnan(en)
+            (
+                (torch.where(defined, lp, 0) * g).sum() + (torch.where(defined, en, 0) * ge).sum()
+            ).backward()
+        tag = f"fused logprobs_from_logits T={temp}"
+        close(f"{tag} logp", lp, want[0], same[0], rtol=1e-6)
+        close(f"{tag} entropy", en, want[1], same[1], rtol=1e-6)
+        close(f"{tag} grad (defined rows)", zz.grad[~torch.isnan(want[2][:, 0])],
+              want[2][~torch.isnan(want[2][:, 0])], same[2][~torch.isnan(want[2][:, 0])],
+              rtol=1e-6)  # fmt: skip
+
+
+def check_fused_policy():
+    """The fused policy loss, both variants ((b) recompute over 2 vocabulary chunks, (a)
+    kept logits over 2 token chunks), at |z / T| ~ 1e4: loss, metrics and gradients against
+    float64."""
+    import torch
+
+    import mrtpo_kernels as mk
+    from mrtpo_kernels.reference import linear_logprobs_ref, linear_policy_loss_ref
+
+    for kind in ("big", "tiny_t", "dominant"):
+        h, w, lab, temp = _extreme_head(kind, n=40)
+        n = h.shape[0]
+        gen = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            cur = linear_logprobs_ref(h.double(), w.double(), lab, temperature=temp).float()
+        old = cur + 0.3 * torch.randn(n, generator=gen)
+        adv = torch.randn(n, generator=gen)
+        runs = {}
+        for key, dt in (("same", torch.float32), ("ref", torch.float64)):
+            hh = h.detach().clone().to(dt).requires_grad_()
+            ww = w.detach().clone().to(dt).requires_grad_()
+            loss, met = linear_policy_loss_ref(
+                hh, ww, lab, old.to(dt), adv.to(dt), temperature=temp
+            )
+            loss.backward()
+            runs[key] = (loss, met, hh.grad, ww.grad)
+        for keep in ("0", "1"):
+            env = dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS=keep)
+            # 2 token chunks of kept logits (a), 2 vocabulary chunks of the recompute (b)
+            with _env(MRTPO_CHUNK_BYTES=str(4 * w.shape[0] * 32), **env):
+                hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                loss, met = mk.linear_policy_loss(
+                    hh, ww, lab, old, adv, temperature=temp, backend="triton"
+                )
+                loss.backward()
+            tag = f"fused policy keep_logits={keep} {kind}"
+            ref, same = runs["ref"], runs["same"]
+            close(f"{tag} loss", loss, ref[0], same[0], rtol=1e-5)
+            for k in ref[1]:
+                close(f"{tag} {k}", met[k], ref[1][k], same[1][k], rtol=1e-5)
+            close(f"{tag} grad hidden", hh.grad, ref[2], same[2], rtol=1e-5)
+            close(f"{tag} grad weight", ww.grad, ref[3], same[3], rtol=1e-5)
+
+
+def check_low_memory_columns():
+    """The low-memory backward's column kernel: rows.stats(..., norm=) then
+    rows.grad_cols_(..., norm=) over three vocabulary chunks of the extreme rows, against
+    float64 (the chunk driver's low-memory mode can pass the norm instead of the lse alone)."""
+    import torch
+
+    from mrtpo_kernels.triton import rows
+
+    z, lab = _extreme_logits()
+    c, v = z.shape
+    k = rows.TritonRowKernel
+    gen = torch.Generator().manual_seed(9)
+    g, ge = torch.randn(c, generator=gen), torch.randn(c, generator=gen)
+    for temp in (1.0, 0.5, 1e-3):
+        want = _ref_from_logits(z, lab, temp, g, ge, torch.float64)
+        same = _ref_from_logits(z, lab, temp, g, ge, torch.float32)
+        norm = torch.empty(2, c)
+        logp, ent, lse = k.stats(z, lab, 1.0 / temp, II, True, norm=norm)
+        tag = f"low-memory columns T={temp}"
+        close(f"{tag} logp", logp, want[0], same[0])
+        close(f"{tag} entropy", ent, want[1], same[1])
+        defined = ~torch.isnan(logp) & ~torch.isnan(ent)
+        gd, ged = torch.where(defined, g, 0.0), torch.where(defined, ge, 0.0)
+        dz = torch.empty_like(z)
+        for v0, v1 in ((0, 128), (128, 256), (256, v)):
+            cols = z[:, v0:v1].contiguous()
+            k.grad_cols_(cols, lab, lse, ent, gd, ged, 1.0 / temp, II, v0, v, norm=norm)
+            dz[:, v0:v1] = cols
+        ok = ~torch.isnan(want[2][:, 0])
+        close(f"{tag} grad (defined rows)", dz[ok], want[2][ok], same[2][ok])
+        bad = torch.isnan(lse) & (lab != II)
+        expect(f"{tag} NaN rows give a NaN gradient", bool(torch.isnan(dz[bad]).all()), "")
+        expect(f"{tag} ignored rows give 0", bool((dz[lab == II] == 0).all()), "")
+    bad_norm = torch.empty(3, c)
+    try:
+        k.stats(z, lab, 1.0, II, False, norm=bad_norm)
+        expect("norm shape checked", False, "no error for a (3, C) norm")
+    except ValueError as exc:
+        expect("norm shape checked", "norm" in str(exc), str(exc))
+
+
+GROUPS = {
+    "clip": (check_clip_token_kernels, check_clip_public_op),
+    "extreme": (
+        check_fused_linear_logprobs,
+        check_fused_from_logits,
+        check_fused_policy,
+        check_low_memory_columns,
+    ),
+}
 
 
 def main(argv: list[str]) -> int:

@@ -49,11 +49,13 @@ def test_row_kernels_compile_for_hopper(out_dtype):
     block = rows.row_block(151936) if os.environ.get("TRITON_INTERPRET") != "1" else 2048
     c = {"BLOCK": block}
     w = dict(num_warps=8)
-    _compile(rows._stats_rows_kernel, {
-        "z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
-        "lse_ptr": "*fp32", "V": "i32", "stride_z": "i64", "inv_t": "fp32",
-        "ignore_index": "i64", "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
-        {"WITH_ENT": True, **c}, **w)  # fmt: skip
+    for with_norm in (True, False):
+        _compile(rows._stats_rows_kernel, {
+            "z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
+            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32", "rows": "i32",
+            "stride_z": "i64", "inv_t": "fp32", "ignore_index": "i64",
+            "WITH_ENT": "constexpr", "WITH_NORM": "constexpr", "BLOCK": "constexpr"},
+            {"WITH_ENT": True, "WITH_NORM": with_norm, **c}, **w)  # fmt: skip
     _compile(rows._grad_rows_kernel, {
         "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "ent_ptr": "*fp32",
         "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "V": "i32", "stride_z": "i64",
@@ -70,12 +72,14 @@ def test_row_kernels_compile_for_hopper(out_dtype):
             "NEED_GRAD": "constexpr", "BLOCK": "constexpr"},
             dict(zip(("HAS_REF", "DUAL_CLIP", "KL_IW", "NEED_GRAD"), flags, strict=True), **c),
             **w)  # fmt: skip
-    _compile(rows._grad_cols_kernel, {
-        "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "lse_ptr": "*fp32",
-        "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "W": "i32",
-        "v_lo": "i32", "V": "i32", "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32",
-        "ignore_index": "i64", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
-        {"HAS_ENT": True, **c}, **w)  # fmt: skip
+    for has_norm in (True, False):
+        _compile(rows._grad_cols_kernel, {
+            "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
+            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
+            "g_ent_ptr": "*fp32", "W": "i32", "v_lo": "i32", "V": "i32", "rows": "i32",
+            "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64",
+            "HAS_NORM": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
+            {"HAS_NORM": has_norm, "HAS_ENT": True, **c}, **w)  # fmt: skip
     _compile(rows._policy_terms_kernel, {
         "logp_ptr": "*fp32", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "tw_ptr": "*fp32", "ref_ptr": "*fp32", "loss_ptr": "*fp32", "clipped_ptr": "*fp32",
@@ -109,8 +113,9 @@ def test_js_row_kernels_compile_for_hopper(k):
 @hopper
 @compiled_mode
 def test_fused_logprob_and_policy_kernels_compile_for_hopper():
-    """The opt-in fused variant: forward partials (16-bit GEMM tiles), dlogits, the GEMM,
-    and the policy token kernel."""
+    """The opt-in fused variant: forward partials (16-bit GEMM tiles), their combine,
+    dlogits (with and without the saved (raw max, log s)), the GEMM, and the policy token
+    kernel."""
     import torch
 
     from mrtpo_kernels.triton import logprobs, policy_loss
@@ -129,17 +134,25 @@ def test_fused_logprob_and_policy_kernels_compile_for_hopper():
         {"STORE_LOGITS": False, "FROM_LOGITS": False, "HAS_BIAS": False, "WITH_ENT": True,
          "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False, **tiles}, **opts)  # fmt: skip
     assert "warp_group_dot" in k.asm["ttgir"], "the fused forward does not use wgmma"
-    _compile(logprobs._dlogits_kernel, {
-        "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
-        "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
-        "out_ptr": "*bf16", "db_ptr": "*fp32", "N": "i32", "V": "i32", "v_lo": "i32",
-        "v_hi": "i32", "D": "i32", "stride_src": "i32", "stride_w": "i32", "stride_out": "i32",
-        "inv_t": "fp32", "ignore_index": "i64", "FROM_LOGITS": "constexpr",
-        "HAS_BIAS": "constexpr", "HAS_ENT_GRAD": "constexpr", "BIAS_GRAD": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "BLOCK_D": "constexpr",
-        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
-        {"FROM_LOGITS": False, "HAS_BIAS": False, "HAS_ENT_GRAD": True, "BIAS_GRAD": False,
-         "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False, **tiles}, **opts)  # fmt: skip
+    _compile(logprobs._stats_combine_kernel, {
+        "part_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
+        "lse_ptr": "*fp32", "norm_ptr": "*fp32", "N": "i32", "V": "i32", "num_splits": "i32",
+        "inv_t": "fp32", "ignore_index": "i64", "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
+        {"WITH_ENT": True, "BLOCK": 1024})  # fmt: skip
+    for has_norm in (True, False):
+        _compile(logprobs._dlogits_kernel, {
+            "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
+            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
+            "g_ent_ptr": "*fp32", "out_ptr": "*bf16", "db_ptr": "*fp32", "N": "i32",
+            "V": "i32", "v_lo": "i32", "v_hi": "i32", "D": "i32", "stride_src": "i32",
+            "stride_w": "i32", "stride_out": "i32", "inv_t": "fp32", "ignore_index": "i64",
+            "FROM_LOGITS": "constexpr", "HAS_BIAS": "constexpr", "HAS_NORM": "constexpr",
+            "HAS_ENT_GRAD": "constexpr", "BIAS_GRAD": "constexpr", "BLOCK_N": "constexpr",
+            "BLOCK_V": "constexpr", "BLOCK_D": "constexpr", "GROUP": "constexpr",
+            "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
+            {"FROM_LOGITS": False, "HAS_BIAS": False, "HAS_NORM": has_norm, "HAS_ENT_GRAD": True,
+             "BIAS_GRAD": False, "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
+             **tiles}, **opts)  # fmt: skip
     g = logprobs._gemm_tiles(torch.bfloat16)
     _compile(logprobs._matmul_kernel, {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "M": "i32", "N": "i32",

@@ -19,14 +19,17 @@ reach these kernels (Triton dots have no fp64 path): the dispatcher sends them t
 
 Forward (``_stats_partial_kernel`` + ``_stats_combine_kernel``): a program owns BLOCK_N
 tokens and one contiguous range ("split") of the vocabulary; for each BLOCK_V block it
-accumulates z = h W^T with tl.dot over BLOCK_D slices of d in fp32 registers, then folds
-the block into an online log-sum-exp: running max m, s = sum exp(z - m) and, for the
-entropy, t = sum exp(z - m) (z - m) (kept relative to m, so H = log s - t / s has no
-cancellation when |z| is large); when m grows, s and t are rescaled by exp(m_old - m_new)
-and t shifted by s (m_old - m_new). The target logit is picked when y falls in the block.
+accumulates the raw logits h W^T with tl.dot over BLOCK_D slices of d in fp32 registers,
+then folds the block into an online log-sum-exp shifted by the raw running max m before the
+temperature (README "Numerics"): x = (z/2 - m/2)(2/tau), s = sum exp(x) and, for the
+entropy, t = sum exp(x) x (kept relative to m, so H = log s - t / s has no cancellation when
+|z| is large, and no finite logit overflows through z / tau); when m grows, s and t are
+rescaled by exp of the shift and t shifted by s times it. The raw target logit is picked
+when y falls in the block; logp = (z_y/2 - M/2)(2/tau) - log s, never z_y / tau - lse.
 Logits never reach global memory. Splits (several per token tile, launched in grouped
 order) fill the GPU when N is small and keep the tiles that run together in L2; the combine
-kernel merges the (m, s, t, z_y) partials of the S splits the same way. Max identity is
+kernel merges the (m, s, t, z_y) partials of the S splits the same way and writes lse
+(= M / tau + log s, one fma) and the norm (M, log s) the backward uses. Max identity is
 -inf; exp(-inf - -inf) is avoided by exponentiating against 0 while the max is still -inf.
 
 Backward decomposition, chosen by counting. One fused kernel cannot produce dh and dW: for
@@ -37,14 +40,19 @@ N d V / BLOCK_V + V d N / BLOCK_N ~ 1.6e11 atomics at the target shape, several 
 GEMM time. So the vocabulary is walked in chunks of C columns (C from MRTPO_CHUNK_BYTES,
 default 256 MiB of gradient-of-logits; C = 8192 at N = 16384 in bf16):
     1. ``_dlogits_kernel``: recompute the (N, C) logits tile by tile (GEMM 1), turn them
-       into dlogits in registers with the saved lse (and entropy) and store them in
-       hidden's dtype into the chunk buffer G (N, C); db by fp32 atomics of column sums.
+       into dlogits in registers with log p = (z/2 - M/2)(2/tau) - log s from the forward's
+       norm (and the entropy) and store them in hidden's dtype into the chunk buffer G
+       (N, C); db by fp32 atomics of column sums. Not z / tau - lse: the fp32 lse is
+       ulp(lse) / 2 off (5e-4 at |z / tau| ~ 1e4, where the row's p then sum to 1 +- 5e-4
+       and dh = G W loses everything to cancellation) and overflows past float max. The
+       norm reaches the backward op through a table keyed by lse (see "saved norms");
+       without it (an lse from elsewhere) the lse alone is used.
     2. dW[chunk] = G^T hidden  (GEMM 2, ``_matmul_kernel``): each row of dW is finished in
        one chunk, accumulated in fp32 over all N in registers, written once (no
        read-modify-write, no bf16 accumulation across chunks).
     3. dh32 += G W[chunk]      (GEMM 3): an fp32 (N, d) accumulator, read and written once
        per chunk (2 N d 4 bytes x V / C: 10 GB at the target shape, ~2 ms).
-Chunking the vocabulary rather than the tokens is what makes dW single-pass: the saved lse
+Chunking the vocabulary rather than the tokens is what makes dW single-pass: the saved norm
 is known before the backward starts, so any vocabulary chunk can be finished on its own.
 
 Extra device memory: G (<= MRTPO_CHUNK_BYTES), dh32 (4 N d bytes, none for fp32 hidden),
@@ -60,6 +68,8 @@ UPCAST_DOT is an interpreter-only workaround (its bf16 tl.dot is wrong; see _com
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -137,13 +147,20 @@ def _logits_tile(
     return z
 
 
+@triton.jit
+def _lse(m, log_s, inv_t):
+    """The saved lse = M / tau + log s, one rounding (fma): the backward recomputes it from
+    the filed (M, log s) bit for bit to tell that they belong to the lse it was given."""
+    return tl.fma(m, inv_t, log_s)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _stats_partial_kernel(
     src_ptr,
     w_ptr,
     b_ptr,
     labels_ptr,
-    part_ptr,  # (4, S, N) fp32: running max m, s, t, target logit
+    part_ptr,  # (4, S, N) fp32: raw running max m, s, t, raw target logit
     store_ptr,  # (N, V) fp32 raw logits, written with STORE_LOGITS
     N,
     V,
@@ -176,6 +193,7 @@ def _stats_partial_kernel(
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     t = tl.zeros((BLOCK_N,), dtype=tl.float32)
     tgt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    two_inv_t = 2.0 * inv_t
     v_begin = split * blocks_per_split * BLOCK_V
     v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
     for v0 in range(v_begin, v_end, BLOCK_V):
@@ -189,15 +207,18 @@ def _stats_partial_kernel(
         if STORE_LOGITS:  # keep the raw fp32 logits for a second use (policy loss, (a))
             keep = store_ptr + rows64[:, None] * stride_store + cols.to(tl.int64)[None, :]
             tl.store(keep, raw, mask=row_mask[:, None] & col_mask[None, :])
-        z = tl.where(col_mask[None, :], raw * inv_t, float("-inf"))
+        z = tl.where(col_mask[None, :], raw, float("-inf"))  # raw: shifted before 1/tau
         m_new = tl.maximum(m, tl.max(z, axis=1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp against 0 while all -inf
-        alpha = tl.exp(m - base)
-        e = tl.exp(z - base[:, None])
+        shift = (m * 0.5 - base * 0.5) * two_inv_t  # -inf while m is -inf
+        alpha = tl.exp(shift)
+        x = (z * 0.5 - base[:, None] * 0.5) * two_inv_t
+        e = tl.exp(x)
         if WITH_ENT:
-            shift = tl.where(m == float("-inf"), 0.0, m - base)
-            ez = tl.where(e > 0.0, e * (z - base[:, None]), 0.0)
-            t = alpha * (t + s * shift) + tl.sum(ez, axis=1)
+            shift0 = tl.where(m == float("-inf"), 0.0, shift)
+            ez = tl.where(e > 0.0, e * x, 0.0)
+            # alpha = 0 (the old entries underflow; shift may be -inf): 0, never 0 * -inf
+            t = tl.where(alpha > 0.0, alpha * (t + s * shift0), 0.0) + tl.sum(ez, axis=1)
         s = s * alpha + tl.sum(e, axis=1)
         tgt += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
         m = m_new
@@ -218,9 +239,11 @@ def _stats_combine_kernel(
     logp_ptr,
     ent_ptr,
     lse_ptr,
+    norm_ptr,  # (2, N) fp32 out: the raw row max M and log s
     N,
     V,
     num_splits,
+    inv_t,
     ignore_index,
     WITH_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -234,6 +257,7 @@ def _stats_combine_kernel(
     for i in range(0, num_splits):
         m = tl.maximum(m, tl.load(part_ptr + i * n64 + rows64, mask=mask, other=0.0))
     base = tl.where(m == float("-inf"), 0.0, m)
+    two_inv_t = 2.0 * inv_t
     s = tl.zeros((BLOCK,), dtype=tl.float32)
     t = tl.zeros((BLOCK,), dtype=tl.float32)
     tgt = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -241,21 +265,24 @@ def _stats_combine_kernel(
         off = i * n64 + rows64
         mi = tl.load(part_ptr + off, mask=mask, other=0.0)
         si = tl.load(part_ptr + plane + off, mask=mask, other=0.0)
-        alpha = tl.exp(mi - base)
+        shift = (mi * 0.5 - base * 0.5) * two_inv_t
+        alpha = tl.exp(shift)
         s += si * alpha
         if WITH_ENT:
             ti = tl.load(part_ptr + 2 * plane + off, mask=mask, other=0.0)
-            shift = tl.where(mi == float("-inf"), 0.0, mi - base)
-            t += alpha * (ti + si * shift)
+            shift0 = tl.where(mi == float("-inf"), 0.0, shift)
+            t += tl.where(alpha > 0.0, alpha * (ti + si * shift0), 0.0)
         tgt += tl.load(part_ptr + 3 * plane + off, mask=mask, other=0.0)
     log_s = tl.log(s)
-    lse = m + log_s
+    lse = _lse(m, log_s, inv_t)
     y = tl.load(labels_ptr + rows64, mask=mask, other=ignore_index)
     valid = y != ignore_index
     # a label outside [0, V) (value checks off) matched no column: NaN, never a stray read
     in_range = (y >= 0) & (y < V)
-    logp = tl.where(in_range, tgt - lse, float("nan"))
+    logp = tl.where(in_range, (tgt * 0.5 - m * 0.5) * two_inv_t - log_s, float("nan"))
     tl.store(lse_ptr + rows64, lse, mask=mask)
+    tl.store(norm_ptr + rows64, m, mask=mask)
+    tl.store(norm_ptr + n64 + rows64, log_s, mask=mask)
     tl.store(logp_ptr + rows64, tl.where(valid, logp, 0.0), mask=mask)
     if WITH_ENT:
         tl.store(ent_ptr + rows64, tl.where(valid, log_s - t / s, 0.0), mask=mask)
@@ -268,6 +295,7 @@ def _dlogits_kernel(
     b_ptr,
     labels_ptr,
     lse_ptr,
+    norm_ptr,  # (2, N): raw row max M, log s (read with HAS_NORM)
     ent_ptr,
     g_logp_ptr,
     g_ent_ptr,
@@ -285,6 +313,7 @@ def _dlogits_kernel(
     ignore_index,
     FROM_LOGITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     HAS_ENT_GRAD: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -295,7 +324,9 @@ def _dlogits_kernel(
     UPCAST_DOT: tl.constexpr,
 ):
     """dlogits = (g ([v == y] - p) - e p (log p + H)) / tau on vocabulary columns
-    [v_lo, v_hi), recomputing the logits; stored in out's dtype; db += column sums."""
+    [v_lo, v_hi), recomputing the logits; stored in out's dtype; db += column sums.
+    log p = (z/2 - M/2)(2/tau) - log s from the forward's raw row max M and log s (HAS_NORM,
+    for each row whose lse they reproduce), else z / tau - lse from the rounded lse alone."""
     num_tiles = tl.cdiv(N, BLOCK_N)
     num_vb = tl.cdiv(v_hi - v_lo, BLOCK_V)
     pid_n, pid_v = grouped_pid(tl.program_id(0), num_tiles, num_vb, GROUP)
@@ -309,13 +340,21 @@ def _dlogits_kernel(
         src_ptr, w_ptr, b_ptr, rows64, row_mask, cols, col_mask, D, stride_src, stride_w,
         FROM_LOGITS, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
-    z = tl.where(col_mask[None, :], raw * inv_t, float("-inf"))
+    z = tl.where(col_mask[None, :], raw, float("-inf"))
     y = tl.load(labels_ptr + rows64, mask=row_mask, other=ignore_index)
     # an out-of-range label (value checks off) gets a zero gradient, like an ignored one
     valid = (y != ignore_index) & (y >= 0) & (y < V) & row_mask
     lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
+    shift = tl.zeros((BLOCK_N,), dtype=tl.float32)  # per row: log p = (z/2 - shift/2)(2/tau) - off
+    off = lse
+    if HAS_NORM:
+        m = tl.load(norm_ptr + rows64, mask=row_mask, other=0.0)
+        log_s = tl.load(norm_ptr + N.to(tl.int64) + rows64, mask=row_mask, other=0.0)
+        same = _lse(m, log_s, inv_t) == lse  # the pair belongs to this lse (never NaN)
+        shift = tl.where(same, m, 0.0)
+        off = tl.where(same, log_s, lse)
     g = tl.where(valid, tl.load(g_logp_ptr + rows64, mask=row_mask, other=0.0), 0.0)
-    log_p = z - lse[:, None]
+    log_p = (z * 0.5 - shift[:, None] * 0.5) * (2.0 * inv_t) - off[:, None]
     p = tl.exp(log_p)
     grad = tl.where(cols[None, :] == y[:, None], g[:, None], 0.0) - g[:, None] * p
     if HAS_ENT_GRAD:
@@ -431,8 +470,10 @@ def _num_splits(n: int, num_tiles: int, num_vblocks: int, device: torch.device, 
 def lse_stats(
     src, weight, bias, labels, v, temperature, ignore_index, with_ent, from_logits, store=None
 ):
-    """logp, entropy (or (0,)), lse for every row of src (hidden, or logits); with
-    ``store`` ((N, V) fp32, unit column stride) the raw logits are also written there."""
+    """logp, entropy (or (0,)), lse and norm ((2, N): the raw row max M and log s, from
+    which the backward forms log p without the rounded lse) for every row of src (hidden,
+    or logits); with ``store`` ((N, V) fp32, unit column stride) the raw logits are also
+    written there."""
     n = src.shape[0]
     d = 0 if from_logits else src.shape[1]
     cfg = tiles(src.dtype, from_logits)
@@ -454,12 +495,13 @@ def lse_stats(
     logp = torch.empty(n, dtype=torch.float32, device=src.device)
     lse = torch.empty(n, dtype=torch.float32, device=src.device)
     ent = torch.empty(n if with_ent else 0, dtype=torch.float32, device=src.device)
+    norm = torch.empty((2, n), dtype=torch.float32, device=src.device)
     block = 1024 if not interpreting() else 256
     _stats_combine_kernel[(cdiv(n, block),)](
-        part, labels, logp, ent if with_ent else lse, lse, n, v, splits, ignore_index,
-        WITH_ENT=with_ent, BLOCK=block,
+        part, labels, logp, ent if with_ent else lse, lse, norm, n, v, splits,
+        1.0 / temperature, ignore_index, WITH_ENT=with_ent, BLOCK=block,
     )  # fmt: skip
-    return logp, ent, lse
+    return logp, ent, lse, norm
 
 
 def matmul(a, b, c, accumulate: bool):
@@ -482,13 +524,14 @@ def _vocab_chunk(n: int, v: int, elem_bytes: int, block: int) -> int:
 
 def dlogits(
     src, weight, bias, labels, lse, ent, g_logp, g_ent, out, db, v_lo, v_hi, temperature,
-    ignore_index,
+    ignore_index, norm=None,
 ):  # fmt: skip
     """out[:, :v_hi - v_lo] = dlogits of vocabulary columns [v_lo, v_hi), out's dtype.
 
     weight None: src is (N, V) logits (read, may be ``out`` itself: each element is read
     and written by the same program); else src is hidden and the logits are recomputed.
-    ent/g_ent (N,) or None (no entropy gradient); db (V,) fp32 accumulated, or None."""
+    ent/g_ent (N,) or None (no entropy gradient); db (V,) fp32 accumulated, or None;
+    norm: lse_stats' (2, N) (raw max, log s) of these rows, or None (lse alone)."""
     from_logits = weight is None
     n = src.shape[0]
     cfg = tiles(src.dtype, from_logits)
@@ -496,20 +539,23 @@ def dlogits(
     w = src if from_logits else weight
     grid = (cdiv(n, cfg["BLOCK_N"]) * cdiv(v_hi - v_lo, cfg["BLOCK_V"]),)
     _dlogits_kernel[grid](
-        src, w, w if bias is None else bias, labels, lse, ent if has_ent else lse, g_logp,
-        g_ent if has_ent else g_logp, out, lse if db is None else db, n, w.shape[0] if not
-        from_logits else src.shape[1], v_lo, v_hi,
-        0 if from_logits else src.shape[1], src.stride(0), w.stride(0), out.stride(0),
+        src, w, w if bias is None else bias, labels, lse, lse if norm is None else norm,
+        ent if has_ent else lse, g_logp, g_ent if has_ent else g_logp, out,
+        lse if db is None else db, n, w.shape[0] if not from_logits else src.shape[1], v_lo,
+        v_hi, 0 if from_logits else src.shape[1], src.stride(0), w.stride(0), out.stride(0),
         1.0 / temperature, ignore_index,
-        FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, HAS_ENT_GRAD=has_ent,
-        BIAS_GRAD=db is not None, GROUP=_GROUP, DOT_PRECISION=dot_precision(src.dtype),
-        UPCAST_DOT=interpreter_upcast(src.dtype), **cfg,
+        FROM_LOGITS=from_logits, HAS_BIAS=bias is not None, HAS_NORM=norm is not None,
+        HAS_ENT_GRAD=has_ent, BIAS_GRAD=db is not None, GROUP=_GROUP,
+        DOT_PRECISION=dot_precision(src.dtype), UPCAST_DOT=interpreter_upcast(src.dtype), **cfg,
     )  # fmt: skip
 
 
-def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index):
+def linear_grad(
+    hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index, norm=None
+):
     """(dh, dW fp32, db fp32 or (0,)) for upstream g_logp (N,) and optional entropy terms
-    (ent and g_ent both (N,), or None): the three-GEMM vocabulary-chunked backward."""
+    (ent and g_ent both (N,), or None): the three-GEMM vocabulary-chunked backward; norm as
+    in ``dlogits``."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -523,7 +569,7 @@ def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperatu
         g = g_buf[:, : v_hi - v_lo]
         dlogits(
             hidden, weight, bias, labels, lse, ent, g_logp, g_ent, g,
-            db if bias is not None else None, v_lo, v_hi, temperature, ignore_index,
+            db if bias is not None else None, v_lo, v_hi, temperature, ignore_index, norm,
         )  # fmt: skip
         matmul(g.t(), hidden, dw[v_lo:v_hi], accumulate=False)
         matmul(g, weight[v_lo:v_hi], dh32, accumulate=i > 0)
@@ -531,15 +577,53 @@ def linear_grad(hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperatu
     return dh, dw, db
 
 
+# --------------------------------------------------------------------------- saved norms
+# The backward forms log p = (z/2 - M/2)(2/tau) - log s from each row's raw max M and log s
+# (lse_stats' norm), not z / tau - lse from the rounded fp32 lse: that is off by up to
+# ulp(lse) / 2 in every log p (5e-4 at |z / tau| ~ 1e4: the row's p no longer sum to 1) and
+# overflows at |z / tau| > float max. The custom op's contract passes only lse (N,) to the
+# backward, so the forward files its norm under lse's data pointer, as the chunk driver files
+# its kept logits (backends/_chunked.py): the entry lives exactly as long as lse (a finalizer
+# on lse's storage drops it). The backward takes it when the input, weight, shape and
+# temperature are the forward's, and each row uses it only where (M, log s) reproduce the
+# given lse bit for bit (``_dlogits_kernel``); otherwise, and for an lse from elsewhere, log p
+# comes from the lse alone.
+
+_NORMS: dict[int, tuple] = {}
+
+
+def _ident(src, weight, temperature) -> tuple:
+    w = None if weight is None else weight.data_ptr()
+    return (src.data_ptr(), tuple(src.shape), w, float(temperature))
+
+
+def _file_norm(lse, src, weight, temperature, norm) -> None:
+    if lse.numel() == 0:
+        return
+    key = lse.data_ptr()
+    _NORMS[key] = (_ident(src, weight, temperature), norm)
+    weakref.finalize(lse.untyped_storage(), _NORMS.pop, key, None)
+
+
+def _take_norm(lse, src, weight, temperature):
+    """The norm filed by the forward that returned lse, or None."""
+    entry = _NORMS.get(lse.data_ptr()) if lse.numel() else None
+    if entry is None or entry[0] != _ident(src, weight, temperature):
+        return None
+    return entry[1]
+
+
 # --------------------------------------------------------------------------- backend API
 
 
 def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy):
     check_device("hidden", hidden)
-    return lse_stats(
+    logp, ent, lse, norm = lse_stats(
         hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index,
         bool(with_entropy), from_logits=False,
     )  # fmt: skip
+    _file_norm(lse, hidden, weight, temperature, norm)
+    return logp, ent, lse
 
 
 def linear_logprobs_bwd(
@@ -551,15 +635,18 @@ def linear_logprobs_bwd(
     return linear_grad(
         hidden, weight, bias, labels, lse, entropy if has_ent else None, grad_logp,
         grad_entropy if has_ent else None, temperature, ignore_index,
+        _take_norm(lse, hidden, weight, temperature),
     )  # fmt: skip
 
 
 def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
     check_device("logits", logits)
-    return lse_stats(
+    logp, ent, lse, norm = lse_stats(
         logits, None, None, labels, logits.shape[1], temperature, ignore_index,
         bool(with_entropy), from_logits=True,
     )  # fmt: skip
+    _file_norm(lse, logits, None, temperature, norm)
+    return logp, ent, lse
 
 
 def logits_logprobs_bwd(
@@ -571,6 +658,6 @@ def logits_logprobs_bwd(
     dlogits(
         logits, None, None, labels, lse, entropy if has_ent else None, grad_logp,
         grad_entropy if has_ent else None, out, None, 0, logits.shape[1], temperature,
-        ignore_index,
+        ignore_index, _take_norm(lse, logits, None, temperature),
     )  # fmt: skip
     return out

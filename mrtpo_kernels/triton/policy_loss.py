@@ -29,6 +29,9 @@ dW. (a), with MRTPO_POLICY_KEEP_LOGITS=1, keeps a token chunk of fp32 logits (it
 from MRTPO_CHUNK_BYTES) between their two uses: 3 GEMMs, dW read and written once per
 token chunk.
 
+Both variants form every log p in the backward from the forward's raw row max and log s
+(``lse_stats``' norm: (z/2 - M/2)(2/tau) - log s), not from the rounded fp32 lse.
+
 Kernels: (b) ``lse_stats`` (forward log-sum-exp, 1 GEMM), ``_policy_token_kernel``
 (per-token surrogate, KL, clip flag and g; O(N)), ``linear_grad`` (3 GEMMs): 4 x 2 N d V
 FLOPs, the bytes of the log-prob forward plus backward in ``logprobs.py``. (a) per token
@@ -154,7 +157,7 @@ def _policy_keep_logits(
         e = min(n, s + rows)
         z = z_buf[: e - s]
         lab = labels[s:e]
-        lp, _, lse = lse_stats(
+        lp, _, lse, norm = lse_stats(
             hidden[s:e], weight, bias, lab, v, temp, ii, False, from_logits=False, store=z
         )
         logp[s:e] = lp
@@ -164,7 +167,7 @@ def _policy_keep_logits(
         )  # fmt: skip
         dlogits(
             z, None, None, lab, lse, None, g[s:e], None, z, db if bias is not None else None,
-            0, v, temp, ii,
+            0, v, temp, ii, norm,
         )  # fmt: skip
         matmul(z, weight, dh[s:e], accumulate=False)
         matmul(z.t(), hidden[s:e], dw, accumulate=i > 0)
@@ -184,7 +187,7 @@ def linear_policy_loss(
         )  # fmt: skip
     n = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    logp, _, lse = lse_stats(
+    logp, _, lse, norm = lse_stats(
         hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index, False,
         from_logits=False,
     )  # fmt: skip
@@ -198,6 +201,6 @@ def linear_policy_loss(
         empty = hidden.new_empty(0)
         return loss, logp, clipped, empty, hidden.new_empty(0, **f32), hidden.new_empty(0, **f32)
     dh, dw, db = linear_grad(
-        hidden, weight, bias, labels, lse, None, g, None, temperature, ignore_index
+        hidden, weight, bias, labels, lse, None, g, None, temperature, ignore_index, norm
     )
     return loss, logp, clipped, dh, dw, db

@@ -135,11 +135,14 @@ def _stats_rows_kernel(
     logp_ptr,
     ent_ptr,
     lse_ptr,
+    norm_ptr,  # (2, rows) out with WITH_NORM: raw row max M, log s (NaN: undefined row)
     V,
+    rows,
     stride_z,
     inv_t,
     ignore_index,
     WITH_ENT: tl.constexpr,
+    WITH_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -154,6 +157,9 @@ def _stats_rows_kernel(
     logp = tl.where(use & ok, xy - log_s, float("nan"))
     tl.store(logp_ptr + r, tl.where(valid, logp, 0.0))
     tl.store(lse_ptr + r, tl.where(ok, m * inv_t + log_s, float("nan")))
+    if WITH_NORM:
+        tl.store(norm_ptr + r, m)
+        tl.store(norm_ptr + rows + r, tl.where(ok, log_s, float("nan")))
     if WITH_ENT:
         ent = tl.where(ok, log_s - t / s, float("nan"))
         tl.store(ent_ptr + r, tl.where(valid, ent, 0.0))
@@ -448,6 +454,16 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
+def _norm(norm: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (2, rows) fp32 contiguous norm buffer (raw row max, log s), checked."""
+    if norm.shape != (2, rows) or norm.dtype != torch.float32 or not norm.is_contiguous():
+        raise ValueError(
+            f"norm: expected a contiguous (2, {rows}) float32 tensor, got "
+            f"{tuple(norm.shape)} {norm.dtype}{'' if norm.is_contiguous() else ' (strided)'}"
+        )
+    return norm
+
+
 class TritonRowKernel:
     """The chunk-kernel contract (backends/_chunked.py) in Triton row kernels.
 
@@ -457,7 +473,9 @@ class TritonRowKernel:
     GRAD_OUT = True
 
     @staticmethod
-    def stats(z, labels, inv_t, ignore_index, with_ent):
+    def stats(z, labels, inv_t, ignore_index, with_ent, norm=None):
+        """(logp, entropy|None, lse); with ``norm`` ((2, rows) fp32) also each row's raw max
+        M and log s (NaN for an undefined row) there, for ``grad_cols_``."""
         check_device("z", z)
         rows, v = z.shape
         f32 = dict(dtype=torch.float32, device=z.device)
@@ -471,11 +489,14 @@ class TritonRowKernel:
                 logp,
                 ent if with_ent else lse,
                 lse,
+                lse if norm is None else _norm(norm, rows),
                 V=v,
+                rows=rows,
                 stride_z=z.stride(0),
                 inv_t=float(inv_t),
                 ignore_index=int(ignore_index),
                 WITH_ENT=bool(with_ent),
+                WITH_NORM=norm is not None,
                 BLOCK=block,
                 num_warps=_warps(block),
             )
@@ -638,6 +659,11 @@ class TritonRowKernel:
 
 
 # --------------------------------------------------------------------------- low-memory mode
+# The column kernel cannot recompute a row's max and sum (the row is split over vocabulary
+# chunks). Given only the fp32 lse it forms z / tau - lse, ulp(lse) / 2 off in every log p
+# (5e-4 at |z / tau| ~ 1e4) and NaN past |z / tau| = float max; given the (raw max, log s)
+# that stats(..., norm=) writes (8 bytes a row), it has the row kernels' accuracy. The chunk
+# driver's low-memory mode (backends/_chunked.py) passes only lse so far.
 
 
 @triton.jit
@@ -646,27 +672,37 @@ def _grad_cols_kernel(
     out_ptr,
     labels_ptr,
     lse_ptr,
+    norm_ptr,
     ent_ptr,
     g_logp_ptr,
     g_ent_ptr,
     W,
     v_lo,
     V,
+    rows,
     stride_z,
     stride_out,
     inv_t,
     ignore_index,
+    HAS_NORM: tl.constexpr,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """dz on the columns [v_lo, v_lo + W) of a row from its saved lse (the row is split over
-    vocabulary chunks, so its max and sum cannot be recomputed here)."""
+    """dz on the columns [v_lo, v_lo + W) of a row (the row is split over vocabulary chunks,
+    so its max and sum cannot be recomputed here): log p = (z/2 - M/2)(2/tau) - log s from
+    the raw max and log s that stats saved (HAS_NORM), else z / tau - lse from the rounded
+    lse (ulp(lse) / 2 off in every log p, and NaN past |z / tau| = float max)."""
     r = tl.program_id(0)
     row_ptr = z_ptr + _row_offset(r, stride_z)
     o_ptr = out_ptr + _row_offset(r, stride_out)
     y = tl.load(labels_ptr + r)
     use = (y != ignore_index) & (y >= 0) & (y < V)
-    lse = tl.load(lse_ptr + r)
+    shift = 0.0
+    off = tl.load(lse_ptr + r)
+    if HAS_NORM:
+        shift = tl.load(norm_ptr + r)
+        off = tl.load(norm_ptr + rows + r)
+    two_inv_t = 2.0 * inv_t
     g = tl.where(use, tl.load(g_logp_ptr + r).to(tl.float32), 0.0)
     e = 0.0
     ent = 0.0
@@ -677,7 +713,7 @@ def _grad_cols_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         cmask = cols < W
         z = tl.load(row_ptr + cols, mask=cmask, other=float("-inf"))
-        lp = z * inv_t - lse
+        lp = (z * 0.5 - shift * 0.5) * two_inv_t - off
         p = tl.exp(lp)
         grad = tl.where(cols + v_lo == y, g, 0.0) - p * g
         if HAS_ENT:
@@ -738,9 +774,13 @@ def _policy_terms_kernel(
     tl.store(g_ptr + i, g, mask=mask)
 
 
-def grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None):
+def grad_cols_(
+    z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None, norm=None
+):
     """dL/dz of vocabulary columns [v_lo, v_lo + z.shape[1]) of every row, from the saved lse
-    (and entropy), in place or into ``out``."""
+    (and entropy), in place or into ``out``. With ``norm``, the (2, rows) raw max and log s
+    that ``stats(..., norm=)`` wrote for these rows, log p is formed from them instead of
+    the rounded lse (the row kernels' accuracy at any |z / tau|)."""
     check_device("z", z)
     rows, width = z.shape
     if rows == 0:
@@ -754,16 +794,19 @@ def grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vo
         out,
         labels.contiguous(),
         _f32(lse),
+        g if norm is None else _norm(norm, rows),
         _f32(ent) if has_ent else g,
         g,
         _f32(g_ent) if has_ent else g,
         W=width,
         v_lo=int(v_lo),
         V=int(vocab),
+        rows=rows,
         stride_z=z.stride(0),
         stride_out=out.stride(0),
         inv_t=float(inv_t),
         ignore_index=int(ignore_index),
+        HAS_NORM=norm is not None,
         HAS_ENT=has_ent,
         BLOCK=block,
         num_warps=_warps(block),
