@@ -507,8 +507,13 @@ def check_low_memory_columns():
     for temp in (1.0, 0.5, 1e-3):
         want = _ref_from_logits(z, lab, temp, g, ge, torch.float64)
         same = _ref_from_logits(z, lab, temp, g, ge, torch.float32)
-        norm = torch.empty(2, c)
-        logp, ent, lse = k.stats(z, lab, 1.0 / temp, II, True, norm=norm)
+        # stats by row chunks into column slices of one (2, C) buffer, as a driver would
+        norm = torch.full((2, c), float("nan"))
+        logp, ent, lse = (torch.empty(c) for _ in range(3))
+        for a, b in ((0, 7), (7, c)):
+            logp[a:b], ent[a:b], lse[a:b] = k.stats(
+                z[a:b], lab[a:b], 1.0 / temp, II, True, norm=norm[:, a:b]
+            )
         tag = f"low-memory columns T={temp}"
         close(f"{tag} logp", logp, want[0], same[0])
         close(f"{tag} entropy", ent, want[1], same[1])
@@ -524,12 +529,12 @@ def check_low_memory_columns():
         bad = torch.isnan(lse) & (lab != II)
         expect(f"{tag} NaN rows give a NaN gradient", bool(torch.isnan(dz[bad]).all()), "")
         expect(f"{tag} ignored rows give 0", bool((dz[lab == II] == 0).all()), "")
-    bad_norm = torch.empty(3, c)
-    try:
-        k.stats(z, lab, 1.0, II, False, norm=bad_norm)
-        expect("norm shape checked", False, "no error for a (3, C) norm")
-    except ValueError as exc:
-        expect("norm shape checked", "norm" in str(exc), str(exc))
+    for bad_norm in (torch.empty(3, c), torch.empty(c, 2).t()):
+        try:
+            k.stats(z, lab, 1.0, II, False, norm=bad_norm)
+            expect("norm layout checked", False, f"no error for {bad_norm.shape}")
+        except ValueError as exc:
+            expect("norm layout checked", str(exc).startswith("norm:"), str(exc))
 
 
 GROUPS = {

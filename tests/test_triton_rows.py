@@ -52,7 +52,7 @@ def test_row_kernels_compile_for_hopper(out_dtype):
     for with_norm in (True, False):
         _compile(rows._stats_rows_kernel, {
             "z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
-            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32", "rows": "i32",
+            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32", "norm_stride": "i32",
             "stride_z": "i64", "inv_t": "fp32", "ignore_index": "i64",
             "WITH_ENT": "constexpr", "WITH_NORM": "constexpr", "BLOCK": "constexpr"},
             {"WITH_ENT": True, "WITH_NORM": with_norm, **c}, **w)  # fmt: skip
@@ -76,7 +76,7 @@ def test_row_kernels_compile_for_hopper(out_dtype):
         _compile(rows._grad_cols_kernel, {
             "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
             "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
-            "g_ent_ptr": "*fp32", "W": "i32", "v_lo": "i32", "V": "i32", "rows": "i32",
+            "g_ent_ptr": "*fp32", "W": "i32", "v_lo": "i32", "V": "i32", "norm_stride": "i32",
             "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64",
             "HAS_NORM": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
             {"HAS_NORM": has_norm, "HAS_ENT": True, **c}, **w)  # fmt: skip

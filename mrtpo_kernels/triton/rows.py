@@ -137,7 +137,7 @@ def _stats_rows_kernel(
     lse_ptr,
     norm_ptr,  # (2, rows) out with WITH_NORM: raw row max M, log s (NaN: undefined row)
     V,
-    rows,
+    norm_stride,  # elements from norm's M plane to its log s plane
     stride_z,
     inv_t,
     ignore_index,
@@ -159,7 +159,7 @@ def _stats_rows_kernel(
     tl.store(lse_ptr + r, tl.where(ok, m * inv_t + log_s, float("nan")))
     if WITH_NORM:
         tl.store(norm_ptr + r, m)
-        tl.store(norm_ptr + rows + r, tl.where(ok, log_s, float("nan")))
+        tl.store(norm_ptr + norm_stride + r, tl.where(ok, log_s, float("nan")))
     if WITH_ENT:
         ent = tl.where(ok, log_s - t / s, float("nan"))
         tl.store(ent_ptr + r, tl.where(valid, ent, 0.0))
@@ -455,11 +455,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(norm: torch.Tensor, rows: int) -> torch.Tensor:
-    """A (2, rows) fp32 contiguous norm buffer (raw row max, log s), checked."""
-    if norm.shape != (2, rows) or norm.dtype != torch.float32 or not norm.is_contiguous():
+    """A (2, rows) fp32 norm buffer (raw row max, log s) with unit row stride, checked: a
+    column slice norm[:, a:b] of a (2, N) buffer is one (the planes' stride is passed)."""
+    if norm.shape != (2, rows) or norm.dtype != torch.float32 or norm.stride(1) != 1:
         raise ValueError(
-            f"norm: expected a contiguous (2, {rows}) float32 tensor, got "
-            f"{tuple(norm.shape)} {norm.dtype}{'' if norm.is_contiguous() else ' (strided)'}"
+            f"norm: expected a (2, {rows}) float32 tensor with unit stride along the rows, "
+            f"got shape {tuple(norm.shape)}, {norm.dtype}, strides {norm.stride()}"
         )
     return norm
 
@@ -474,8 +475,9 @@ class TritonRowKernel:
 
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent, norm=None):
-        """(logp, entropy|None, lse); with ``norm`` ((2, rows) fp32) also each row's raw max
-        M and log s (NaN for an undefined row) there, for ``grad_cols_``."""
+        """(logp, entropy|None, lse); with ``norm`` ((2, rows) fp32, e.g. the slice [:, a:b]
+        of a (2, N) buffer) also each row's raw max M and log s (NaN for an undefined row)
+        there, for ``grad_cols_``."""
         check_device("z", z)
         rows, v = z.shape
         f32 = dict(dtype=torch.float32, device=z.device)
@@ -491,7 +493,7 @@ class TritonRowKernel:
                 lse,
                 lse if norm is None else _norm(norm, rows),
                 V=v,
-                rows=rows,
+                norm_stride=0 if norm is None else norm.stride(0),
                 stride_z=z.stride(0),
                 inv_t=float(inv_t),
                 ignore_index=int(ignore_index),
@@ -679,7 +681,7 @@ def _grad_cols_kernel(
     W,
     v_lo,
     V,
-    rows,
+    norm_stride,
     stride_z,
     stride_out,
     inv_t,
@@ -701,7 +703,7 @@ def _grad_cols_kernel(
     off = tl.load(lse_ptr + r)
     if HAS_NORM:
         shift = tl.load(norm_ptr + r)
-        off = tl.load(norm_ptr + rows + r)
+        off = tl.load(norm_ptr + norm_stride + r)
     two_inv_t = 2.0 * inv_t
     g = tl.where(use, tl.load(g_logp_ptr + r).to(tl.float32), 0.0)
     e = 0.0
@@ -801,7 +803,7 @@ def grad_cols_(
         W=width,
         v_lo=int(v_lo),
         V=int(vocab),
-        rows=rows,
+        norm_stride=0 if norm is None else norm.stride(0),
         stride_z=z.stride(0),
         stride_out=out.stride(0),
         inv_t=float(inv_t),
