@@ -233,7 +233,8 @@ struct PolicyOut {
 // An ignored row or a bad label: gradient 0; a bad label: loss and logp NaN.
 // clip_c: the dual clip (a token with A < 0 has its loss capped at -A clip_c, gradient 0
 // where the cap binds; +inf: none). kl_iw: the k3 term times the ratio r (not detached),
-// whose derivative r k3 + r (1 - exp(ref - logp)) is r (logp - ref).
+// whose derivative r k3 + r (1 - exp(ref - logp)) is r (logp - ref). The clip rule is the
+// reference's, NaN and ties included (see the comment at the clip below).
 template <typename T>
 MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old_lp, T adv,
                                   T weight, bool has_ref, T ref_lp, T clip_low, T clip_high,
@@ -269,10 +270,16 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   const double ratio = std::exp(logp - static_cast<double>(old_lp));
   const double a = static_cast<double>(adv);
   const double lo = 1.0 - static_cast<double>(clip_low), hi = 1.0 + static_cast<double>(clip_high);
-  const double cr = ratio < lo ? lo : (ratio > hi ? hi : ratio);
-  const bool unclipped = ratio * a <= cr * a;
-  double loss = -(unclipped ? ratio * a : cr * a);
-  double dlogp = unclipped ? -a * ratio : 0.0;
+  const double cr = ratio < lo ? lo : (ratio > hi ? hi : ratio);  // NaN stays NaN
+  // the reference's rule (reference.policy_loss_ref and its autograd): clipped iff
+  // ratio A > clamp(ratio) A, strictly; a tie (any ratio inside the range, or A = 0) or a
+  // NaN is not clipped. L = -min(ratio A, clamp(ratio) A) with NaN in, NaN out (a NaN
+  // surrogate, e.g. A = 0 with ratio inf, never falls back to the finite side);
+  // dL/dlogp = -A ratio unless clipped: a tie passes the whole gradient, a NaN passes NaN.
+  const double ua = ratio * a, ca = cr * a;
+  const bool clipped = ua > ca;
+  double loss = -(clipped ? ca : ua);
+  double dlogp = clipped ? 0.0 : -a * ratio;
   const double cap = -a * static_cast<double>(clip_c);  // -inf when clip_c = inf, a > 0
   if (a < 0 && loss > cap) {
     loss = cap;
@@ -293,9 +300,7 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   PolicyOut o;
   o.loss = loss;
   o.logp = logp;
-  // clip_fraction counts ratio A > clamp(ratio) A, strictly (as the reference): a tie at the
-  // clip boundary and a NaN ratio or logp are not clipped
-  o.clipped = (ratio * a > cr * a) ? 1.0 : 0.0;
+  o.clipped = clipped ? 1.0 : 0.0;  // clip_fraction counts the same flag
   if (need_grad) {
     const T g = static_cast<T>(dlogp * static_cast<double>(weight)) * inv_t;
     const T c = -g / s;

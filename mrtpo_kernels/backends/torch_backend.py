@@ -86,12 +86,14 @@ def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, b
     A < 0 (the dual clip; inf: none; gradient 0 where the cap binds), plus beta k3 with
     k3 = exp(ref - logp) - (ref - logp) - 1, times r when kl_iw (its derivative is then
     r k3 + r (1 - exp(ref - logp)) = r (logp - ref)). Clipped: r A > clamp(r) A, strictly
-    as in the reference (a tie at the clip boundary, or a NaN, is not clipped)."""
+    as in the reference (a tie, i.e. any r inside the range or A = 0, or a NaN is not
+    clipped); dL/dlogp = -A r unless clipped, as the reference's autograd: a tie passes the
+    whole gradient and a NaN passes NaN (never 0); L is NaN where r A or clamp(r) A is."""
     ratio = torch.exp(logp - old)
     cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    unclipped = ratio * adv <= cr * adv
+    clipped = ratio * adv > cr * adv
     per_tok = -torch.minimum(ratio * adv, cr * adv)
-    dlogp = torch.where(unclipped, -adv * ratio, torch.zeros_like(ratio))
+    dlogp = torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
     if math.isfinite(clip_ratio_c):
         cap = -adv * clip_ratio_c
         dual = (adv < 0) & (per_tok > cap)
@@ -106,7 +108,7 @@ def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, b
         else:
             per_tok = per_tok + beta * k3
             dlogp = dlogp + beta * (1.0 - torch.exp(diff))
-    return per_tok, dlogp, ratio * adv > cr * adv
+    return per_tok, dlogp, clipped
 
 
 class _TorchChunkKernel:
