@@ -42,6 +42,17 @@ from .trainer import train
 
 CLAIM_RATIO = 0.75
 ALGO_COLORS = {"grpo": "tab:blue", "gdpo": "tab:orange", "mrtpo": "tab:green"}
+# the other variants (mrtpo:specific, ...) in order, none repeating a colour above
+_MORE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+                "tab:gray", "black", "gold", "navy")  # fmt: skip
+
+
+def algo_colors(algos) -> dict[str, str]:
+    """A distinct colour for each algorithm (the three base ones keep theirs)."""
+    out, spare = {}, iter(_MORE_COLORS)
+    for a in algos:
+        out[a] = ALGO_COLORS.get(a) or next(spare, None)
+    return out
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:
@@ -477,6 +488,7 @@ def plot_compare(summary, path: Path, args) -> Path:
     plt = pyplot()
     runs, names = summary["runs"], summary["reward_names"] or []
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = algo_colors(runs)
     ax = axes[0]
     for algo, rs in runs.items():
         curves = [moving_average(r["curve"], args.window) for r in rs]
@@ -485,7 +497,7 @@ def plot_compare(summary, path: Path, args) -> Path:
         mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
         lo = [min(c[i] for c in curves) for i in range(n)]
         hi = [max(c[i] for c in curves) for i in range(n)]
-        (line,) = ax.plot(steps, mean, label=algo, lw=2, color=ALGO_COLORS.get(algo))
+        (line,) = ax.plot(steps, mean, label=algo, lw=2, color=colors[algo])
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
     ax.axhline(args.target, color="k", ls=":", lw=1, label=f"target {args.target}")
     ax.set(
@@ -505,7 +517,7 @@ def plot_compare(summary, path: Path, args) -> Path:
             vals,
             width,
             label=f"{algo} allocation",
-            color=ALGO_COLORS.get(algo),
+            color=colors[algo],
         )
     uni = [_stats([r["uniform"][n] for rs in runs.values() for r in rs])[0] or 0 for n in names]
     ax.bar([x + len(runs) * width for x in xs], uni, width, color="grey", label="uniform")
