@@ -12,29 +12,16 @@ row offsets past 2^31 by index arithmetic.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-CASES = ROOT / "tests" / "triton_cases" / "rows_cases.py"
+from triton_cases._harness import CASES, needs_triton, run_interpreted
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_row_kernels_and_chunk_driver_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(CASES)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert " 0 failures" in proc.stdout, proc.stdout
+    run_interpreted(CASES / "rows_cases.py")
 
 
 def test_low_memory_setting():

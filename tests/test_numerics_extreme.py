@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_cases._harness import needs_triton, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
@@ -314,20 +314,9 @@ _TRITON_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_triton_label_bound_and_nonfinite_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "0 failures" in proc.stdout, proc.stdout
+    run_interpreted("-c", _TRITON_SCRIPT, timeout=600)
 
 
 _TRITON_SWEEP = textwrap.dedent(
@@ -430,22 +419,10 @@ _TRITON_SWEEP = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_triton_row_kernels_scale_sweep_under_interpreter():
     """The scale sweep of test_scale_sweep_against_float64 on the Triton row kernels (the
     default "triton" variant: chunk driver + triton/rows.py) under TRITON_INTERPRET=1:
     log-probs, entropy and their gradient, JS (js_many), the policy loss and its gradient
     (through linear_policy_loss with an identity head, so the logits are exactly z)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    env.pop("MRTPO_TRITON_VARIANT", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_SWEEP],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert "\n0 failures" in proc.stdout, proc.stdout
+    run_interpreted("-c", _TRITON_SWEEP, env={"MRTPO_TRITON_VARIANT": None})

@@ -18,10 +18,11 @@ import math
 import pytest
 import torch
 from conftest import CPU_BACKENDS
+from triton_cases._harness import policy_token_reference
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import stages
-from mrtpo_kernels.reference import linear_policy_loss_ref, policy_loss_ref
+from mrtpo_kernels.reference import linear_policy_loss_ref
 
 II = -100
 V = 4  # rows of equal logits: p = 1/4 exactly, so dL/dz = dL/dlogp (onehot - 1/4) / tau
@@ -62,26 +63,6 @@ def _inputs():
     return z, labels, old, adv
 
 
-def _reference(logp, old, adv, labels, clip_c, beta, ref_lp):
-    """Per token (loss, clipped, dloss/dlogp) of policy_loss_ref on that token alone, in
-    float64 from the kernel's own log p (0 / 0 / 0 on an ignored token)."""
-    out = []
-    for i in range(logp.shape[0]):
-        if labels[i] == II:
-            out.append((0.0, 0.0, 0.0))
-            continue
-        lp = logp[i : i + 1].double().requires_grad_()
-        kw = dict(clip_low=0.2, clip_high=0.2, clip_ratio_c=clip_c)
-        if beta:
-            kw.update(ref_logprobs=ref_lp[i : i + 1].double(), beta=beta)
-        loss, met = policy_loss_ref(
-            lp, old[i : i + 1].double(), adv[i : i + 1].double(), torch.ones(1, dtype=bool), **kw
-        )
-        (g,) = torch.autograd.grad(loss, lp)
-        out.append((loss.item(), met["clip_fraction"].item(), g.item()))
-    return torch.tensor(out, dtype=torch.float64).unbind(1)
-
-
 def _same(name, ours, want, *, tol=1e-5):
     """NaN exactly where the reference has NaN (never a 0 or a finite value for a NaN),
     equal infinities, and |ours - want| <= tol (1 + |want|) elsewhere."""
@@ -111,8 +92,8 @@ def test_row_kernel_clip_rule_matches_reference(backend, clip_c, beta):
         z, labels, old, adv, tw, ref_lp if beta else None, 1.0, 0.2, 0.2, beta, II, True,
         clip_ratio_c=clip_c, kl_iw=False,
     )  # fmt: skip
-    want_l, want_c, want_g = _reference(
-        logp, old, adv, labels, None if math.isinf(clip_c) else clip_c, beta, ref_lp
+    want_l, want_c, want_g = policy_token_reference(  # from the kernel's own log p
+        logp, old, adv, labels, 0.2, 0.2, None if math.isinf(clip_c) else clip_c, beta, ref_lp
     )
     onehot = torch.nn.functional.one_hot(labels.clamp(min=0), V).double()
     want_z = want_g[:, None] * (onehot - 1.0 / V)

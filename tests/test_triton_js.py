@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_cases._harness import CASES, needs_triton, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels.reference import (
@@ -28,8 +26,6 @@ from mrtpo_kernels.reference import (
     linear_js_distance_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-CASES = ROOT / "tests" / "triton_cases" / "js_cases.py"
 GROUPS = [
     "linear_shapes",
     "linear_chunks_dtypes",
@@ -39,27 +35,11 @@ GROUPS = [
     "compile",
 ]
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
-
 
 @needs_triton
 @pytest.mark.parametrize("group", GROUPS)
 def test_triton_js_under_interpreter(group):
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(CASES), group],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = f"{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"interpreter cases failed:\n{out}"
-    assert " 0 failures" in proc.stdout, out
+    run_interpreted(CASES / "js_cases.py", group)
 
 
 @needs_triton

@@ -13,12 +13,10 @@ caller, and N x V > 2^31.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_cases._harness import CASES, needs_triton, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels.reference import (
@@ -26,31 +24,13 @@ from mrtpo_kernels.reference import (
     logprobs_from_logits_ref,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-CASES = ROOT / "tests" / "triton_cases" / "logprobs_cases.py"
 
-triton_missing = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed"
-)
-
-
-@triton_missing
+@needs_triton
 def test_triton_logprobs_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, str(CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"interpreter cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "0 failures" in proc.stdout, proc.stdout
+    run_interpreted(CASES / "logprobs_cases.py")
 
 
-@triton_missing
+@needs_triton
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )

@@ -3,7 +3,7 @@ the Triton interpreter, checked through the public API (backend="triton") agains
 float64 reference of mrtpo_kernels.reference.
 
 Runs as its own process (TRITON_INTERPRET=1 must be set before triton is imported; the
-shared helpers of js_cases.py set it):
+shared harness, tests/triton_cases/_harness.py, sets it):
 
     python tests/triton_cases/advantages_cases.py [group ...]       (default: every group)
 
@@ -15,15 +15,14 @@ small atol.
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["MRTPO_STRICT_BACKEND"] = "1"  # a silent fallback to "torch" would be an error
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
+from _harness import close, compile_check, expect, opcheck
+
+_harness.use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
-from js_cases import COUNT, FAILED, check, compile_check, run, within_budget  # noqa: E402
 
 import mrtpo_kernels as mk  # noqa: E402
 from mrtpo_kernels.reference import mrtpo_token_advantages_ref  # noqa: E402
@@ -60,20 +59,20 @@ def _realloc_case(lengths, k, *, seed=0, dtype=torch.float32, tag="", edit=None,
     ref_tok, ref_g = mrtpo_token_advantages_ref(rewards.double(), gid, spans, has_info=has_info,
                                                 **kw)  # fmt: skip
     atol = 1e-12 if dtype == torch.float64 else 2e-6
-    within_budget(name + " token", ours.token, torch.cat(ref_tok), plain.token, atol=atol)
-    within_budget(name + " allocation", ours.allocation, plain.allocation, plain.allocation,
-                  atol=atol * 4)  # fmt: skip
+    close(name + " token", ours.token, torch.cat(ref_tok), plain.token, atol=atol, rtol=0)
+    close(name + " allocation", ours.allocation, plain.allocation, plain.allocation,
+          atol=atol * 4, rtol=0)  # fmt: skip
     # Mass: each reward's weights average 1 over a response; sum_t A = T_i x GDPO advantage.
     lengths_t = (cu[1:] - cu[:-1]).double()
     seg = torch.repeat_interleave(torch.arange(n), cu[1:] - cu[:-1])
     w_sum = torch.zeros(k, n, dtype=torch.float64).index_add_(1, seg, ours.allocation.double())
     tol = 1e-10 if dtype == torch.float64 else 1e-4
-    check(name + " weights mean 1", bool(((w_sum / lengths_t - 1).abs() <= tol).all()),
+    expect(name + " weights mean 1", bool(((w_sum / lengths_t - 1).abs() <= tol).all()),
           f"max dev {(w_sum / lengths_t - 1).abs().max():.3e}")  # fmt: skip
     a_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, ours.token.double())
     mass = lengths_t * ref_g.sequence.double()
     dev = (a_sum - mass).abs().max().item()
-    check(name + " mass", dev <= tol * (1 + mass.abs().max().item()), f"max dev {dev:.3e}")
+    expect(name + " mass", dev <= tol * (1 + mass.abs().max().item()), f"max dev {dev:.3e}")
     return ours, ref_g, cu
 
 
@@ -103,13 +102,13 @@ def group_packed():
             raised = ""
         except ValueError as exc:
             raised = str(exc)
-        check(f"reallocate negative relevance raises ({backend})", "relevance" in raised,
+        expect(f"reallocate negative relevance raises ({backend})", "relevance" in raised,
               raised or "no error")  # fmt: skip
     # alpha = 0: every token gets the GDPO sequence advantage of its response.
     ours, g, cu = _realloc_case(lengths, 3, seed=7, alpha=0.0)
     seq = torch.repeat_interleave(g.sequence, cu[1:] - cu[:-1]).double()
     dev = (ours.token.double() - seq).abs().max().item()
-    check("reallocate alpha=0 is GDPO", dev <= 1e-5, f"max dev {dev:.3e}")
+    expect("reallocate alpha=0 is GDPO", dev <= 1e-5, f"max dev {dev:.3e}")
     # padded layout (K, n, T) with a response mask
     rewards, gid, rel, has_info, _ = _packed_batch([1] * 6, 2, 8)
     rel_p = torch.rand(2, 6, 11, generator=torch.Generator().manual_seed(10))
@@ -122,9 +121,9 @@ def group_packed():
     spans = [rel_p[:, i, mask[i]].double() for i in range(6)]
     ref_tok, _ = mrtpo_token_advantages_ref(rewards.double(), gid, spans, has_info=has_info,
                                             alpha=0.9)  # fmt: skip
-    within_budget("reallocate padded", ours.token[mask], torch.cat(ref_tok), plain.token[mask],
-                  atol=2e-6)  # fmt: skip
-    check("reallocate padded zeros", bool((ours.token[~mask] == 0).all()), "nonzero padding")
+    close("reallocate padded", ours.token[mask], torch.cat(ref_tok), plain.token[mask],
+          atol=2e-6, rtol=0)  # fmt: skip
+    expect("reallocate padded zeros", bool((ours.token[~mask] == 0).all()), "nonzero padding")
 
 
 def group_opcheck():
@@ -135,11 +134,7 @@ def group_opcheck():
     has = torch.tensor([[True, False], [True, True], [False, True]])
     mean, std = torch.tensor(0.1), torch.tensor(1.3)
     args = (per, torch.ones(2), has, rel, cu, mean, std, 0.7, 1.5, 1e-6, 1e-8, 0.1, 4.0, "triton")
-    COUNT[0] += 1
-    try:
-        torch.library.opcheck(torch.ops.mrtpo.reallocate_packed.default, args)
-    except Exception as exc:
-        FAILED.append(f"opcheck reallocate_packed: {type(exc).__name__}: {str(exc)[:400]}")
+    opcheck("reallocate_packed", torch.ops.mrtpo.reallocate_packed.default, args)
 
 
 def group_compile():
@@ -163,4 +158,4 @@ GROUPS = {k[len("group_") :]: f for k, f in sorted(globals().items()) if k.start
 
 
 if __name__ == "__main__":
-    sys.exit(run(GROUPS, sys.argv[1:]))
+    sys.exit(_harness.run(GROUPS, sys.argv[1:]))

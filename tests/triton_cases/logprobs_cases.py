@@ -6,21 +6,19 @@ TRITON_INTERPRET=1 must be set before triton is imported, so this runs as its ow
     python tests/triton_cases/logprobs_cases.py [group ...]      (default: every group)
 
 tests/test_triton_logprobs.py launches it. Exit status 0 when every check passed; 1 with
-the failed checks listed otherwise. Error rule (README.md, "Numerics"): the kernel's error
-against float64 may be at most 2x that of plain PyTorch in the same dtype, plus atol.
+the failed checks listed otherwise. Error rule (README.md, "Numerics"; _harness.close): the
+kernel's error against float64 may be at most 2x that of plain PyTorch in the same dtype,
+plus atol, and a NaN of the reference must be a NaN.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import time
-import warnings
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["MRTPO_STRICT_BACKEND"] = "1"  # a fallback to "torch" would be an error
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import _harness
+from _harness import close, expect, opcheck
+
+_harness.use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
 
@@ -29,46 +27,6 @@ from mrtpo_kernels.reference import (  # noqa: E402
     linear_logprobs_ref,
     logprobs_from_logits_ref,
 )
-
-# masked tail rows make the interpreter's numpy emit harmless inf/nan warnings
-warnings.filterwarnings("ignore", category=RuntimeWarning)
-
-FAILURES: list[str] = []
-CHECKS = [0]
-
-
-def close(name, ours, ref64, same=None, *, atol=1e-5, rtol=1e-5):
-    """max |ours - ref64| <= 2 max |same - ref64| + atol + rtol max |ref64|, with the
-    non-finite entries of ref64 matched exactly and no non-finite entries of our own."""
-    CHECKS[0] += 1
-    ours = ours.detach().double()
-    ref64 = ref64.detach().double()
-    if ours.shape != ref64.shape:
-        FAILURES.append(f"{name}: shape {tuple(ours.shape)} != {tuple(ref64.shape)}")
-        return
-    if ours.numel() == 0:
-        return
-    fin = torch.isfinite(ref64)
-    if not torch.equal(ours[~fin].nan_to_num(), ref64[~fin].nan_to_num()):
-        FAILURES.append(f"{name}: non-finite entries differ from the reference")
-        return
-    if not torch.isfinite(ours[fin]).all():
-        FAILURES.append(f"{name}: non-finite values where the reference is finite")
-        return
-    err = (ours[fin] - ref64[fin]).abs().max().item() if fin.any() else 0.0
-    base = 0.0
-    if same is not None and fin.any():
-        base = (same.detach().double()[fin] - ref64[fin]).abs().max().item()
-    scale = ref64[fin].abs().max().item() if fin.any() else 0.0
-    bound = 2.0 * base + atol + rtol * scale
-    if not err <= bound:
-        FAILURES.append(f"{name}: max error {err:.3e} > bound {bound:.3e} (torch {base:.3e})")
-
-
-def expect(name, cond, detail=""):
-    CHECKS[0] += 1
-    if not cond:
-        FAILURES.append(f"{name}: {detail}")
 
 
 def _leaf(t, dtype):
@@ -142,15 +100,9 @@ def group_linear_flags():
 
 def group_linear_chunks():
     """Backward over several vocabulary chunks (a tiny MRTPO_CHUNK_BYTES)."""
-    old = os.environ.get("MRTPO_CHUNK_BYTES")
-    os.environ["MRTPO_CHUNK_BYTES"] = str(129 * 4 * 512)  # 512 columns per chunk
-    try:
+    # 512 columns per vocabulary chunk (fused variant), 13 rows per token chunk (rows)
+    with _harness.env(MRTPO_CHUNK_BYTES=129 * 4 * 512):
         _linear_case(129, 5003, 64, bias=True, temp=0.9, entropy=True, tag=" chunked")
-    finally:
-        if old is None:
-            del os.environ["MRTPO_CHUNK_BYTES"]
-        else:
-            os.environ["MRTPO_CHUNK_BYTES"] = old
 
 
 def group_linear_extreme():
@@ -247,12 +199,7 @@ def group_opcheck():
         ("logits_logprobs_fwd", (z, lab, 0.7, -100, True, "triton")),
     ]
     for name, args in cases:
-        op = getattr(torch.ops.mrtpo, name.split()[0]).default
-        try:
-            torch.library.opcheck(op, args)
-        except Exception as exc:  # report which opcheck test failed
-            FAILURES.append(f"opcheck {name}: {type(exc).__name__}: {str(exc)[:400]}")
-        CHECKS[0] += 1
+        opcheck(name, getattr(torch.ops.mrtpo, name.split()[0]).default, args)
 
 
 GROUPS = {
@@ -260,27 +207,5 @@ GROUPS = {
 }
 
 
-def run(groups: dict, argv: list[str]) -> int:
-    """Run the named groups (default all); print one line each and the failures."""
-    names = argv or list(groups)
-    unknown = [n for n in names if n not in groups]
-    if unknown:
-        print(f"unknown groups {unknown}; known: {list(groups)}")
-        return 2
-    for name in names:
-        t0 = time.time()
-        before = len(FAILURES)
-        try:
-            groups[name]()
-        except Exception as exc:
-            FAILURES.append(f"group {name} raised {type(exc).__name__}: {exc}")
-        status = "ok" if len(FAILURES) == before else "FAIL"
-        print(f"{status} {name} ({time.time() - t0:.1f} s)", flush=True)
-    print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
-    for f in FAILURES:
-        print("FAILED", f)
-    return 1 if FAILURES else 0
-
-
 if __name__ == "__main__":
-    sys.exit(run(GROUPS, sys.argv[1:]))
+    sys.exit(_harness.run(GROUPS, sys.argv[1:]))

@@ -13,15 +13,15 @@ error against float64 may be at most 2x that of plain PyTorch in the same dtype,
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["MRTPO_STRICT_BACKEND"] = "1"  # a fallback to "torch" would be an error
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
+from _harness import close, expect, opcheck
+
+_harness.use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
-from logprobs_cases import CHECKS, FAILURES, _leaf, close, expect, run  # noqa: E402
+from logprobs_cases import _leaf  # noqa: E402
 
 import mrtpo_kernels as mk  # noqa: E402
 from mrtpo_kernels.reference import linear_logprobs_ref, linear_policy_loss_ref  # noqa: E402
@@ -115,20 +115,11 @@ def group_policy_options():
 
 def group_policy_keep_logits():
     """Variant (a): kept fp32 logits in token chunks (several chunks: a small budget)."""
-    saved = {k: os.environ.get(k) for k in ("MRTPO_POLICY_KEEP_LOGITS", "MRTPO_CHUNK_BYTES")}
-    os.environ["MRTPO_POLICY_KEEP_LOGITS"] = "1"
-    try:
-        os.environ["MRTPO_CHUNK_BYTES"] = str(4 * 1000 * 32)  # 32 rows per chunk
-        _policy_case(37, 1000, 64, bias=True, beta=0.1)
+    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 1000 * 32):
+        _policy_case(37, 1000, 64, bias=True, beta=0.1)  # 32 rows per chunk
         _policy_case(37, 1000, 64, bias=False, beta=0.0, dtype=torch.bfloat16)
-        os.environ["MRTPO_CHUNK_BYTES"] = str(4 * 5003 * 64)  # 64 rows per chunk
+    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 5003 * 64):
         _policy_case(129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean")
-    finally:
-        for k, val in saved.items():
-            if val is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = val
     # no gradient wanted: loss and metrics only
     g = torch.Generator().manual_seed(3)
     h, w = torch.randn(7, 16, generator=g), torch.randn(300, 16, generator=g)
@@ -159,11 +150,7 @@ def group_opcheck():
     # need_grad=True only: with need_grad=False the op returns empty gradients, which its
     # autograd formula (in _ops.py) cannot scale for inputs that require grad
     args = (h, w, b, lab, old, adv, tw, ref, 0.9, 0.2, 0.28, 0.1, -100, True, 3.0, True, "triton")
-    try:
-        torch.library.opcheck(torch.ops.mrtpo.linear_policy_loss.default, args)
-    except Exception as exc:  # report which opcheck test failed
-        FAILURES.append(f"opcheck linear_policy_loss: {type(exc).__name__}: {str(exc)[:400]}")
-    CHECKS[0] += 1
+    opcheck("linear_policy_loss", torch.ops.mrtpo.linear_policy_loss.default, args)
 
 
 GROUPS = {
@@ -172,4 +159,4 @@ GROUPS = {
 
 
 if __name__ == "__main__":
-    sys.exit(run(GROUPS, sys.argv[1:]))
+    sys.exit(_harness.run(GROUPS, sys.argv[1:]))

@@ -5,22 +5,22 @@ references of mrtpo_kernels/reference.py.
 TRITON_INTERPRET=1 must be set before triton is imported, so this runs as its own process
 (tests/test_chunk_driver.py launches it):
 
-    python tests/triton_cases/rows_cases.py
+    python tests/triton_cases/rows_cases.py [group ...]      (default: every group)
 
-Exit status 0 when every check passed; 1 with the failed checks listed.
+Exit status 0 when every check passed; 1 with the failed checks listed (_harness.run).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
-import warnings
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["MRTPO_STRICT_BACKEND"] = "1"
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import _harness
+from _harness import CHECKS, FAILURES
+
+_harness.use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -30,31 +30,9 @@ from mrtpo_kernels import reference as ref  # noqa: E402
 from mrtpo_kernels.backends import _chunked, cpu_backend, torch_backend  # noqa: E402
 from mrtpo_kernels.triton import rows  # noqa: E402
 
-warnings.filterwarnings("ignore", category=RuntimeWarning)
-FAILURES: list[str] = []
-CHECKS = [0]
 II = -100
-
-
-def close(name, ours, want, *, atol=2e-5, rtol=2e-5):
-    """Equal non-finite pattern, and max |ours - want| <= atol + rtol max |want|."""
-    CHECKS[0] += 1
-    ours, want = ours.detach().double(), want.detach().double()
-    if ours.shape != want.shape:
-        FAILURES.append(f"{name}: shape {tuple(ours.shape)} != {tuple(want.shape)}")
-        return
-    fin = torch.isfinite(want)
-    if not torch.equal(ours[~fin].nan_to_num(), want[~fin].nan_to_num()):
-        FAILURES.append(f"{name}: non-finite entries differ from the reference")
-        return
-    if not torch.isfinite(ours[fin]).all():
-        FAILURES.append(f"{name}: non-finite values where the reference is finite")
-        return
-    if fin.any():
-        err = (ours[fin] - want[fin]).abs().max().item()
-        bound = atol + rtol * want[fin].abs().max().item()
-        if not err <= bound:
-            FAILURES.append(f"{name}: max error {err:.3e} > {bound:.3e}")
+# the row kernels against float64: atol + rtol max |want| (no plain-PyTorch term)
+close = functools.partial(_harness.close, atol=2e-5, rtol=2e-5)
 
 
 def _logits(c, v, seed, scale=3.0):
@@ -306,7 +284,7 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     close(f"driver js {tag}", d_js, want_js, atol=tol["atol"] * 5, rtol=0)
 
 
-def main() -> int:
+def group_row_kernels():
     for c, v, temp, extreme in (
         (7, 300, 1.0, True),
         (9, 1500, 0.7, False),
@@ -321,22 +299,27 @@ def main() -> int:
     for k in (1, 3, 5):
         check_js(k, 8, 1100, 0.9, seed=k, extreme=(k == 3))
     check_offsets()
-    saved = (_chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32)
+
+
+def group_driver():
     for name, kern in KERNELS.items():
         for low in (False, True) if name == "triton" else (False,):
             check_driver(name, kern, 23, 1100, 16, torch.float32, 6, low, bias=True)
             check_driver(name, kern, 13, 700, 16, torch.bfloat16, 4, low, bias=False)
+    saved = (_chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32)
     _emulate_f32_out()
-    for low in (False, True):
-        check_driver(
-            "triton 16-bit GEMMs", KERNELS["triton"], 17, 900, 16, torch.bfloat16, 5, low, bias=True
-        )
-    _chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32 = saved
-    print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
-    for f in FAILURES:
-        print("FAIL", f)
-    return 1 if FAILURES else 0
+    try:
+        for low in (False, True):
+            check_driver(
+                "triton 16-bit GEMMs", KERNELS["triton"], 17, 900, 16, torch.bfloat16, 5, low,
+                bias=True,
+            )  # fmt: skip
+    finally:
+        _chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32 = saved
+
+
+GROUPS = {k[len("group_") :]: f for k, f in globals().items() if k.startswith("group_")}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(_harness.run(GROUPS, sys.argv[1:]))
