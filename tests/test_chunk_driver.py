@@ -244,3 +244,76 @@ def test_16bit_gradient_view_gemms_ignore_the_buffers_other_half(monkeypatch, ro
     head.backward(g, h, dh, dw, None)
     torch.testing.assert_close(dh.double(), want_dh, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(dw.double(), want_dw, atol=1e-4, rtol=1e-4)
+
+
+class _NormRecorder:
+    """A row kernel that takes norm= (as the Triton row kernels do) and records what the
+    low-memory driver hands it: the (2, rows) slices stats writes into and the buffer
+    grad_cols_ reads. Values: stats fills its slice with the row indices."""
+
+    def __init__(self):
+        self.stats_norms, self.cols_norms = [], []
+
+    def stats(self, z, labels, inv_t, ignore_index, with_ent, norm=None):
+        n = z.shape[0]
+        if norm is not None:
+            self.stats_norms.append(norm)
+            norm.copy_(torch.arange(len(self.stats_norms) * 1000, len(self.stats_norms) * 1000 + n)
+                       .float().expand(2, n))  # fmt: skip
+        return z.new_zeros(n), (z.new_zeros(n) if with_ent else None), z.new_zeros(n)
+
+    def grad_cols_(self, z, *args, out=None, norm=None):
+        self.cols_norms.append(norm)
+        z.zero_()
+
+    @staticmethod
+    def policy_terms(logp, *args):
+        n = logp.shape[0]
+        return logp.new_zeros(n), logp.new_zeros(n), logp.new_zeros(n)
+
+
+def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatch):
+    """Where the kernel takes norm= (a capability of its signatures, not a name), the
+    low-memory log-probs forward fills the column slices [:, a:b] of one (2, N) fp32 buffer
+    by token chunks and its backward passes that buffer to every grad_cols_ call (found
+    under lse, as the kept logits); the low-memory policy loss passes its own. A kernel
+    without norm= (cpu, torch, a plain grad_cols_) gets none."""
+    from mrtpo_kernels.backends import _chunked, torch_backend
+
+    n, d, v = 21, 4, 50
+    monkeypatch.setenv("MRTPO_LOW_MEMORY", "1")
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * v * 8))  # 8-row token chunks
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    one = torch.ones(n)
+    assert _chunked._takes_norm(_NormRecorder())
+    assert not _chunked._takes_norm(torch_backend.ROW_KERNEL)
+    assert not _chunked._takes_norm(_NoRowWork)
+    for path in ("logprobs", "policy"):
+        kern = _NormRecorder()
+        if path == "logprobs":
+            _, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+        else:
+            _chunked.linear_policy_loss(
+                kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
+            )
+        widths = [s.shape[1] for s in kern.stats_norms]  # token chunks of at most 8 rows
+        assert sum(widths) == n and max(widths) <= 8 and len(widths) == 3, (path, widths)
+        buf = kern.cols_norms[0]
+        assert buf is not None and buf.shape == (2, n) and buf.dtype == torch.float32, path
+        assert len(kern.cols_norms) >= 2 and all(c is buf for c in kern.cols_norms), path
+        a = 0
+        for s in kern.stats_norms:  # each slice is the view [:, a:b] of that buffer
+            assert s.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), path
+            assert s.stride() == (n, 1) and torch.equal(buf[:, a : a + s.shape[1]], s), path
+            a += s.shape[1]
+    # the log-probs' entry is taken once: a second backward finds none
+    kern = _NormRecorder()
+    _, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+    for _ in range(2):
+        _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+    cols = len(kern.cols_norms) // 2
+    assert all(c is not None for c in kern.cols_norms[:cols])
+    assert all(c is None for c in kern.cols_norms[cols:])

@@ -39,10 +39,19 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
         backward walks vocabulary chunks of all N rows, each dW row block finished in one
         chunk and written in the weight's dtype (no fp32 dW accumulator), dh accumulated in
         fp32; 2 GEMMs per chunk plus the forward's, i.e. one GEMM more (a recompute).
+    stats(..., norm=) and grad_cols_(..., norm=) (the Triton row kernels; found by their
+        signatures, see _takes_norm): stats writes each row's raw max M and log s into
+        ``norm``, the column slice [:, a:b] of one (2, N) fp32 buffer, and grad_cols_
+        forms log p = (z/2 - M/2)(2/tau) - log s from it instead of z / tau - lse from the
+        rounded fp32 lse (ulp(lse) / 2 off in every log p: 5e-4 at |z / tau| ~ 1e4, NaN
+        past float max). The low-memory drivers use it where the kernel has it: the policy
+        loss passes its buffer on; the log-probs forward files it under lse (_file_norm)
+        for the backward, as the kept logits below.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -239,6 +248,54 @@ def _take_kept(lse, hidden, weight):
     return entry[3], entry[4]
 
 
+# The low-memory forward's (2, N) norm buffer (raw row max, log s) for its backward is
+# filed under lse the same way (only where the kernel takes norm=, see _takes_norm); a
+# backward that finds none passes only lse.
+
+_NORM: dict[int, tuple] = {}
+_TAKES_NORM: dict[type, bool] = {}
+
+
+def _takes_norm(kern) -> bool:
+    """Whether the kernel's stats and grad_cols_ take ``norm=`` (the Triton row kernels do;
+    the C++ and PyTorch kernels have no column kernel). A capability of the signatures,
+    not of a kernel's name, cached by kernel type."""
+    key = type(kern) if not isinstance(kern, type) else kern
+    if key not in _TAKES_NORM:
+        ok = True
+        for name in ("stats", "grad_cols_"):
+            try:
+                ok = ok and "norm" in inspect.signature(getattr(kern, name)).parameters
+            except (AttributeError, TypeError, ValueError):
+                ok = False
+        _TAKES_NORM[key] = ok
+    return _TAKES_NORM[key]
+
+
+def _norm_buffer(kern, n, like) -> torch.Tensor | None:
+    """A (2, n) fp32 buffer for stats(..., norm=) where the kernel takes one, else None."""
+    return like.new_empty((2, n), dtype=torch.float32) if _takes_norm(kern) else None
+
+
+def _norm_rows(norm, a, b) -> dict:
+    """stats' keyword for rows [a, b): the column slice of the (2, N) buffer, or none."""
+    return {} if norm is None else {"norm": norm[:, a:b]}
+
+
+def _file_norm(lse, hidden, weight, norm):
+    key = lse.data_ptr()
+    _NORM[key] = (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), norm)
+    weakref.finalize(lse.untyped_storage(), _NORM.pop, key, None)
+
+
+def _take_norm(lse, hidden, weight):
+    """The norm buffer the low-memory forward that returned lse filed, or None; taken once."""
+    entry = _NORM.pop(lse.data_ptr(), None) if lse.numel() else None
+    if entry is None or entry[:3] != (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape)):
+        return None
+    return entry[3]
+
+
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
@@ -248,7 +305,10 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     lse = hidden.new_empty(n, dtype=acc)
     ent = hidden.new_empty(n if with_ent else 0, dtype=acc)
     c = chunk_rows(v)
-    k = 0 if _low_memory(kern, weight) else kept_rows(n, v)
+    low = _low_memory(kern, weight)
+    k = 0 if low else kept_rows(n, v)
+    # low-memory mode: each row's (raw max, log s) for the column kernel of the backward
+    norm = _norm_buffer(kern, n, hidden) if low and n else None
     spans = logprobs_spans(n, v, k)
     # the kept block doubles as the buffer of the spans before it
     buf = _buffer(max([k] + [e - s for s, e in spans]), n, v, hidden, acc)
@@ -256,7 +316,10 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     def stats(z, s, e):  # the kernel on slices of at most c rows of the span's logits z
         for a in range(s, e, c):
             b = min(e, a + c)
-            lp, en, ls = kern.stats(z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent)
+            lp, en, ls = kern.stats(
+                z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
+                **_norm_rows(norm, a, b),
+            )  # fmt: skip
             logp[a:b] = lp
             lse[a:b] = ls
             if with_ent:
@@ -267,6 +330,8 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     if k:
         stats(head.logits(hidden[n - k :], buf), n - k, n)  # one GEMM for the kept rows
         _file_kept(lse, hidden, weight, buf, k)
+    if norm is not None:
+        _file_norm(lse, hidden, weight, norm)
     return logp, ent, lse
 
 
@@ -321,11 +386,16 @@ def _low_memory(kern, weight) -> bool:
 
 
 def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
-                       ignore_index):  # fmt: skip
+                       ignore_index, norm=None):  # fmt: skip
     """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
-    again (GEMM), dz from the saved lse in place, dW[v0:v1] = dz^T h written once in the
-    weight's dtype (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM).
+    again (GEMM), dz in place from each row's saved (raw max, log s) ``norm`` (given, or
+    filed under lse by the low-memory forward; where the kernel takes none: from the saved
+    lse), dW[v0:v1] = dz^T h written once in the weight's dtype (GEMM), dh += dz W[v0:v1]
+    in an fp32 (N, d) accumulator (GEMM).
     Memory: the chunk (MRTPO_CHUNK_BYTES) and the fp32 dh accumulator (none for fp32)."""
+    if norm is None and _takes_norm(kern):
+        norm = _take_norm(lse, hidden, weight)
+    nkw = {} if norm is None else {"norm": norm}
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
     cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
@@ -339,7 +409,7 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
         b_c = None if head.b32 is None else head.b32[v0:v1]
         z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
         kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
-                        **_kern_out(kern, head, z))  # fmt: skip
+                        **_kern_out(kern, head, z), **nkw)  # fmt: skip
         g = head.grad_view(z)
         if head.low:
             g = _strided16(g)
@@ -546,11 +616,13 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref
     acc = acc_dtype(hidden)
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
+    norm = _norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
     c = chunk_rows(v)
     buf = _buffer(c, n, v, hidden, acc)
     for s in range(0, n, c):
         e = min(n, s + c)
-        lp, _, ls = kern.stats(head.logits(hidden[s:e], buf), labels[s:e], inv_t, ii, False)
+        z = head.logits(hidden[s:e], buf)
+        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **_norm_rows(norm, s, e))
         logp[s:e] = lp
         lse[s:e] = ls
     del buf
@@ -559,6 +631,6 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref
     )
     loss = (per_tok * tw).sum()
     dh, dw, db = _backward_by_vocab(
-        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ii
+        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ii, norm
     )
     return loss, logp, clipped, dh, dw, db

@@ -284,6 +284,47 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     close(f"driver js {tag}", d_js, want_js, atol=tol["atol"] * 5, rtol=0)
 
 
+def check_low_memory_extreme():
+    """The driver's low-memory mode (vocabulary-chunked backward, 3 chunks) with the Triton
+    row kernels at |z / T| ~ 1e4, T = 1e-4 and one dominant logit (clip_extreme_cases'
+    exact inputs), through the public ops: log-probs, entropy and both gradients, the
+    policy loss, its metrics and gradients, against float64 within 2x plain fp32 PyTorch
+    (+ 1e-6 + 1e-5 max |ref|). The column kernel gets each row's (raw max, log s) from the
+    forward (filed under lse for the log-probs, passed on by the policy loss); from the
+    rounded fp32 lse alone its log p would be ulp(lse) / 2 off."""
+    from clip_extreme_cases import _extreme_head, _ref_logprobs, close_policy, policy_refs
+
+    import mrtpo_kernels as mk
+
+    for kind in ("big", "tiny_t", "dominant"):
+        h, w, lab, temp = _extreme_head(kind, n=24)
+        n = h.shape[0]
+        gen = torch.Generator().manual_seed(7)
+        g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        want = _ref_logprobs(h, w, lab, temp, g, ge, torch.float64)
+        same = _ref_logprobs(h, w, lab, temp, g, ge, torch.float32)
+        env = dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY=1)
+        with _harness.env(MRTPO_CHUNK_BYTES=4 * n * 256, **env):  # 256 columns a chunk
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            lp, en = mk.linear_logprobs(
+                hh, ww, lab, temperature=temp, return_entropy=True, backend="triton"
+            )
+            ((lp * g).sum() + (en * ge).sum()).backward()
+        tag = f"low-memory driver {kind}"
+        for i, (what, got) in enumerate(
+            (("logp", lp), ("entropy", en), ("grad hidden", hh.grad), ("grad weight", ww.grad))
+        ):
+            _harness.close(f"{tag} {what}", got, want[i], same[i], atol=1e-6, rtol=1e-5)
+        old, adv, runs = policy_refs(h, w, lab, temp, seed=8)
+        with _harness.env(MRTPO_CHUNK_BYTES=4 * n * 256, **env):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            loss, met = mk.linear_policy_loss(
+                hh, ww, lab, old, adv, temperature=temp, backend="triton"
+            )
+            loss.backward()
+        close_policy(f"{tag} policy", (loss, met, hh.grad, ww.grad), runs, atol=1e-6, rtol=1e-5)
+
+
 def group_row_kernels():
     for c, v, temp, extreme in (
         (7, 300, 1.0, True),
@@ -316,6 +357,7 @@ def group_driver():
             )  # fmt: skip
     finally:
         _chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32 = saved
+    check_low_memory_extreme()
 
 
 GROUPS = {k[len("group_") :]: f for k, f in globals().items() if k.startswith("group_")}
