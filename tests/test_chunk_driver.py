@@ -309,11 +309,15 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
             assert s.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), path
             assert s.stride() == (n, 1) and torch.equal(buf[:, a : a + s.shape[1]], s), path
             a += s.shape[1]
-    # the log-probs' entry is taken once: a second backward finds none
+    # the log-probs' entry: read by every backward of the same forward (not taken), never
+    # by one at another temperature, and dropped with lse
     kern = _NormRecorder()
     _, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
-    for _ in range(2):
-        _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
-    cols = len(kern.cols_norms) // 2
-    assert all(c is not None for c in kern.cols_norms[:cols])
-    assert all(c is None for c in kern.cols_norms[cols:])
+    for temp in (1.0, 1.0, 0.5):
+        kern.cols_norms.clear()
+        _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, temp, -100)
+        assert kern.cols_norms and all((c is None) == (temp != 1.0) for c in kern.cols_norms)
+    key = lse.data_ptr()
+    assert key in _chunked._NORM
+    del lse
+    assert key not in _chunked._NORM

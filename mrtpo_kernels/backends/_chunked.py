@@ -249,8 +249,10 @@ def _take_kept(lse, hidden, weight):
 
 
 # The low-memory forward's (2, N) norm buffer (raw row max, log s) for its backward is
-# filed under lse the same way (only where the kernel takes norm=, see _takes_norm); a
-# backward that finds none passes only lse.
+# filed under lse the same way (only where the kernel takes norm=, see _takes_norm), with
+# the input, weight and temperature it belongs to. The backward reads it without taking it
+# (it is not overwritten: a second backward of the same graph uses it too); one that finds
+# none, or one for other inputs or another temperature, passes only lse.
 
 _NORM: dict[int, tuple] = {}
 _TAKES_NORM: dict[type, bool] = {}
@@ -282,18 +284,23 @@ def _norm_rows(norm, a, b) -> dict:
     return {} if norm is None else {"norm": norm[:, a:b]}
 
 
-def _file_norm(lse, hidden, weight, norm):
+def _norm_ident(hidden, weight, inv_t) -> tuple:
+    return (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), float(inv_t))
+
+
+def _file_norm(lse, hidden, weight, inv_t, norm):
     key = lse.data_ptr()
-    _NORM[key] = (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), norm)
+    _NORM[key] = (_norm_ident(hidden, weight, inv_t), norm)
     weakref.finalize(lse.untyped_storage(), _NORM.pop, key, None)
 
 
-def _take_norm(lse, hidden, weight):
-    """The norm buffer the low-memory forward that returned lse filed, or None; taken once."""
-    entry = _NORM.pop(lse.data_ptr(), None) if lse.numel() else None
-    if entry is None or entry[:3] != (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape)):
+def _find_norm(lse, hidden, weight, inv_t):
+    """The norm buffer the low-memory forward that returned lse filed for these inputs and
+    this temperature, or None."""
+    entry = _NORM.get(lse.data_ptr()) if lse.numel() else None
+    if entry is None or entry[0] != _norm_ident(hidden, weight, inv_t):
         return None
-    return entry[3]
+    return entry[1]
 
 
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
@@ -331,7 +338,7 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
         stats(head.logits(hidden[n - k :], buf), n - k, n)  # one GEMM for the kept rows
         _file_kept(lse, hidden, weight, buf, k)
     if norm is not None:
-        _file_norm(lse, hidden, weight, norm)
+        _file_norm(lse, hidden, weight, inv_t, norm)
     return logp, ent, lse
 
 
@@ -394,7 +401,7 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
     in an fp32 (N, d) accumulator (GEMM).
     Memory: the chunk (MRTPO_CHUNK_BYTES) and the fp32 dh accumulator (none for fp32)."""
     if norm is None and _takes_norm(kern):
-        norm = _take_norm(lse, hidden, weight)
+        norm = _find_norm(lse, hidden, weight, inv_t)
     nkw = {} if norm is None else {"norm": norm}
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
