@@ -3,9 +3,11 @@ test_triton_advantages.py.
 
 CPU: the kernels run under the Triton interpreter, which must be on before triton is
 imported, so the checks live in tests/triton_cases/js_cases.py and run here one subprocess
-per group (odd shapes N = 1, 7, 129, V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5,
-temperature, bias, extreme and -inf logits, identical -> 0, disjoint -> 1, several token
-chunks, bf16/fp16; torch.library.opcheck; torch.compile(fullgraph=True) with aot_eager).
+per group on the default variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the
+stacked row kernel) and all groups in one more on the fused one (triton/js.py): odd shapes
+N = 1, 7, 129, V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5, temperature, bias, extreme and
+-inf logits, identical -> 0, disjoint -> 1, several token chunks, bf16/fp16;
+torch.library.opcheck; torch.compile(fullgraph=True) with aot_eager.
 GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): V = 151936, d = 896 and 4096, N up
 to 16384, bf16 and fp32, K = 4, against float64 references computed in row chunks; offsets
 beyond 2^31 elements; torch.compile(fullgraph=True) of a caller.
@@ -39,7 +41,13 @@ GROUPS = [
 @needs_triton
 @pytest.mark.parametrize("group", GROUPS)
 def test_triton_js_under_interpreter(group):
-    run_interpreted(CASES / "js_cases.py", group)
+    run_interpreted(CASES / "js_cases.py", group, env={"MRTPO_TRITON_VARIANT": "rows"})
+
+
+@needs_triton
+def test_triton_js_fused_variant_under_interpreter():
+    """Every group on MRTPO_TRITON_VARIANT=fused (triton/js.py), in one process: ~20 s."""
+    run_interpreted(CASES / "js_cases.py", env={"MRTPO_TRITON_VARIANT": "fused"})
 
 
 @needs_triton

@@ -3,8 +3,10 @@ loss is in test_triton_policy_loss.py.
 
 CPU: the kernels run under the Triton interpreter, which must be switched on before triton
 is imported, so the checks live in tests/triton_cases/logprobs_cases.py and run here in a
-subprocess (odd shapes, all tokens ignored, extreme logits, temperature, bias, gradients
-with random upstream gradients, torch.library.opcheck).
+subprocess per Triton variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row
+kernels of triton/rows.py; fused: triton/logprobs.py): odd shapes, all tokens ignored,
+extreme logits, temperature, bias, gradients with random upstream gradients,
+torch.library.opcheck.
 GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
 against float64 references computed in row chunks, torch.compile(fullgraph=True) of a
 caller, and N x V > 2^31.
@@ -16,7 +18,7 @@ import os
 
 import pytest
 import torch
-from triton_cases._harness import CASES, needs_triton, run_interpreted
+from triton_cases._harness import CASES, VARIANTS, needs_triton, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels.reference import (
@@ -26,8 +28,9 @@ from mrtpo_kernels.reference import (
 
 
 @needs_triton
-def test_triton_logprobs_under_interpreter():
-    run_interpreted(CASES / "logprobs_cases.py")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_logprobs_under_interpreter(variant):
+    run_interpreted(CASES / "logprobs_cases.py", env={"MRTPO_TRITON_VARIANT": variant})
 
 
 @needs_triton

@@ -2,8 +2,10 @@
 
 CPU: the kernels run under the Triton interpreter, which must be switched on before triton
 is imported, so the checks live in tests/triton_cases/policy_loss_cases.py and run here in
-a subprocess (bias, KL term, the three aggregation rules, bf16, both variants: recompute
-and kept logits over several token chunks, torch.library.opcheck).
+a subprocess per Triton variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row
+kernels; fused: this file's kernels, both of its modes: recompute and kept logits over
+several token chunks): bias, KL term, the three aggregation rules, bf16,
+torch.library.opcheck.
 GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
 against the float64 reference, both variants.
 """
@@ -13,15 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from test_triton_logprobs import DEV, _inputs, _within_budget, gpu_test
-from triton_cases._harness import CASES, needs_triton, run_interpreted
+from triton_cases._harness import CASES, VARIANTS, needs_triton, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels.reference import linear_policy_loss_ref
 
 
 @needs_triton
-def test_triton_policy_loss_under_interpreter():
-    run_interpreted(CASES / "policy_loss_cases.py")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_policy_loss_under_interpreter(variant):
+    run_interpreted(CASES / "policy_loss_cases.py", env={"MRTPO_TRITON_VARIANT": variant})
 
 
 # --------------------------------------------------------------------------- GPU
