@@ -96,11 +96,6 @@ def use_interpreter() -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 
-def variant() -> str:
-    """The Triton variant the public ops run in this process (MRTPO_TRITON_VARIANT)."""
-    return os.environ.get("MRTPO_TRITON_VARIANT", "rows") or "rows"
-
-
 def close(name, ours, want, same=None, *, atol=1e-5, rtol=1e-5):
     """The error rule against float64 (README "Numerics"):
     - the shapes are equal;
