@@ -51,6 +51,7 @@ import triton.language as tl
 from .. import settings
 from ._common import cdiv, check_device, chunk_bytes, interpreting
 from .logprobs import dlogits, linear_grad, lse_stats, matmul, tiles
+from .rows import _policy_terms
 
 __all__ = ["linear_policy_loss"]
 
@@ -85,35 +86,17 @@ def _policy_token_kernel(
     old = tl.load(old_ptr + rows, mask=mask, other=0.0)
     adv = tl.load(adv_ptr + rows, mask=mask, other=0.0)
     w = tl.load(tw_ptr + rows, mask=mask, other=0.0)
-    ratio = tl.exp(logp - old)
-    lo = 1.0 - clip_low
-    hi = 1.0 + clip_high
-    r_c = tl.where(ratio < lo, lo, tl.where(ratio > hi, hi, ratio))  # NaN stays NaN
-    a = ratio * adv
-    b = r_c * adv
-    # the reference's rule: clipped iff a > b, strictly (a tie or a NaN is not clipped);
-    # L = -min(a, b) with NaN in, NaN out; dL/dlogp = -A ratio unless clipped (autograd of
-    # torch.minimum and clamp: a tie passes the whole gradient, a NaN passes it as NaN)
-    clipped = a > b
-    loss = -tl.where(clipped, b, a)
-    dlogp = tl.where(clipped, 0.0, -adv * ratio)
-    if DUAL_CLIP:
-        cap = -adv * clip_c
-        dual = (adv < 0.0) & (loss > cap)
-        loss = tl.where(dual, cap, loss)
-        dlogp = tl.where(dual, 0.0, dlogp)
+    ref = logp
     if HAS_REF:
-        diff = tl.load(ref_ptr + rows, mask=mask, other=0.0) - logp
-        e_diff = tl.exp(diff)
-        if KL_IW:
-            loss += beta * ratio * (e_diff - diff - 1.0)
-            dlogp -= beta * ratio * diff
-        else:
-            loss += beta * (e_diff - diff - 1.0)
-            dlogp += beta * (1.0 - e_diff)
+        ref = tl.load(ref_ptr + rows, mask=mask, other=0.0)
+    # the same per-token terms as the rows variant (clip rule, dual clip, k3 KL)
+    loss, clipped, g = _policy_terms(
+        logp, valid, valid, old, adv, w, ref, clip_low, clip_high, clip_c, beta,
+        HAS_REF=HAS_REF, DUAL_CLIP=DUAL_CLIP, KL_IW=KL_IW,
+    )  # fmt: skip
     tl.store(wloss_ptr + rows, tl.where(valid, loss * w, 0.0), mask=mask)
-    tl.store(clipped_ptr + rows, tl.where(valid & clipped, 1.0, 0.0), mask=mask)
-    tl.store(g_ptr + rows, tl.where(valid, dlogp * w, 0.0), mask=mask)
+    tl.store(clipped_ptr + rows, clipped, mask=mask)
+    tl.store(g_ptr + rows, g, mask=mask)
 
 
 def _token_terms(
