@@ -202,3 +202,17 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert (tmp_path / "res" / "constraints" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     gdpo = summary["runs"]["gdpo"][0]
     assert gdpo["credit_precision"] == pytest.approx(gdpo["uniform_share"])  # uniform weights
+
+
+def test_train_with_warm_noise_smoke(tmp_path):
+    # --warm-noise reaches the built-in model's warm start and its cache key
+    cache = tmp_path / "cache"
+    common = ["train", "--task", "constraints", "--algo", "gdpo", "--steps", "1", "--cache-dir",
+              str(cache), "--warm-steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+              "--max-new-tokens", "4", "--no-baseline-replay", "--quiet"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "a"), "--warm-noise", "0.5"]) == 0
+    assert main([*common, "--out", str(tmp_path / "b")]) == 0
+    infos = [json.loads(p.read_text()) for p in sorted(cache.glob("*/warm_start.json"))]
+    assert sorted(i["config"]["warm_noise"] for i in infos) == [0.0, 0.5]
+    with pytest.raises(SystemExit):
+        main([*common, "--out", str(tmp_path / "c"), "--warm-noise", "1.5"])
