@@ -39,7 +39,7 @@ from mrtpo_kernels import (
 
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
-from .metrics import format_step, step_metrics
+from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .prompting import ChatPrompter
 from .replay import (
@@ -70,10 +70,27 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def oracle_relevance(task, ro, lengths) -> torch.Tensor:
+    """(K, N) 1 on the response tokens each reward's verifier names (`relevant_token_masks`:
+    ``relevant_chars`` or the SQL / tools analogue), 0 elsewhere: a diagnostic upper bound on
+    credit precision (1), not the method. A response whose verifier names no token, or all
+    of them, gets 0 everywhere, so its allocation stays uniform (below delta)."""
+    masks = relevant_token_masks(task, ro)
+    rel = torch.zeros((len(task.verifiers), int(lengths.sum())), dtype=torch.float32)
+    a = 0
+    for i, n in enumerate(lengths.tolist()):
+        for k, m in enumerate(masks[i]):
+            if m is not None and 0 < int(m[:n].sum()) < n:
+                rel[k, a : a + min(n, m.shape[0])] = m[:n].float()
+        a += n
+    return rel
+
+
 def sharpen(relevance, has_info, lengths, mode: str, control=None):
-    """The relevance that allocates (METHOD.md 3, 3b): d itself ("js"), or
-    ``specific_relevance`` of it ("specific"; "control" with d_ctrl, which must be given)."""
-    if mode == "js":
+    """The relevance that allocates (METHOD.md 3, 3b): d itself ("js", and "oracle", which
+    is already the allocation's shape), or ``specific_relevance`` of it ("specific";
+    "control" with d_ctrl, which must be given)."""
+    if mode in ("js", "oracle"):
         return relevance
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
@@ -262,6 +279,8 @@ class Trainer:
             relevance = torch.zeros((self.k, int(lengths.sum())), dtype=torch.float32)
         relevance = relevance.float().cpu()
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
+        if cfg.algo == "mrtpo" and cfg.relevance == "oracle":
+            relevance = oracle_relevance(self.task, ro, lengths)
         adv, alloc = compute_advantages(
             cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
         )

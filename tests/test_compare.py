@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 from test_trainer import TINY, standin_task
 
 from mrtpo.compare import bootstrap_ratio, run_compare
@@ -159,7 +160,7 @@ def test_compare_variants_resume_and_results_folder(tmp_path):
     [
         ("constraints-full", ("gdpo", "mrtpo:specific")),
         ("sql", ("mrtpo:control",)),
-        ("tools", ("mrtpo",)),
+        ("tools", ("mrtpo", "mrtpo:oracle")),
     ],
 )
 def test_two_step_smoke_on_builtin_tasks(tmp_path, task, algos):
@@ -171,3 +172,20 @@ def test_two_step_smoke_on_builtin_tasks(tmp_path, task, algos):
         (r,) = summary["runs"][a]
         assert set(r["start_pass"]) == set(names) and len(r["curve"]) == 2
     assert (tmp_path / "res" / task / "compare.md").is_file()
+
+
+def test_oracle_relevance_puts_every_allocation_on_the_verifier_tokens(monkeypatch):
+    # the diagnostic relevance: 1 on the tokens each verifier names, so every reward whose
+    # verifier names a proper subset of a response allocates only there (precision 1)
+    from types import SimpleNamespace
+
+    import mrtpo.trainer as trainer
+
+    b = lambda *xs: torch.tensor(xs, dtype=torch.bool)
+    masks = [[b(1, 0, 0, 1), None], [b(1, 1, 1), b(0, 1, 0)]]
+
+    task = SimpleNamespace(verifiers=[object(), object()])
+    monkeypatch.setattr(trainer, "relevant_token_masks", lambda t, ro: masks)
+    rel = trainer.oracle_relevance(task, None, torch.tensor([4, 3]))
+    want = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0]], dtype=torch.float32)
+    assert torch.equal(rel, want)  # all-true and None masks: 0 (uniform allocation)
