@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
-RELEVANCES = ("js", "specific", "control", "oracle")
+RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
 VARIANT_KEYS = ("relevance", "gamma", "alpha")
 TASKS = ("constraints", "constraints-full", "sql", "tools")
@@ -342,7 +342,9 @@ class TrainConfig:
         "relevance that allocates each reward (METHOD.md 3, 3b): js (the JS distance d_k), "
         "specific (d_k minus the mean of the other rewards' d, floored at 0; no extra "
         "forward) or control (d_k minus the distance under removal of an unchecked prompt "
-        "span of similar length; one extra replay per response) or oracle (a diagnostic, not "
+        "span of similar length; one extra replay per response), logratio (|log p(y_t)| "
+        "change of the sampled token under the same replays, instead of the JS distance of "
+        "the whole distribution) or oracle (a diagnostic, not "
         "the method: 1 on the response tokens the verifier names, 0 elsewhere, i.e. credit "
         "precision 1; where a verifier names none, uniform)",
         choices=RELEVANCES,

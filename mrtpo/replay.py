@@ -160,6 +160,9 @@ class ReplayResult:
     relevance: torch.Tensor | None  # (K, N) JS distances, or None when replay was skipped
     replayed: int  # number of (response, reward) replays run, control replays included
     control: torch.Tensor | None = None  # (N,) d_ctrl (0 where no control span), if asked
+    # (K, N) |log p(y_t | prompt) - log p(y_t | prompt without reward k's spans)| of the
+    # sampled tokens, if asked (0 where reward k has no spans)
+    logratio: torch.Tensor | None = None
 
 
 def control_span(prompt: str, spans_by_reward: Sequence[Sequence[Span]]) -> list[Span]:
@@ -213,6 +216,7 @@ def contrastive_replay(
     micro_batch: int = 32,
     replay: bool = True,
     control: Sequence[Sequence[Span]] | None = None,
+    pointwise: bool = False,
 ) -> ReplayResult:
     """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans.
 
@@ -226,6 +230,8 @@ def contrastive_replay(
         control: optional (n,) per response a prompt span no verifier checks
             (``control_span``); its removal is replayed too and ``control`` holds the (N,)
             JS distance d_ctrl (0 for a response whose control span is empty).
+        pointwise: also return ``logratio`` (K, N), the absolute change of each sampled
+            token's log-prob when reward k's spans are removed (from the same replays).
     """
     n = len(responses)
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
@@ -276,7 +282,14 @@ def contrastive_replay(
             pos += lengths[i]
     dist = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
     ctrl = dist[k] if control is not None else None
-    return ReplayResult(hidden_p, old, dist[:k], len(jobs), ctrl)
+    ratio = None
+    if pointwise:  # rows without a replay hold hidden_p itself: |0| there
+        ratio = torch.stack([
+            (linear_logprobs(hidden_q[j], weight, labels, bias=bias, temperature=temperature)
+             - old).abs()
+            for j in range(k)
+        ])  # fmt: skip
+    return ReplayResult(hidden_p, old, dist[:k], len(jobs), ctrl, ratio)
 
 
 def _cache_keyword(model) -> str:

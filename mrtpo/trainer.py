@@ -90,7 +90,7 @@ def sharpen(relevance, has_info, lengths, mode: str, control=None):
     """The relevance that allocates (METHOD.md 3, 3b): d itself ("js", and "oracle", which
     is already the allocation's shape), or ``specific_relevance`` of it ("specific";
     "control" with d_ctrl, which must be given)."""
-    if mode in ("js", "oracle"):
+    if mode in ("js", "logratio", "oracle"):
         return relevance
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
@@ -270,6 +270,7 @@ class Trainer:
             micro_batch=cfg.micro_batch * 2,
             replay=want_replay,
             control=control,
+            pointwise=want_replay and cfg.algo == "mrtpo" and cfg.relevance == "logratio",
         )
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
@@ -281,6 +282,8 @@ class Trainer:
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
         if cfg.algo == "mrtpo" and cfg.relevance == "oracle":
             relevance = oracle_relevance(self.task, ro, lengths)
+        elif rep.logratio is not None:
+            relevance = rep.logratio.float().cpu()
         adv, alloc = compute_advantages(
             cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
         )

@@ -158,7 +158,7 @@ def test_compare_variants_resume_and_results_folder(tmp_path):
 @pytest.mark.parametrize(
     "task,algos",
     [
-        ("constraints-full", ("gdpo", "mrtpo:specific")),
+        ("constraints-full", ("gdpo", "mrtpo:specific", "mrtpo:logratio")),
         ("sql", ("mrtpo:control",)),
         ("tools", ("mrtpo", "mrtpo:oracle")),
     ],

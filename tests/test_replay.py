@@ -84,10 +84,12 @@ def test_relevance_and_old_logprobs_against_direct_computation():
     responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, 27, tok.eos_token_id]]
     tau = 0.7
     rep = contrastive_replay(
-        model, pr, texts, prompt_ids, responses, spans, temperature=tau, micro_batch=2
-    )
+        model, pr, texts, prompt_ids, responses, spans, temperature=tau, micro_batch=2,
+        pointwise=True,
+    )  # fmt: skip
     n_tok = sum(map(len, responses))
     assert rep.relevance.shape == (3, n_tok) and rep.replayed == 5
+    assert rep.logratio.shape == (3, n_tok)
     w, _ = lm_head(model)
     m64 = model.double()
     pos = 0
@@ -103,12 +105,19 @@ def test_relevance_and_old_logprobs_against_direct_computation():
                 got = rep.relevance[k, pos : pos + len(r)].double()
                 if not spans[i][k]:
                     assert torch.all(got == 0)
+                    assert torch.all(rep.logratio[k, pos : pos + len(r)] == 0)
                     continue
                 q = pr.encode(t, remove=spans[i][k]).ids
                 lq = m64(torch.tensor([q + r])).logits[0, len(q) - 1 : len(q) - 1 + len(r)]
                 want = js_distance_ref(lp, lq, temperature=tau)
                 torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
                 assert got.max() > 0
+                # logratio: |log p(y_t | prompt) - log p(y_t | prompt without the spans)|
+                new = logprobs_from_logits_ref(lq / tau, torch.tensor(r))
+                torch.testing.assert_close(
+                    rep.logratio[k, pos : pos + len(r)].double(), (old - new).abs(),
+                    rtol=1e-3, atol=1e-4,
+                )  # fmt: skip
             pos += len(r)
 
 
