@@ -1,6 +1,7 @@
 """Issue 11 diagnostic: how often each relevance form puts its largest value of a response
 on a token the reward's verifier names (noisy constraints test-bed, 64 prompts x 8).
-Run: .venv/bin/python docs/results/scripts/relevance_top1.py (seconds once the warm-started model is cached)."""
+Run: .venv/bin/python docs/results/scripts/relevance_top1.py (seconds once the warm-started
+model is cached)."""
 
 import torch
 
