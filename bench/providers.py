@@ -408,7 +408,7 @@ def prepare(provider: str, op: str, x: Inputs, device: torch.device):
     if provider == KEEP_ALL:
         return _keep_all(op, x)
     if _is_ours(provider):
-        return _ours(provider.split("-", 1)[1], op, x)
+        return _ours(_backend_of(provider), op, x)
     if provider == "pytorch":
         return _baseline(torch_impls, op, x)
     if provider == "pytorch-compiled":

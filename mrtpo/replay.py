@@ -110,6 +110,7 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
     if cur:
         chunks.append(cur)
     base = decoder(model)
+    cache_kw = _cache_keyword(base)
     per_row: list[torch.Tensor | None] = [None] * len(prompts)
     for chunk in chunks:
         p_width = max(len(k) for k in chunk)
@@ -142,7 +143,7 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
             attention_mask=torch.cat([mask[owner], rmask], dim=1),
             position_ids=rpos,
             use_cache=True,
-            **{_cache_keyword(base): cache},
+            **{cache_kw: cache},
         ).last_hidden_state
         last = head.last_hidden_state[:, -1][owner]  # predicts each response's first token
         for j, r in enumerate(rows):

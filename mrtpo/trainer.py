@@ -274,16 +274,14 @@ class Trainer:
         )
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
-        relevance = rep.relevance
-        have_rel = relevance is not None
-        if relevance is None:
-            relevance = torch.zeros((self.k, int(lengths.sum())), dtype=torch.float32)
-        relevance = relevance.float().cpu()
-        d_ctrl = None if rep.control is None else rep.control.float().cpu()
+        have_rel = rep.relevance is not None
         if cfg.algo == "mrtpo" and cfg.relevance == "oracle":
             relevance = oracle_relevance(self.task, ro, lengths)
-        elif rep.logratio is not None:
-            relevance = rep.logratio.float().cpu()
+        elif have_rel:  # the pointwise log-ratio where asked, else the JS distance
+            relevance = (rep.relevance if rep.logratio is None else rep.logratio).float().cpu()
+        else:
+            relevance = torch.zeros((self.k, int(lengths.sum())), dtype=torch.float32)
+        d_ctrl = None if rep.control is None else rep.control.float().cpu()
         adv, alloc = compute_advantages(
             cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
         )

@@ -296,7 +296,7 @@ def mrtpo_token_advantages(
     seg = torch.repeat_interleave(
         torch.arange(n, device=token.device), lengths, output_size=token.shape[0]
     )
-    untouched = (alloc == 1).all(0) if k else torch.ones_like(token, dtype=torch.bool)
+    untouched = (alloc == 1).all(0)  # K = 0: every token (all of nothing)
     token = torch.where(untouched, g.sequence.to(token.dtype)[seg], token)
     # std + eps_batch = 0 (every S equal and eps_batch = 0): 0, as for the sequence
     token = torch.where(g.std + eps_batch > 0, token, torch.zeros_like(token))

@@ -251,6 +251,8 @@ class _NormRecorder:
     low-memory driver hands it: the (2, rows) slices stats writes into and the buffer
     grad_cols_ reads. Values: stats fills its slice with the row indices."""
 
+    NORM = True
+
     def __init__(self):
         self.stats_norms, self.cols_norms = [], []
 
@@ -273,7 +275,7 @@ class _NormRecorder:
 
 
 def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatch):
-    """Where the kernel takes norm= (a capability of its signatures, not a name), the
+    """Where the kernel takes norm= (a declared capability, not a name), the
     low-memory log-probs forward fills the column slices [:, a:b] of one (2, N) fp32 buffer
     by token chunks and its backward passes that buffer to every grad_cols_ call (found
     under lse, as the kept logits); the low-memory policy loss passes its own. A kernel

@@ -252,16 +252,17 @@ def noisy_reference(rng: random.Random, example: Example, p_wrong: float) -> str
             continue
         key, values = _SWAPPABLE[kind]
         right = entry["params"][key]
+        # fails this one, keeps every other verdict
+        wanted = [
+            e is not entry and CONSTRAINTS[e["kind"]].check(text, e["params"]) is None
+            for e in entries
+        ]
         for wrong in rng.sample([x for x in values if x != right], len(values) - 1):
             cand = _swap(text, kind, right, wrong)
             if cand is None:
                 break
             verdicts = [CONSTRAINTS[e["kind"]].check(cand, e["params"]) is None for e in entries]
-            wanted = [
-                e is not entry and CONSTRAINTS[e["kind"]].check(text, e["params"]) is None
-                for e in entries
-            ]
-            if verdicts == wanted:  # fails this one, keeps every other verdict
+            if verdicts == wanted:
                 text = cand
                 break
     return text

@@ -39,8 +39,8 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
         backward walks vocabulary chunks of all N rows, each dW row block finished in one
         chunk and written in the weight's dtype (no fp32 dW accumulator), dh accumulated in
         fp32; 2 GEMMs per chunk plus the forward's, i.e. one GEMM more (a recompute).
-    stats(..., norm=) and grad_cols_(..., norm=) (the Triton row kernels; found by their
-        signatures, see _takes_norm): stats writes each row's raw max M and log s into
+    stats(..., norm=) and grad_cols_(..., norm=) (the Triton row kernels; declared by
+        ``NORM = True``, as ``GRAD_OUT``): stats writes each row's raw max M and log s into
         ``norm``, the column slice [:, a:b] of one (2, N) fp32 buffer, and grad_cols_
         forms log p = (z/2 - M/2)(2/tau) - log s from it instead of z / tau - lse from the
         rounded fp32 lse (ulp(lse) / 2 off in every log p: 5e-4 at |z / tau| ~ 1e4, NaN
@@ -51,7 +51,6 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
@@ -234,18 +233,23 @@ def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     return [(s, min(m, s + step)) for s in range(0, m, step)]
 
 
+def _inputs_ident(hidden, weight) -> tuple:
+    """What an entry filed under lse belongs to: the forward's input and weight."""
+    return (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape))
+
+
 def _file_kept(lse, hidden, weight, region, k):
     key = lse.data_ptr()
-    _KEPT[key] = (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), region, k)
+    _KEPT[key] = (_inputs_ident(hidden, weight), region, k)
     weakref.finalize(lse.untyped_storage(), _KEPT.pop, key, None)
 
 
 def _take_kept(lse, hidden, weight):
     """(region, k) filed by the forward that returned lse, or (None, 0); taken once."""
     entry = _KEPT.pop(lse.data_ptr(), None) if lse.numel() else None
-    if entry is None or entry[:3] != (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape)):
+    if entry is None or entry[0] != _inputs_ident(hidden, weight):
         return None, 0
-    return entry[3], entry[4]
+    return entry[1], entry[2]
 
 
 # The low-memory forward's (2, N) norm buffer (raw row max, log s) for its backward is
@@ -255,23 +259,13 @@ def _take_kept(lse, hidden, weight):
 # none, or one for other inputs or another temperature, passes only lse.
 
 _NORM: dict[int, tuple] = {}
-_TAKES_NORM: dict[type, bool] = {}
 
 
 def _takes_norm(kern) -> bool:
-    """Whether the kernel's stats and grad_cols_ take ``norm=`` (the Triton row kernels do;
-    the C++ and PyTorch kernels have no column kernel). A capability of the signatures,
-    not of a kernel's name, cached by kernel type."""
-    key = type(kern) if not isinstance(kern, type) else kern
-    if key not in _TAKES_NORM:
-        ok = True
-        for name in ("stats", "grad_cols_"):
-            try:
-                ok = ok and "norm" in inspect.signature(getattr(kern, name)).parameters
-            except (AttributeError, TypeError, ValueError):
-                ok = False
-        _TAKES_NORM[key] = ok
-    return _TAKES_NORM[key]
+    """Whether the kernel's stats and grad_cols_ take ``norm=``: a declared capability
+    (``NORM = True``, the Triton row kernels), like ``GRAD_OUT``; the C++ and PyTorch
+    kernels have no column kernel."""
+    return bool(getattr(kern, "NORM", False))
 
 
 def _norm_buffer(kern, n, like) -> torch.Tensor | None:
@@ -285,7 +279,7 @@ def _norm_rows(norm, a, b) -> dict:
 
 
 def _norm_ident(hidden, weight, inv_t) -> tuple:
-    return (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape), float(inv_t))
+    return (*_inputs_ident(hidden, weight), float(inv_t))
 
 
 def _file_norm(lse, hidden, weight, inv_t, norm):

@@ -469,9 +469,11 @@ class TritonRowKernel:
     """The chunk-kernel contract (backends/_chunked.py) in Triton row kernels.
 
     ``GRAD_OUT``: grad_ and policy_ accept ``out=``, a view with z's rows (the driver passes
-    a 16-bit view of z's storage so the two gradient GEMMs run on 16-bit operands)."""
+    a 16-bit view of z's storage so the two gradient GEMMs run on 16-bit operands).
+    ``NORM``: stats and grad_cols_ accept ``norm=``, each row's (raw max, log s)."""
 
     GRAD_OUT = True
+    NORM = True
 
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent, norm=None):
