@@ -28,7 +28,8 @@ import random
 from mrtpo.data import instructions, shop, tool_defs
 from mrtpo.verifiers import Example, Task
 from mrtpo.verifiers.constraints import ConstraintVerifier
-from mrtpo.verifiers.sql import run_readonly, sql_verifiers
+from mrtpo.verifiers.sql import sql_verifiers
+from mrtpo.verifiers.sql_sandbox import run_readonly
 from mrtpo.verifiers.tools import tool_verifiers
 
 TASKS = ("constraints", "sql", "tools")

@@ -12,16 +12,18 @@ from mrtpo.data import shop
 from mrtpo.tasks import load_task
 from mrtpo.verifiers.sql import (
     ExecutionMatch,
+    QueryRuns,
+    SchemaOnly,
+    results_equal,
+    sql_verifiers,
+)
+from mrtpo.verifiers.sql_sandbox import (
     QueryError,
     QueryRefused,
-    QueryRuns,
     QueryTimeout,
     QueryTooManyRows,
-    SchemaOnly,
     referenced_columns,
-    results_equal,
     run_readonly,
-    sql_verifiers,
 )
 
 

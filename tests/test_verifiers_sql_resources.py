@@ -14,17 +14,15 @@ import pytest
 
 from mrtpo.data import shop
 from mrtpo.tasks import load_task
-from mrtpo.verifiers.sql import (
-    CACHE_MAX_BYTES,
+from mrtpo.verifiers.sql import CACHE_MAX_BYTES, _RunCache, sql_verifiers
+from mrtpo.verifiers.sql_sandbox import (
     DEFAULT_MAX_BYTES,
     QueryError,
     QueryRefused,
     QueryTooLarge,
-    _RunCache,
     referenced_columns,
     rows_bytes,
     run_readonly,
-    sql_verifiers,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +163,8 @@ _MEMORY_SCRIPT = """
 import resource, sys, dataclasses
 from mrtpo.data import shop
 from mrtpo.tasks import load_task
-from mrtpo.verifiers.sql import QueryRuns, run_readonly, QueryTooLarge
+from mrtpo.verifiers.sql import QueryRuns
+from mrtpo.verifiers.sql_sandbox import run_readonly, QueryTooLarge
 db = shop.db_path(sys.argv[1])
 ex = load_task("sql", seed=0).train[0]
 ex = dataclasses.replace(ex, fields={**ex.fields, "db_path": db})

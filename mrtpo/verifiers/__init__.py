@@ -3,14 +3,14 @@
 from .base import Example, Span, Task, Verdict, Verifier
 from .constraints import KINDS as CONSTRAINT_KINDS
 from .constraints import ConstraintVerifier
-from .sql import (
+from .sql import sql_verifiers
+from .sql_sandbox import (
     QueryError,
     QueryRefused,
     QueryTimeout,
     QueryTooLarge,
     QueryTooManyRows,
     run_readonly,
-    sql_verifiers,
 )
 from .tools import parse_call, tool_verifiers
 
