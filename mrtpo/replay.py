@@ -1,13 +1,18 @@
 """Contrastive replay (METHOD.md section 2): how much each response token depends on the
-prompt spans a verifier checks.
+prompt spans a verifier checks. One engine serves every caller: ``replay_relevance`` (any
+trainer: plain or chat prompts, padded responses, (K, B, T) out; the TRL, verl and OpenRLHF
+adapters call it) and ``contrastive_replay`` (``mrtpo train``'s packed rows) both run
+``_replay_core``.
 
 For response i and reward k whose verdict names prompt spans, the prompt x^{-k} is the
-prompt text with those spans removed, rendered through the same chat template and
-re-tokenized. The response tokens y_i are teacher-forced after x (once, shared by all K and
-by the old log-probs) and after every x^{-k}, in batched forwards without gradient. The
-last hidden states at the response positions and the LM head go to ``linear_js_distance``
-one-vs-many: hidden_p (N, d) against hidden_q (K, N, d). Rewards without spans need no
-replay: their hidden_q rows are hidden_p itself (distance 0) and has_info is False.
+prompt with those spans removed from its text (``mrtpo.spans``), rendered through the same
+chat template and tokenized afresh. The response tokens y_i are teacher-forced after x (once,
+shared by all K and by the old log-probs) and after every x^{-k}, in batched forwards without
+gradient; a prompt's forward runs once and its key/value cache serves every response that
+follows it. The last hidden states at the response positions and the LM head go to
+``linear_js_distance`` one-vs-many: hidden_p (N, d) against hidden_q (K, N, d), chunk by chunk
+of rows. Rewards without spans need no replay: their hidden_q rows are hidden_p itself
+(distance 0) and has_info is False.
 
 Layout of a teacher-forced batch: prompts left-padded to a common width P, responses
 right-padded to R, position ids counted over the attention mask, so the hidden state that
@@ -17,7 +22,8 @@ predicts response token t of every row sits at column P - 1 + t whatever the pro
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +32,7 @@ from mrtpo_kernels import linear_js_distance, linear_logprobs
 
 from .model import decoder, last_hidden, lm_head
 from .prompting import ChatPrompter, Span, merge_spans
+from .spans import is_chat_prompt, normalize_spans, prompt_without_spans
 
 
 @dataclass
@@ -219,7 +226,9 @@ def contrastive_replay(
     control: Sequence[Sequence[Span]] | None = None,
     pointwise: bool = False,
 ) -> ReplayResult:
-    """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans.
+    """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans:
+    ``replay_relevance``'s engine on packed rows, for ``mrtpo train`` (prompts rendered by
+    ``prompter``, the prompt without spans by ``ChatPrompter.encode(prompt, remove=spans)``).
 
     Args:
         prompt_texts: (n,) raw prompt contents (the coordinates of ``spans``).
@@ -238,59 +247,359 @@ def contrastive_replay(
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
         raise ValueError("prompt_texts, prompt_ids, spans: expected one entry per response")
     k = len(spans[0]) if n else 0
-    device = next(model.parameters()).device
-    pad_id = prompter.tokenizer.pad_token_id
-    weight, bias = lm_head(model)
-    hidden_p = forward_shared_prompts(
-        model, prompt_ids, responses, pad_id, micro_batch=micro_batch, device=device
-    )
-    labels = torch.as_tensor([t for r in responses for t in r], dtype=torch.long).to(device)
-    if labels.numel() == 0:  # every response empty: no token rows, nothing to replay
-        empty = hidden_p.new_zeros((0,), dtype=torch.float32)
-        rel = hidden_p.new_zeros((k, 0), dtype=torch.float32) if replay and k else None
-        ctrl = empty if replay and k and control is not None else None
-        return ReplayResult(hidden_p, empty, rel, 0, ctrl)
-    old = linear_logprobs(hidden_p, weight, labels, bias=bias, temperature=temperature)
-    if not replay or k == 0:
-        return ReplayResult(hidden_p, old, None, 0)
+    streams = [list(row) for row in spans] if replay else [[] for _ in range(n)]
+    if replay and control is not None:
+        if len(control) != n:
+            raise ValueError(f"control: expected one entry per response ({n}), got {len(control)}")
+        streams = [row + [c] for row, c in zip(streams, control)]
+    cache: dict = {}
 
+    def encode(text):
+        if text not in cache:
+            cache[text] = prompter.encode(text).ids
+        return cache[text]
+
+    core = _replay_core(
+        model, [list(p) for p in prompt_ids], _stream_ids(list(prompt_texts), streams, encode),
+        [list(r) for r in responses], num_streams=len(streams[0]) if n else 0,
+        pad_id=prompter.tokenizer.pad_token_id,
+        temperature=temperature, micro_batch=micro_batch, pointwise=pointwise and replay,
+        keep_hidden=True,
+    )  # fmt: skip
+    if not replay or k == 0:
+        return ReplayResult(core.hidden_p, core.old_logprobs, None, 0)
+    ctrl = core.distance[k] if control is not None else None
+    ratio = None if core.logratio is None else core.logratio[:k]
+    return ReplayResult(
+        core.hidden_p, core.old_logprobs, core.distance[:k], core.replayed, ctrl, ratio
+    )
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class CallableLM:
+    """A causal LM given as a function, for models that are not Hugging Face modules.
+
+    ``hidden(input_ids, attention_mask, position_ids)`` returns the (B, L, d) hidden states
+    after the final norm (what the LM head reads) for left-padded (B, L) input;
+    ``weight`` (V, d) and ``bias`` (V,) or None are the LM head. Such a model is run on whole
+    prompt + response rows (no key/value cache to share a prompt between rows).
+    """
+
+    hidden: Callable
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def _head(model):
+    if isinstance(model, CallableLM):
+        return model.weight, model.bias
+    if not hasattr(model, "get_output_embeddings"):
+        raise ValueError(
+            f"model: expected a Hugging Face causal LM or a mrtpo.replay.CallableLM, got "
+            f"{type(model).__name__}"
+        )
+    return lm_head(model)
+
+
+def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device) -> torch.Tensor:
+    """(N, d) packed hidden states predicting each response token, without gradient."""
+    if not isinstance(model, CallableLM):
+        return forward_shared_prompts(
+            model, prompts, responses, pad_id, micro_batch=micro_batch, device=device
+        )
+    out = [model.weight.new_empty((0, model.weight.shape[1]))]
+    for s in range(0, len(prompts), micro_batch):
+        tb = teacher_batch(prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id,
+                           device)  # fmt: skip
+        pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        h = model.hidden(tb.input_ids, tb.attention_mask, pos)
+        r_width = tb.response_mask.shape[1]
+        out.append(h[:, tb.prompt_width - 1 : tb.prompt_width - 1 + r_width][tb.response_mask])
+    return torch.cat(out).to(model.weight.dtype)
+
+
+def _stream_ids(prompts, streams, encode):
+    """Per row, per stream, the token ids of the prompt without that stream's spans (None
+    where the stream names no span: nothing to replay)."""
+    out = []
+    for i, (prompt, row) in enumerate(zip(prompts, streams)):
+        ids = []
+        for j, spans in enumerate(row):
+            norm = normalize_spans(prompt, spans, where=f"spans[{i}][{j}]")
+            ids.append(list(encode(prompt_without_spans(prompt, norm))) if norm else None)
+        out.append(ids)
+    return out
+
+
+@dataclass
+class _Core:
+    distance: torch.Tensor  # (J, N) float32
+    old_logprobs: torch.Tensor  # (N,) float32
+    logratio: torch.Tensor | None  # (J, N)
+    hidden_p: torch.Tensor | None  # (N, d)
+    replayed: int
+
+
+def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
+                 micro_batch, pointwise=False, keep_hidden=False) -> _Core:  # fmt: skip
+    """The replay: rows grouped by prompt, whole groups into chunks of about ``micro_batch``
+    rows; per chunk, the with-information forward (one prompt forward per distinct prompt,
+    its key/value cache shared by the group's responses), the forwards without each
+    stream's spans (shared the same way by rows whose prompt without the spans is the same),
+    then the fused JS of the chunk's tokens. Only the chunk's hidden states are held."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
+    weight, bias = _head(model)
+    device = weight.device
+    pad_id = 0 if pad_id is None else int(pad_id)
+    n = len(responses)
+    j_n = num_streams
     lengths = [len(r) for r in responses]
     starts = [0]
     for t in lengths:
         starts.append(starts[-1] + t)
-    rows = k + (control is not None)
-    hidden_q = hidden_p.unsqueeze(0).repeat(rows, 1, 1)
-    jobs, cache = [], {}
-    for i in range(n):
-        for j in range(k):
-            if spans[i][j] and lengths[i]:  # nothing to replay for an empty response
-                jobs.append((i, j, prompt_without(prompter, prompt_texts[i], spans[i][j], cache)))
-        if control is not None and control[i] and lengths[i]:
-            jobs.append((i, k, prompt_without(prompter, prompt_texts[i], control[i], cache)))
-    if jobs:
-        # replays of one prompt without the same spans share its key/value cache
-        h = forward_shared_prompts(
-            model,
-            [c[2] for c in jobs],
-            [responses[c[0]] for c in jobs],
-            pad_id,
-            micro_batch=micro_batch,
-            device=device,
+    n_tok = starts[-1]
+    dist = torch.zeros((j_n, n_tok), dtype=torch.float32, device=device)
+    old = torch.zeros((n_tok,), dtype=torch.float32, device=device)
+    ratio = torch.zeros((j_n, n_tok), dtype=torch.float32, device=device) if pointwise else None
+    hidden_p = weight.new_empty((n_tok, weight.shape[1])) if keep_hidden else None
+    groups: dict[tuple, list[int]] = {}
+    for r in range(n):
+        if lengths[r]:  # an empty response has no token: nothing to forward
+            groups.setdefault(tuple(full_ids[r]), []).append(r)
+    chunks, cur = [], []
+    for rows in groups.values():
+        cur.extend(rows)
+        if len(cur) >= micro_batch:
+            chunks.append(cur)
+            cur = []
+    if cur:
+        chunks.append(cur)
+    replayed = 0
+    for rows in chunks:
+        hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
+                          pad_id, micro_batch, device)  # fmt: skip
+        idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
+        labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
+        labels = labels.to(device)
+        lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature)
+        old[idx] = lp.float()
+        if hidden_p is not None:
+            hidden_p[idx] = hp
+        if j_n == 0:
+            continue
+        local = [0]
+        for r in rows:
+            local.append(local[-1] + lengths[r])
+        jobs = [(a, j, stream_ids[r][j]) for a, r in enumerate(rows)
+                for j in range(len(stream_ids[r])) if stream_ids[r][j] is not None]  # fmt: skip
+        hq = hp.unsqueeze(0).repeat(j_n, 1, 1)  # no spans: hidden_p itself, distance 0
+        if jobs:
+            h = _rows_hidden(model, [c[2] for c in jobs], [responses[rows[c[0]]] for c in jobs],
+                             pad_id, micro_batch, device)  # fmt: skip
+            pos = 0
+            for a, j, _ in jobs:
+                t = local[a + 1] - local[a]
+                hq[j, local[a] : local[a + 1]] = h[pos : pos + t]
+                pos += t
+            replayed += len(jobs)
+        dist[:, idx] = linear_js_distance(hp, hq, weight, bias=bias, temperature=temperature)
+        if ratio is not None:  # rows without a replay hold hidden_p itself: |0| there
+            for j in range(j_n):
+                lq = linear_logprobs(hq[j], weight, labels, bias=bias, temperature=temperature)
+                ratio[j, idx] = (lq - lp).abs().float()
+    return _Core(dist, old, ratio, hidden_p, replayed)
+
+
+# --------------------------------------------------------------------------- neutral API
+
+
+@dataclass
+class Replay:
+    """What ``replay_relevance`` returns; every (.., B, T) tensor is in the layout of the
+    responses given (0 at padding)."""
+
+    relevance: torch.Tensor  # (K, B, T) float32 JS distances, 0 where has_info is False
+    has_info: torch.Tensor  # (B, K) bool: reward k names a span of sample i's prompt
+    response_mask: torch.Tensor  # (B, T) bool: the response tokens
+    old_logprobs: torch.Tensor  # (B, T) float32 log-probs of the response tokens
+    replayed: int  # prompt-without-spans replays run (one per response and reward)
+    seconds: float  # wall time of the replay
+
+
+def _prompt_encoder(tokenizer, *, chat_template, add_special_tokens, chat_template_kwargs):
+    kwargs = dict(chat_template_kwargs or {})
+
+    def encode(prompt):
+        if isinstance(prompt, str) and not chat_template:
+            return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
         )
-        pos = 0
-        for i, j, _ in jobs:
-            hidden_q[j, starts[i] : starts[i + 1]] = h[pos : pos + lengths[i]]
-            pos += lengths[i]
-    dist = linear_js_distance(hidden_p, hidden_q, weight, bias=bias, temperature=temperature)
-    ctrl = dist[k] if control is not None else None
-    ratio = None
-    if pointwise:  # rows without a replay hold hidden_p itself: |0| there
-        ratio = torch.stack([
-            (linear_logprobs(hidden_q[j], weight, labels, bias=bias, temperature=temperature)
-             - old).abs()
-            for j in range(k)
-        ])  # fmt: skip
-    return ReplayResult(hidden_p, old, dist[:k], len(jobs), ctrl, ratio)
+        if isinstance(out, Mapping) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        if hasattr(out, "tolist"):
+            out = out.tolist()
+        if out and isinstance(out[0], list):
+            out = out[0]
+        return list(out)
+
+    return encode
+
+
+def _rows_of(values, mask, name: str) -> list[list[int]]:
+    """Token lists of a (B, T) tensor under a 0/1 mask, or of a list of sequences."""
+    if isinstance(values, torch.Tensor):
+        check_int = values.dtype.is_floating_point or values.dtype == torch.bool
+        if values.dim() != 2 or check_int:
+            raise ValueError(f"{name}: expected a (B, T) integer tensor, got {values.dtype} "
+                             f"{tuple(values.shape)}")  # fmt: skip
+        if mask is None:
+            return [row.tolist() for row in values]
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(values.shape):
+            raise ValueError(f"{name} mask: expected a tensor of shape {tuple(values.shape)}")
+        keep = mask.to(values.device).bool()
+        return [row[m].tolist() for row, m in zip(values, keep)]
+    if mask is not None:
+        raise ValueError(f"{name} mask: given for a list of sequences; give a (B, T) tensor")
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}: expected a (B, T) tensor or a list of token-id sequences")
+    return [list(r.tolist() if hasattr(r, "tolist") else r) for r in values]
+
+
+@torch.no_grad()
+def replay_relevance(
+    model,
+    prompts: Sequence,
+    responses,
+    spans: Sequence,
+    *,
+    temperature: float,
+    tokenizer=None,
+    encode: Callable | None = None,
+    response_mask: torch.Tensor | None = None,
+    prompt_ids=None,
+    prompt_mask: torch.Tensor | None = None,
+    chat_template: bool = False,
+    add_special_tokens: bool = True,
+    chat_template_kwargs: dict | None = None,
+    num_rewards: int | None = None,
+    micro_batch: int = 16,
+    pad_token_id: int | None = None,
+) -> Replay:
+    """Contrastive replay for any trainer: per response token, how much each reward's prompt
+    spans move the policy (METHOD.md section 2), the (K, B, T) relevance and (B, K) has_info.
+
+    Args:
+        model: a Hugging Face causal LM (any wrapper unwrapped), or a ``CallableLM``. Run as
+            it is (eval mode is the caller's: dropout would add noise to the distances).
+        prompts: (B,) plain strings, or chat prompts (lists of role/content messages).
+        responses: (B, T) token ids with ``response_mask`` (any padding: left, right, or
+            holes; a row of zeros is an empty response, e.g. a masked truncation), or a list
+            of B token-id sequences (empty allowed; the result is right-padded to the
+            longest). Truncated responses need nothing special.
+        spans: (B, K) ``spans[i][k]``: the spans reward k's verifier names in prompt i
+            (``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on a
+            chat prompt; None or [] for none: that reward is spread uniformly, as in GDPO).
+        temperature: the sampling temperature.
+        tokenizer: renders and tokenizes prompts: a chat prompt with its chat template
+            (``add_generation_prompt=True``, ``chat_template_kwargs``); a plain prompt as it
+            is (``add_special_tokens``, default True like ``tokenizer(text)``), or as one
+            user message through the template with ``chat_template=True``.
+        encode: instead of ``tokenizer``, ``encode(prompt) -> token ids`` for a prompt of the
+            same form (plain or messages): the trainer's own prompt pipeline.
+        prompt_ids: optional, the token ids the responses were sampled after ((B, P) tensor
+            with ``prompt_mask``, or a list): each must equal the rendering of its prompt,
+            else a ValueError says which row differs (the replay must render prompts as
+            generation did, or the distances would measure the rendering).
+        num_rewards: K, needed when B = 0.
+        micro_batch: about this many responses per forward (whole groups of one prompt).
+            Memory: the forwards of ``micro_batch`` rows (their activations without
+            gradient, and one key/value cache per distinct prompt) plus (K + 1) hidden
+            states of d per response token of one chunk, in the model's dtype; the JS op
+            runs in fp32 over chunks of tokens and keeps no (tokens, V) logits.
+
+    Returns:
+        ``Replay``: relevance (K, B, T) float32 in [0, 1] (0 at padding and wherever
+        has_info is False), has_info (B, K), the response mask, the old log-probs (B, T) of
+        the response tokens (the with-information forward gives them at no extra cost), the
+        number of replays and the seconds taken.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature: expected a positive number, got {temperature!r}")
+    if (tokenizer is None) == (encode is None):
+        raise ValueError("tokenizer, encode: give exactly one (how prompts become token ids)")
+    if encode is None:
+        encode = _prompt_encoder(tokenizer, chat_template=chat_template,
+                                 add_special_tokens=add_special_tokens,
+                                 chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts: expected a list (one prompt per response)")
+    rows = _rows_of(responses, response_mask, "responses")
+    b = len(rows)
+    if len(prompts) != b:
+        raise ValueError(f"prompts: expected {b} (one per response), got {len(prompts)}")
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence) or len(spans) != b:
+        raise ValueError(f"spans: expected a list of {b} per-sample lists (one per response)")
+    k = num_rewards if num_rewards is not None else (len(spans[0]) if b else None)
+    if k is None:
+        raise ValueError("num_rewards: needed when there are no responses (K is unknown)")
+    for i, row in enumerate(spans):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != k:
+            raise ValueError(f"spans: sample {i} needs one entry per reward (K = {k})")
+    memo: dict = {}
+
+    def encode_memo(prompt):
+        key = prompt if isinstance(prompt, str) else repr(prompt)
+        if key not in memo:
+            memo[key] = [int(t) for t in encode(prompt)]
+        return memo[key]
+
+    for p in prompts:
+        is_chat_prompt(p)  # a clear error for anything else
+    full = [encode_memo(p) for p in prompts]
+    if prompt_ids is not None:
+        given = _rows_of(prompt_ids, prompt_mask, "prompt_ids")
+        if len(given) != b:
+            raise ValueError(f"prompt_ids: expected {b} rows, got {len(given)}")
+        for i, (g, f) in enumerate(zip(given, full)):
+            if g != f:
+                at = next((t for t, (x, y) in enumerate(zip(g, f)) if x != y), min(len(g), len(f)))
+                raise ValueError(
+                    f"prompt_ids: row {i} ({len(g)} tokens) differs from its prompt rendered "
+                    f"and tokenized here ({len(f)} tokens) from token {at}; render prompts "
+                    "as generation did (encode=, chat_template_kwargs, add_special_tokens), "
+                    "and do not truncate prompts that spans refer to"
+                )
+    stream_ids = _stream_ids(list(prompts), [list(r) for r in spans], encode_memo)
+    has_info = torch.tensor([[s is not None for s in row] for row in stream_ids],
+                            dtype=torch.bool).reshape(b, k)  # fmt: skip
+    weight, _ = _head(model)
+    if pad_token_id is None and tokenizer is not None:
+        pad_token_id = tokenizer.pad_token_id
+    core = _replay_core(model, full, stream_ids, rows, num_streams=k, pad_id=pad_token_id,
+                        temperature=float(temperature), micro_batch=micro_batch)  # fmt: skip
+    device = weight.device
+    if isinstance(responses, torch.Tensor):
+        mask = (torch.ones_like(responses, dtype=torch.bool) if response_mask is None
+                else response_mask.bool()).to(device)  # fmt: skip
+    else:
+        width = max((len(r) for r in rows), default=0)
+        mask = torch.zeros((b, width), dtype=torch.bool, device=device)
+        for i, r in enumerate(rows):
+            mask[i, : len(r)] = True
+    relevance = torch.zeros((k,) + tuple(mask.shape), dtype=torch.float32, device=device)
+    relevance[:, mask] = core.distance
+    relevance *= has_info.t().to(device=device, dtype=relevance.dtype)[:, :, None]
+    old = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=device)
+    old[mask] = core.old_logprobs
+    return Replay(relevance, has_info.to(device), mask, old, core.replayed,
+                  time.perf_counter() - t0)  # fmt: skip
 
 
 def _cache_keyword(model) -> str:

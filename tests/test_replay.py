@@ -3,16 +3,24 @@ the relevance / old log-probs against direct unpadded float64 computations."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head
-from mrtpo.prompting import ChatPrompter
+from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
+from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head, task_texts
+from mrtpo.prompting import ChatPrompter, merge_spans
 from mrtpo.replay import (
+    CallableLM,
     contrastive_replay,
     forward_responses,
     forward_shared_prompts,
+    replay_relevance,
     teacher_batch,
 )
+from mrtpo.tasks import load_task
+from mrtpo_kernels import linear_js_distance
 from mrtpo_kernels.reference import js_distance_ref, logprobs_from_logits_ref
 
 PROMPTS = [
@@ -151,3 +159,234 @@ def test_shared_prompt_cache_equals_separate_forwards():
             model, prompts, responses, tok.pad_token_id, micro_batch=mb, device="cpu"
         )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- replay_relevance
+# The framework-neutral replay: plain and chat prompts, padded responses, (K, B, T) out.
+
+SYSTEM_TEMPLATE = (  # like SmolLM2's: a system turn is added when the prompt has none
+    "{% if messages[0]['role'] != 'system' %}<|system|>\nYou are a helpful assistant.<|end|>\n"
+    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _padded(rows, width, pad, side="right"):
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        a = 0 if side == "right" else width - len(r)
+        ids[i, a : a + len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, a : a + len(r)] = 1
+    return ids, mask
+
+
+def _f64_relevance(model, tok_ids_full, tok_ids_without, response, tau):
+    """float64 JS from full logits: one unpadded forward per prompt."""
+    m64 = copy.deepcopy(model).double()
+    r = list(response)
+    with torch.no_grad():
+        p, q = list(tok_ids_full), list(tok_ids_without)
+        lp = m64(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
+        lq = m64(torch.tensor([q + r])).logits[0, len(q) - 1 : len(q) - 1 + len(r)]
+    return js_distance_ref(lp, lq, temperature=tau)
+
+
+@pytest.mark.parametrize("task_name", ["constraints", "sql", "tools"])
+def test_replay_relevance_equals_contrastive_replay_on_builtin_tasks(task_name):
+    """The trainer's packed replay and the neutral one agree on a built-in task's prompts
+    and verdict spans, and both agree with a float64 recomputation from full logits."""
+    task = load_task(task_name, seed=0)
+    texts = task_texts(task)[:60]
+    tok = build_tokenizer(texts, vocab_size=400)
+    model = build_tiny_model(tok, TINY, seed=1).eval()
+    pr = ChatPrompter(tok)
+    examples = task.train[:3]
+    prompts, responses, spans = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    for ex in examples:
+        for g in range(2):
+            text = ex.reference or "ok"
+            ids = tok(text, add_special_tokens=False)["input_ids"][: 6 + 3 * g]
+            if g:
+                ids = ids + torch.randint(5, len(tok), (2,), generator=gen).tolist()
+            resp_text = tok.decode(ids)
+            prompts.append(ex.prompt)
+            responses.append(ids)
+            spans.append([list(v(ex, resp_text).spans) for v in task.verifiers])
+    responses[1] = []  # a masked truncation
+    assert any(s for row in spans for s in row), "the task's verifiers named no span"
+    tau = 0.8
+    prompt_ids = [pr.encode(p).ids for p in prompts]
+    old = contrastive_replay(
+        model, pr, prompts, prompt_ids, responses, spans, temperature=tau, micro_batch=3
+    )
+    new = replay_relevance(
+        model, prompts, responses, spans, tokenizer=tok, chat_template=True,
+        prompt_ids=prompt_ids, temperature=tau, micro_batch=2,
+    )  # fmt: skip
+    k = len(task.verifiers)
+    assert new.relevance.shape == (k, len(prompts), max(map(len, responses)))
+    torch.testing.assert_close(
+        new.relevance, padded_from_packed(old.relevance, new.response_mask), rtol=1e-5, atol=1e-6
+    )
+    assert torch.equal(new.has_info, has_info_from_spans(spans))
+    torch.testing.assert_close(new.old_logprobs[new.response_mask], old.old_logprobs)
+    # the relevance as the trainer computed it before this engine: unshared full forwards
+    # of every row, then one JS call over all rows
+    hp = forward_responses(model, prompt_ids, responses, tok.pad_token_id, micro_batch=1,
+                           device="cpu")  # fmt: skip
+    hq = hp.unsqueeze(0).repeat(k, 1, 1)
+    starts = [0]
+    for r in responses:
+        starts.append(starts[-1] + len(r))
+    for i in range(len(prompts)):
+        for j in range(k):
+            if spans[i][j] and responses[i]:
+                q = pr.encode(prompts[i], remove=spans[i][j]).ids
+                hq[j, starts[i] : starts[i + 1]] = forward_responses(
+                    model, [q], [responses[i]], tok.pad_token_id, micro_batch=1, device="cpu"
+                )
+                want = _f64_relevance(model, prompt_ids[i], q, responses[i], tau)
+                got = new.relevance[j, i, : len(responses[i])].double()
+                torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    w, b = lm_head(model)
+    before = linear_js_distance(hp, hq, w, bias=b, temperature=tau)
+    torch.testing.assert_close(old.relevance, before, rtol=1e-4, atol=1e-5)
+    assert new.replayed == sum(bool(s) and bool(r) for row, r in zip(spans, responses)
+                               for s in row)  # fmt: skip
+
+
+def _chat_setup(template=None):
+    tok = build_tokenizer(PROMPTS * 4 + ["hello blue owls", "gold rain bye now", "be brief"],
+                          vocab_size=300)  # fmt: skip
+    if template is not None:
+        tok.chat_template = template
+    model = build_tiny_model(tok, TINY, seed=0).eval()
+    return tok, model
+
+
+@pytest.mark.parametrize("template", [None, SYSTEM_TEMPLATE], ids=["plain", "adds-system"])
+def test_replay_relevance_chat_prompts(template):
+    """Chat prompts with and without a system message, under a template that adds its own
+    system turn: spans are (message, start, end) in the caller's messages; a span at the very
+    start and end of a message, one covering a whole user message, overlapping spans, a
+    reward without spans; left- and right-padded responses give the same result; float64
+    recomputation from full logits."""
+    tok, model = _chat_setup(template)
+    u0, u1 = PROMPTS
+    sys_msg = {"role": "system", "content": "be brief"}
+    prompts = [
+        [{"role": "user", "content": u0}],
+        [{"role": "user", "content": u0}],
+        [sys_msg, {"role": "user", "content": u1}],
+        [sys_msg, {"role": "user", "content": u1}],
+    ]
+    spans = [
+        [[(0, 0, 5)], [(0, len(u0) - 6, len(u0))], []],  # very start, very end, none
+        [[(0, 0, 5)], [(0, len(u0) - 6, len(u0))], []],
+        [[(1, 0, len(u1))], [(1, 3, 12), (1, 8, 20), (-1, 30, 31)], [(0, 0, 8)]],  # whole
+        [[(1, 0, len(u1))], [(8, 20)], [(0, 0, 8)]],  # (start, end): the last user message
+    ]
+    responses = [[10, 11, 12, tok.eos_token_id], [], [15, 16, 17], [13, 14]]
+    tau = 1.1
+    rel = {}
+    for side in ("right", "left"):
+        ids, mask = _padded(responses, 5, tok.pad_token_id, side)
+        out = replay_relevance(model, prompts, ids, spans, response_mask=mask, tokenizer=tok,
+                               temperature=tau, micro_batch=1)  # fmt: skip
+        assert out.relevance.shape == (3, 4, 5)
+        assert torch.all(out.relevance[:, ~mask.bool()] == 0)
+        rel[side] = out.relevance[:, mask.bool()]
+    torch.testing.assert_close(rel["left"], rel["right"], rtol=1e-5, atol=1e-6)
+    assert out.has_info.tolist() == [[True, True, False]] * 2 + [[True, True, True]] * 2
+    assert torch.all(out.relevance[2, :2] == 0)
+
+    def enc(messages):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    if template is not None:
+        assert "You are a helpful assistant." in tok.decode(enc(prompts[0]))
+    cut = {  # the prompts without each reward's spans, written out by hand
+        (0, 0): [{"role": "user", "content": u0[5:]}],
+        (0, 1): [{"role": "user", "content": u0[:-6]}],
+        (2, 0): [sys_msg, {"role": "user", "content": ""}],
+        (2, 1): [sys_msg, {"role": "user", "content": u1[:3] + u1[20:30] + u1[31:]}],
+        (2, 2): [{"role": "system", "content": ""}, {"role": "user", "content": u1}],
+        (3, 1): [sys_msg, {"role": "user", "content": u1[:8] + u1[20:]}],
+    }
+    for (i, k), without in cut.items():
+        r = responses[i]
+        want = _f64_relevance(model, enc(prompts[i]), enc(without), r, tau)
+        got = out.relevance[k, i][mask[i].bool()].double()  # left-padded: the mask's tokens
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+        assert got.max() > 0
+    assert torch.all(out.relevance[:, 1] == 0)  # empty response
+
+
+def test_replay_relevance_plain_prompts_and_callable_model():
+    """Plain prompts tokenized as they are (TRL's plain-text datasets), a list of responses,
+    and the same model given as a CallableLM (whole-row forwards, no cache sharing)."""
+    tok, model = _chat_setup()
+    p0, p1 = PROMPTS
+    prompts = [p0, p0, p1]
+    spans = [[[(p0.index("Start"), p0.index("Include"))]], [[(p0.index("Start"), len(p0))]],
+             [[(0, 5), (3, 9)]]]  # fmt: skip
+    responses = [[10, 11, 12], [13], [14, 15]]
+    tau = 0.9
+    out = replay_relevance(model, prompts, responses, spans, tokenizer=tok, temperature=tau)
+    assert out.relevance.shape == (1, 3, 3) and out.response_mask.sum().item() == 6
+    for i, p in enumerate(prompts):
+        without = p
+        for a, e in reversed(merge_spans(spans[i][0])):
+            without = without[:a] + without[e:]
+        want = _f64_relevance(model, tok(p)["input_ids"], tok(without)["input_ids"],
+                              responses[i], tau)  # fmt: skip
+        torch.testing.assert_close(out.relevance[0, i, : len(responses[i])].double(), want,
+                                   rtol=1e-3, atol=1e-4)  # fmt: skip
+    w, b = lm_head(model)
+
+    def hidden(input_ids, attention_mask, position_ids):
+        out = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False)  # fmt: skip
+        return out.last_hidden_state
+
+    via_fn = replay_relevance(CallableLM(hidden, w, b), prompts, responses, spans,
+                              tokenizer=tok, temperature=tau, micro_batch=2)  # fmt: skip
+    torch.testing.assert_close(via_fn.relevance, out.relevance, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(via_fn.old_logprobs, out.old_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_relevance_tokens_merged_across_the_cut():
+    """The prompt without a span is tokenized afresh, so tokens merging across the cut are
+    the shorter prompt's real tokens (not the full prompt's tokens with some deleted)."""
+    tok, model = _chat_setup()
+    p = "hello blue owls"
+    span = (p.index("blue") - 1, p.index("blue") + 4)  # " blue": "hello" and " owls" meet
+    out = replay_relevance(model, [p], [[10, 11]], [[[span]]], tokenizer=tok, temperature=1.0,
+                           add_special_tokens=False)  # fmt: skip
+    full = tok(p, add_special_tokens=False)["input_ids"]
+    cut = tok("hello owls", add_special_tokens=False)["input_ids"]
+    want = _f64_relevance(model, full, cut, [10, 11], 1.0)
+    torch.testing.assert_close(out.relevance[0, 0].double(), want, rtol=1e-3, atol=1e-4)
+
+
+def test_replay_relevance_errors():
+    tok, model = _chat_setup()
+    p = PROMPTS[0]
+    ok = dict(tokenizer=tok, temperature=1.0)
+    with pytest.raises(ValueError, match=r"spans\[0\]\[0\].*ends past"):
+        replay_relevance(model, [p], [[5]], [[[(0, len(p) + 1)]]], **ok)
+    with pytest.raises(ValueError, match="names message 3"):
+        replay_relevance(model, [[{"role": "user", "content": p}]], [[5]], [[[(3, 0, 1)]]], **ok)
+    with pytest.raises(ValueError, match="sample 1 needs one entry per reward"):
+        replay_relevance(model, [p, p], [[5], [6]], [[[]], [[], []]], **ok)
+    with pytest.raises(ValueError, match="prompt_ids: row 0"):
+        replay_relevance(model, [p], [[5]], [[[]]], prompt_ids=[[1, 2, 3]], **ok)
+    with pytest.raises(ValueError, match="tokenizer, encode"):
+        replay_relevance(model, [p], [[5]], [[[]]], temperature=1.0)
+    with pytest.raises(ValueError, match="prompts: expected a string or a list"):
+        replay_relevance(model, [3], [[5]], [[[]]], **ok)
+    none = replay_relevance(model, [], [], [], num_rewards=2, **ok)
+    assert none.relevance.shape == (2, 0, 0) and none.has_info.shape == (0, 2)

@@ -1,0 +1,151 @@
+"""Prompt spans as verifiers name them, and the prompt without them (the replay's input).
+
+A verifier names the parts of the prompt it checks as character spans (METHOD.md section 2).
+Two prompt forms are accepted, as trainers keep them:
+
+- a plain prompt (``str``): spans are ``(start, end)`` character offsets of that string;
+- a chat prompt (a list of ``{"role": ..., "content": str}`` messages): spans are
+  ``(message_index, start, end)``, offsets inside that message's content (a negative index
+  counts from the end, as in Python); a bare ``(start, end)`` means the last user message.
+
+Spans may overlap (their union is removed), be empty (ignored) or cover a whole message
+(its content becomes ""; the message itself stays, so the chat template renders the same
+turns and roles). A span past the end of its text is an error naming the sample and the
+reward. Offsets refer to the caller's prompt: a system message that a chat template inserts
+by itself is not in ``messages`` and shifts nothing.
+
+Removal is done on the text, and the prompt is then rendered and tokenized afresh, never by
+deleting tokens: a tokenizer that merges characters across the cut (byte-level BPE merging a
+space with the next word, or a word split by the span's edge) gives the tokens the shorter
+prompt really has, not a sequence the model never sees.
+
+How a reward names its spans (``spans_of_output``): a reward function may return, per
+sample, a bare score (no spans), a ``(score, spans)`` pair, or any object with ``score`` and
+``spans`` attributes (the project's ``mrtpo.verifiers.Verdict`` works as is).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+
+from .prompting import merge_spans, remove_spans
+
+__all__ = [
+    "is_chat_prompt",
+    "normalize_spans",
+    "prompt_without_spans",
+    "score_and_spans",
+]
+
+
+def is_chat_prompt(prompt) -> bool:
+    """True for a list of role/content messages, False for a plain string; else an error."""
+    if isinstance(prompt, str):
+        return False
+    if isinstance(prompt, Sequence) and all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
+    ):
+        return True
+    raise ValueError(
+        f"prompts: expected a string or a list of {{'role', 'content'}} messages, got "
+        f"{type(prompt).__name__}"
+    )
+
+
+def _last_user(messages) -> int:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["role"] == "user":
+            return i
+    raise ValueError(
+        "spans: a (start, end) span on a chat prompt means its last user message, but the "
+        "prompt has no user message; give (message_index, start, end)"
+    )
+
+
+def normalize_spans(prompt, spans, *, where: str = "spans") -> dict[int | None, list]:
+    """Check ``spans`` against ``prompt`` and return ``{message: merged [(start, end)]}``.
+
+    The key is None for a plain prompt, the (non-negative) message index for a chat prompt.
+    Empty spans are dropped; an empty result means the reward names nothing. ``where`` names
+    the sample and reward in errors.
+    """
+    chat = is_chat_prompt(prompt)
+    if spans is None:
+        return {}
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise ValueError(f"{where}: expected a list of spans, got {type(spans).__name__}")
+    by_msg: dict[int | None, list] = {}
+    for span in spans:
+        if isinstance(span, (str, bytes)) or not isinstance(span, Sequence):
+            raise ValueError(f"{where}: expected spans as tuples, got {span!r}")
+        try:
+            if any(isinstance(x, bool) for x in span):
+                raise TypeError
+            span = tuple(operator.index(x) for x in span)
+        except TypeError:
+            raise ValueError(f"{where}: span {tuple(span)!r} has a non-integer entry") from None
+        if chat:
+            if len(span) == 2:
+                m, (s, e) = _last_user(prompt), span
+            elif len(span) == 3:
+                m, s, e = span
+                if not -len(prompt) <= m < len(prompt):
+                    raise ValueError(
+                        f"{where}: span {tuple(span)} names message {m}, but the prompt has "
+                        f"{len(prompt)} messages"
+                    )
+                m %= len(prompt)
+            else:
+                raise ValueError(
+                    f"{where}: expected (message_index, start, end) or (start, end) on a chat "
+                    f"prompt, got {tuple(span)!r}"
+                )
+            text = prompt[m]["content"]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{where}: message {m}'s content is {type(text).__name__}, not a string "
+                    "(multimodal content parts have no character spans)"
+                )
+        else:
+            if len(span) != 2:
+                raise ValueError(
+                    f"{where}: expected (start, end) on a plain prompt, got {tuple(span)!r}"
+                )
+            m, (s, e), text = None, span, prompt
+        if not 0 <= s <= e:
+            raise ValueError(f"{where}: expected 0 <= start <= end, got {tuple(span)!r}")
+        if e > len(text):
+            what = "the prompt" if m is None else f"message {m}'s content"
+            raise ValueError(f"{where}: span {tuple(span)!r} ends past {what} (length {len(text)})")
+        by_msg.setdefault(m, []).append((s, e))
+    merged = {m: merge_spans(v) for m, v in by_msg.items()}
+    return {m: v for m, v in merged.items() if v}
+
+
+def prompt_without_spans(prompt, normalized: Mapping):
+    """``prompt`` (string or messages) without the spans of ``normalize_spans``; messages
+    are copied (the caller's are never modified), their other keys kept."""
+    if not normalized:
+        return prompt
+    if None in normalized:
+        return remove_spans(prompt, normalized[None])
+    out = [dict(m) for m in prompt]
+    for m, spans in normalized.items():
+        out[m]["content"] = remove_spans(out[m]["content"], spans)
+    return out
+
+
+def score_and_spans(value, *, where: str = "reward"):
+    """``(score, spans or None)`` of one reward-function output: a bare score (spans None),
+    a ``(score, spans)`` pair, or an object with ``score`` and ``spans`` (a ``Verdict``)."""
+    if hasattr(value, "score") and hasattr(value, "spans"):
+        return value.score, list(value.spans)
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(
+                f"{where}: a tuple output must be (score, spans), got {len(value)} entries"
+            )
+        score, spans = value
+        return score, None if spans is None else list(spans)
+    return value, None
