@@ -273,6 +273,35 @@ def test_trl_empty_completion_row_keeps_mass():
     )
 
 
+@pytest.mark.parametrize("value", [float("nan"), -1.0, float("inf")])
+def test_empty_row_padding_relevance_is_not_read(value):
+    """An empty (fully masked) row's padding may hold anything: NaN, negative or infinite
+    relevance there changes nothing and fails nothing, in every adapter."""
+    rewards, mask, rel, info = _batch(seed=9)
+    mask[3] = 0
+    mask[5, 2:] = 0
+    rel = rel * mask
+    want = trl.mrtpo_advantages_for_grpo(rewards, 2, mask, rel, info)
+    dirty = rel.clone()
+    dirty[:, 3] = value  # every position of the empty row, the placeholder's included
+    dirty[:, 5, 2:] = value  # the padding of a row that has tokens
+    got = trl.mrtpo_advantages_for_grpo(rewards, 2, mask, dirty, info)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got = openrlhf.mrtpo_token_advantages_from_experience(rewards, 2, mask, dirty, info)
+    torch.testing.assert_close(
+        got, openrlhf.mrtpo_token_advantages_from_experience(rewards, 2, mask, rel, info)
+    )
+    uid = np.array([f"u{i // 2}" for i in range(B)], dtype=object)
+    adv, _ = verl.compute_mrtpo_outcome_advantage(
+        rewards, mask, uid, dirty, info, batch_norm="sequence"
+    )
+    ref, _ = verl.compute_mrtpo_outcome_advantage(
+        rewards, mask, uid, rel, info, batch_norm="sequence"
+    )
+    torch.testing.assert_close(adv, ref, rtol=0, atol=0)
+    assert torch.isnan(dirty).any() or (dirty < 0).any() or torch.isinf(dirty).any()
+
+
 def _policy_inputs(seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     rewards, mask, rel, info = _batch(seed=seed)

@@ -282,8 +282,9 @@ def padded_token_advantages(
 
     Trainers keep rows whose mask is all 0 (TRL masks truncated completions that way); such a
     row still takes part in its group's reward statistics but has no token to carry an
-    advantage. It is passed to the library with one placeholder token and no verifier spans
-    (so nothing about it is reallocated) and comes back as a row of zeros. Under
+    advantage. It is passed to the library with one placeholder token of relevance 0 (whatever
+    its padding holds) and no verifier spans (so nothing about it is reallocated), and comes
+    back as a row of zeros. Under
     ``batch_norm="token"`` an empty row would weigh 1 instead of 0, so there it is an error.
 
     Returns the library's TokenAdvantages; ``token`` is (B, T), 0 wherever ``mask`` is 0.
@@ -305,6 +306,10 @@ def padded_token_advantages(
         m = m.clone()
         m[empty, 0] = True
         has_info = has_info & ~empty[:, None]
+        # the placeholder reads the row's padding, whose values are not the caller's to keep
+        # clean (NaN or negative there must not fail the step): it gets relevance 0
+        relevance = relevance.clone()
+        relevance[:, empty.to(relevance.device), 0] = 0
     out = mrtpo_token_advantages(
         rewards, group_ids.to(rewards.device), relevance, has_info=has_info,
         response_mask=m, weights=weights, alpha=alpha, gamma=gamma, eps=eps,
