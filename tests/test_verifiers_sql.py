@@ -224,7 +224,10 @@ def test_schema_only_reward(sql_example):
     ex = sql_example
     v = SchemaOnly()
     assert v(ex, "SELECT name FROM sqlite_master").score == 0.0
-    assert QueryRuns()(ex, "SELECT name FROM sqlite_master").score == 1.0
+    # It runs, but reads no table of the schema: sql_runs pays only a query of the schema.
+    assert QueryRuns()(ex, "SELECT name FROM sqlite_master").score == 0.0
+    both = "SELECT c.name FROM customers c, sqlite_master m"
+    assert QueryRuns()(ex, both).score == 1.0 and v(ex, both).score == 0.0
     bad_col = v(ex, "SELECT colour FROM products")
     assert bad_col.score == 0.0 and "colour" in bad_col.reason
     # A column hidden from the prompt's schema is not allowed even though the DB has it.
@@ -277,3 +280,78 @@ def test_built_in_schema_matches_the_database(db):
             assert got == cols
     finally:
         conn.close()
+
+
+# --- Rewards a careful judge would not pay (issue 19) -----------------------------------
+
+
+def _scalar_examples(db, n=6):
+    """Examples whose gold result is one number, with the db path filled in."""
+    out = []
+    for ex in load_task("sql", seed=0).train:
+        rows = run_readonly(db, ex.fields["gold"])
+        if len(rows) == 1 and len(rows[0]) == 1 and isinstance(rows[0][0], (int, float)):
+            out.append((dataclasses.replace(ex, fields={**ex.fields, "db_path": db}), rows[0][0]))
+        if len(out) == n:
+            break
+    return out
+
+
+def test_a_constant_query_earns_nothing_even_when_it_equals_the_gold_result(db):
+    examples = _scalar_examples(db)
+    assert len(examples) >= 3
+    for ex, value in examples:
+        for query in (f"SELECT {value!r}", f"```sql\nSELECT {value!r};\n```", "SELECT 1"):
+            verdicts = {v.name: v(ex, query) for v in sql_verifiers()}
+            assert all(v.score == 0.0 for v in verdicts.values()), (query, verdicts)
+            assert (
+                "table" in verdicts["sql_match"].reason or "differs" in verdicts["sql_match"].reason
+            )
+            assert "table" in verdicts["sql_runs"].reason
+            assert "table" in verdicts["sql_schema"].reason
+        # Beside a table it never looks into: still a constant, no match.
+        table = sorted(ex.fields["gold_tables"])[0]
+        beside = ExecutionMatch()(ex, f"SELECT {value!r} FROM {table} LIMIT 1")
+        assert beside.score == 0.0 and "column" in beside.reason, beside
+        # The gold itself, and the same query written otherwise, still earn everything.
+        assert [v(ex, ex.reference).score for v in sql_verifiers()] == [1.0, 1.0, 1.0]
+
+
+def test_a_gold_query_timeout_is_not_cached(sql_example, monkeypatch):
+    from mrtpo.verifiers import sql, sql_sandbox
+
+    sql._RUNS.clear()
+    clock = iter(range(0, 10**9, 1000))  # every reading of the clock is 1000 s later
+    monkeypatch.setattr(sql_sandbox.time, "monotonic", lambda: float(next(clock)))
+    busy = ExecutionMatch()(sql_example, sql_example.reference)
+    assert busy.score == 0.0 and "gold query failed" in busy.reason
+    monkeypatch.undo()  # the machine is idle again
+    again = ExecutionMatch()(sql_example, sql_example.reference)
+    assert again.score == 1.0, again
+    assert not any(isinstance(out[1], QueryTimeout) for out, _ in sql._RUNS.data.values())
+
+
+def test_outcome_cache_never_keeps_transient_failures():
+    from mrtpo.verifiers.sql import _RunCache
+    from mrtpo.verifiers.sql_sandbox import QueryUnavailable
+
+    cache = _RunCache(size=10, max_bytes=1_000_000)
+    calls = []
+
+    def flaky(error):
+        def compute():
+            calls.append(error)
+            raise error("just now")
+
+        return compute
+
+    for error in (QueryTimeout, QueryUnavailable):
+        assert error.transient
+        cache.get(("k", error.__name__), flaky(error))
+        cache.get(("k", error.__name__), flaky(error))
+    assert calls == [QueryTimeout, QueryTimeout, QueryUnavailable, QueryUnavailable]
+    assert not cache.data
+    # A deterministic failure is kept (the three rewards of one response run it once).
+    cache.get(("k", "refused"), flaky(QueryRefused))
+    cache.get(("k", "refused"), flaky(QueryRefused))
+    assert calls.count(QueryRefused) == 1 and not QueryRefused.transient

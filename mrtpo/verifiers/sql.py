@@ -12,17 +12,24 @@ Three rewards per example (`sql_verifiers()`), reading these `Example.fields`:
 - ``gold_tables``: the tables the gold query reads; ``question_span``: ``[start, end]``.
 
 - ``sql_match``: 1 when the result equals the gold result (order-insensitive unless the
-  gold query has ORDER BY); spans: the gold tables' schema lines and the question.
-- ``sql_runs``: 1 when the query runs to completion in the sandbox; spans: the gold
-  tables' schema lines.
-- ``sql_schema``: 1 when the query compiles and reads only tables and columns shown in
-  the prompt; spans: every schema line.
+  gold query has ORDER BY) and the query reads one of the tables the gold query reads
+  (and a column of them when the gold reads columns); spans: the gold tables' schema
+  lines and the question.
+- ``sql_runs``: 1 when the query runs to completion in the sandbox and reads a table of
+  the schema; spans: the gold tables' schema lines.
+- ``sql_schema``: 1 when the query compiles, reads at least one table shown in the prompt
+  and only tables and columns shown there; spans: every schema line.
+
+Which tables and columns a query reads is what SQLite's authorizer reports while it
+compiles the query (`run_readonly`'s ``reads``), so a constant query (``SELECT 47``,
+``SELECT 1``) reads nothing and earns none of the three.
 
 The query is the first fenced code block of the response if there is one, else the whole
 response. Refusals and errors (an over-budget result included) are logged (logger
 ``mrtpo.verifiers.sql``) and become score 0 with the reason. Outcomes are cached so that
 the three rewards of one response run its query once; the cache is bounded by entries
-(`CACHE_ENTRIES`) and by the bytes of the rows it holds (`CACHE_MAX_BYTES`).
+(`CACHE_ENTRIES`) and by the bytes of the rows it holds (`CACHE_MAX_BYTES`). Transient
+failures (a timeout, a database that cannot be read just now) are never cached.
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ from .sql_sandbox import (
     DEFAULT_TIMEOUT_S,
     TABLE_FUNCTIONS,
     QueryError,
-    _run_readonly,
     referenced_columns,
+    run_readonly_sized,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,7 +106,10 @@ class _RunCache:
     """Small thread-safe LRU of query outcomes (rows or error), so that the three rewards
     of one response run its query once. Bounded by entries and by bytes: ``compute``
     returns ``(value, nbytes)``; least recently used entries go first, and a value larger
-    than a quarter of the byte budget is returned without being kept."""
+    than a quarter of the byte budget is returned without being kept. A transient failure
+    (``error.transient``: a timeout, a database that cannot be read just now) is returned
+    and never kept: it says how busy the machine was, not what the query does, and keeping
+    a gold query's timeout would score every later answer to that example 0."""
 
     def __init__(self, size: int = CACHE_ENTRIES, max_bytes: int = CACHE_MAX_BYTES):
         self.size = size
@@ -122,6 +132,8 @@ class _RunCache:
             # A fresh exception without traceback: the failed call's frames (and any rows
             # they held) must not live on in the cache.
             out = (None, type(e)(str(e)))
+            if e.transient:
+                return out
             nbytes = 0
         nbytes += 256 + sum(sys.getsizeof(k) for k in key if isinstance(k, str))
         if nbytes > self.max_bytes // 4:
@@ -153,18 +165,22 @@ def _cached_run(
     except OSError:
         mtime = None
     key = (db_path, mtime, query, timeout_s, max_rows, max_bytes)
-    return _RUNS.get(
-        key,
-        lambda: _run_readonly(
-            db_path,
-            query,
-            timeout_s=timeout_s,
-            max_rows=max_rows,
-            compile_only=False,
-            reads=None,
-            max_bytes=max_bytes,
-        ),
-    )
+
+    def compute():
+        reads: list[tuple[str, str]] = []
+        rows, nbytes = run_readonly_sized(
+            db_path, query, timeout_s=timeout_s, max_rows=max_rows, reads=reads, max_bytes=max_bytes
+        )
+        refs = frozenset((t.lower(), c.lower()) for t, c in reads)
+        return (rows, refs), nbytes + sum(sys.getsizeof(t) + 2 * 64 for t in refs)
+
+    return _RUNS.get(key, compute)
+
+
+def _tables_read(refs: Iterable[tuple[str, str]], tables: Iterable[str]) -> set[str]:
+    """The tables among ``tables`` (any case) that the ``(table, column)`` reads touch."""
+    wanted = {t.lower() for t in tables}
+    return {t.lower() for t, _ in refs if t.lower() in wanted}
 
 
 def _cached_refs(db_path: str, query: str, timeout_s: float):
@@ -238,6 +254,8 @@ class _SQLVerifier:
         return Verdict(score, spans, reason if score == 0.0 else None)
 
     def _run(self, example: Example, query: str):
+        """``((rows, reads), None)`` or ``(None, error)``: ``reads`` are the lower-cased
+        ``(table, column)`` pairs the query reads (``column`` is "" for a whole-table read)."""
         return _cached_run(
             str(example.fields["db_path"]), query, self.timeout_s, self.max_rows, self.max_bytes
         )
@@ -253,7 +271,7 @@ class ExecutionMatch(_SQLVerifier):
 
     def _score(self, example: Example, query: str) -> tuple[float, str | None]:
         gold = example.fields["gold"]
-        gold_rows, gold_err = _cached_run(
+        gold_out, gold_err = _cached_run(
             str(example.fields["db_path"]),
             gold,
             max(self.timeout_s, 5.0),
@@ -261,10 +279,21 @@ class ExecutionMatch(_SQLVerifier):
             self.max_bytes,
         )
         if gold_err is not None:
-            raise RuntimeError(f"gold query failed: {gold_err}")
-        rows, err = self._run(example, query)
+            raise RuntimeError(f"gold query failed: {type(gold_err).__name__}: {gold_err}")
+        gold_rows, gold_refs = gold_out
+        out, err = self._run(example, query)
         if err is not None:
             return 0.0, f"{type(err).__name__}: {err}"
+        rows, refs = out
+        # The answer must read the data the gold reads: one of its tables, and a column of
+        # them when the gold reads columns. A constant (SELECT 47) that happens to equal
+        # the gold result, or one computed beside a table it never looks into, earns nothing.
+        gold_tables = {t for t, _ in gold_refs if t not in TABLE_FUNCTIONS}
+        if gold_tables and not _tables_read(refs, gold_tables):
+            return 0.0, f"reads none of the tables {sorted(gold_tables)} the question is about"
+        gold_columns = any(c for t, c in gold_refs if t in gold_tables)
+        if gold_columns and not any(c for t, c in refs if t in gold_tables):
+            return 0.0, f"reads no column of the tables {sorted(gold_tables)}"
         ordered = bool(_ORDER_BY.search(gold))
         if results_equal(rows, gold_rows, ordered=ordered):
             return 1.0, None
@@ -272,7 +301,7 @@ class ExecutionMatch(_SQLVerifier):
 
 
 class QueryRuns(_SQLVerifier):
-    """Score 1 when the query runs to completion in the sandbox."""
+    """Score 1 when the query runs to completion in the sandbox and reads a schema table."""
 
     name = "sql_runs"
 
@@ -280,9 +309,11 @@ class QueryRuns(_SQLVerifier):
         return _spans(example.fields, example.fields.get("gold_tables", ()), question=False)
 
     def _score(self, example: Example, query: str) -> tuple[float, str | None]:
-        _, err = self._run(example, query)
+        out, err = self._run(example, query)
         if err is not None:
             return 0.0, f"{type(err).__name__}: {err}"
+        if not _tables_read(out[1], (example.fields.get("schema") or {}).keys()):
+            return 0.0, "reads no table of the schema"
         return 1.0, None
 
 
@@ -311,6 +342,8 @@ class SchemaOnly(_SQLVerifier):
             # "" is a whole-table read (COUNT(*)); rowid aliases are part of every table.
             if column and column.lower() not in cols and column.lower() not in ("rowid",):
                 return 0.0, f"reads column {table}.{column}, which is not in the schema"
+        if not _tables_read(refs, schema):  # SELECT 1 reads nothing shown in the prompt
+            return 0.0, "reads no table of the schema"
         return 1.0, None
 
 

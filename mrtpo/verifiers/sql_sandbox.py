@@ -15,8 +15,14 @@ raises a `QueryError` subclass that says why:
 - `QueryTimeout`: still running after ``timeout_s`` seconds.
 - `QueryTooManyRows`: more than ``max_rows`` rows.
 - `QueryTooLarge`: the rows take more than ``max_bytes`` bytes.
+- `QueryUnavailable`: the database could not be read just now (cannot open, locked, I/O
+  error, out of memory).
 - `QueryError` itself: anything else SQLite rejects (syntax, unknown table or column,
   values too large).
+
+`QueryTimeout` and `QueryUnavailable` are *transient* (``error.transient`` is True): they
+depend on the machine's state at the time (load, a paused process, locks), not on the query,
+so whoever remembers outcomes must not remember them.
 
 The verifiers built on it (and their outcome cache) are in `mrtpo.verifiers.sql`.
 """
@@ -94,10 +100,16 @@ _ACTION_NAMES = {
     if hasattr(sqlite3, n)
 }
 _WRITE_ERRORS = ("may not be modified", "readonly database", "read-only")
+# SQLite's primary result codes of a database that cannot be read just now: SQLITE_BUSY,
+# SQLITE_LOCKED, SQLITE_NOMEM, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN, SQLITE_PROTOCOL.
+_UNAVAILABLE_CODES = frozenset({5, 6, 7, 10, 13, 14, 15})
 
 
 class QueryError(Exception):
     """The query failed: SQLite rejected it (syntax, unknown name, value too large, ...)."""
+
+    # True for outcomes of the machine's state rather than of the query (never cached).
+    transient = False
 
 
 class QueryRefused(QueryError):
@@ -106,6 +118,14 @@ class QueryRefused(QueryError):
 
 class QueryTimeout(QueryError):
     """The query ran past its time limit and was interrupted."""
+
+    transient = True
+
+
+class QueryUnavailable(QueryError):
+    """The database could not be read just now: cannot open, locked, I/O error, no memory."""
+
+    transient = True
 
 
 class QueryTooManyRows(QueryError):
@@ -127,14 +147,14 @@ def _connect(db_path: str | os.PathLike) -> sqlite3.Connection:
     try:
         conn = sqlite3.connect(_ro_uri(db_path), uri=True, isolation_level=None)
     except sqlite3.Error as e:
-        raise QueryError(f"cannot open {db_path!r} read-only: {e}") from e
+        raise QueryUnavailable(f"cannot open {db_path!r} read-only: {e}") from e
     try:
         # Set before the authorizer exists: from then on PRAGMA is denied.
         conn.execute("PRAGMA query_only = ON")
         conn.execute("PRAGMA trusted_schema = OFF")
     except sqlite3.Error as e:
         conn.close()
-        raise QueryError(f"cannot open {db_path!r} read-only: {e}") from e
+        raise QueryUnavailable(f"cannot open {db_path!r} read-only: {e}") from e
     if hasattr(conn, "setlimit"):
         for name, value in SQLITE_LIMITS.items():
             category = getattr(sqlite3, "SQLITE_LIMIT_" + name, None)
@@ -267,7 +287,7 @@ def run_readonly(
         QueryError: any other failure (syntax, unknown table or column, missing file).
         ValueError: ``timeout_s``, ``max_rows`` or ``max_bytes`` is out of range.
     """
-    rows, _ = _run_readonly(
+    rows, _ = run_readonly_sized(
         db_path,
         query,
         timeout_s=timeout_s,
@@ -288,10 +308,17 @@ def rows_bytes(rows: Iterable[tuple]) -> int:
     return sum(sys.getsizeof(r) + 8 + sum(map(_value_bytes, r)) for r in rows)
 
 
-def _run_readonly(
-    db_path, query, *, timeout_s, max_rows, compile_only, reads, max_bytes
+def run_readonly_sized(
+    db_path: str | os.PathLike,
+    query: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    compile_only: bool = False,
+    reads: list[tuple[str, str]] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> tuple[list[tuple], int]:
-    """`run_readonly`, also returning the rows' size in bytes."""
+    """`run_readonly`, also returning the rows' size in bytes (see `rows_bytes`)."""
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s: expected a positive finite number, got {timeout_s!r}")
     if not (isinstance(max_rows, int) and max_rows >= 0):
@@ -329,8 +356,12 @@ def _run_readonly(
                 raise QueryTimeout(f"interrupted after {timeout_s:g} s") from e
             if any(m in str(e) for m in _WRITE_ERRORS):  # SQLite refused a write itself
                 raise QueryRefused(f"{e} (read-only sandbox)") from e
+            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF in _UNAVAILABLE_CODES:
+                raise QueryUnavailable(f"{type(e).__name__}: {e}") from e
             raise QueryError(f"{type(e).__name__}: {e}") from e
-        except (OverflowError, ValueError, MemoryError) as e:
+        except MemoryError as e:
+            raise QueryUnavailable(f"{type(e).__name__}: {e}") from e
+        except (OverflowError, ValueError) as e:
             raise QueryError(f"{type(e).__name__}: {e}") from e
         if len(rows) > max_rows:
             raise QueryTooManyRows(f"more than {max_rows} rows")
