@@ -10,6 +10,7 @@ from .sql_sandbox import (
     QueryTimeout,
     QueryTooLarge,
     QueryTooManyRows,
+    QueryUnavailable,
     run_readonly,
 )
 from .tools import parse_call, tool_verifiers
@@ -23,6 +24,7 @@ __all__ = [
     "QueryTimeout",
     "QueryTooLarge",
     "QueryTooManyRows",
+    "QueryUnavailable",
     "Span",
     "Task",
     "Verdict",
