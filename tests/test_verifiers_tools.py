@@ -170,3 +170,83 @@ def test_fast_enough(task):
             calls += 1
     rate = calls / (time.perf_counter() - t0)
     assert rate > 1000, f"{rate:.0f} calls/s"
+
+
+# --- Rewards a careful judge would not pay (issue 19): one test per case -----------------
+
+
+def test_nan_and_infinity_are_not_json_and_earn_nothing(task):
+    ex = _find(task, "convert_currency")
+    gold = ex.fields["gold"]["arguments"]
+    for const in ("NaN", "Infinity", "-Infinity"):
+        text = json.dumps({"name": "convert_currency", "arguments": {**gold, "amount": 1}})
+        text = text.replace('"amount": 1', f'"amount": {const}')
+        verdicts = [v(ex, text) for v in tool_verifiers()]
+        assert [v.score for v in verdicts] == [0.0] * 4, (const, verdicts)
+        assert const.lstrip("-") in verdicts[0].reason
+    with pytest.raises(CallParseError, match="NaN"):
+        parse_call('{"name": "f", "arguments": "{\\"a\\": NaN}"}')  # inside a string too
+
+
+@pytest.mark.parametrize("use_jsonschema", [True, False])
+def test_a_trailing_newline_does_not_match_an_anchored_pattern(task, monkeypatch, use_jsonschema):
+    from mrtpo.verifiers import tools
+
+    if use_jsonschema:
+        pytest.importorskip("jsonschema")
+    else:
+        monkeypatch.setattr(tools, "_validator", lambda schema_json: None)
+    ex = _find(task, "convert_currency")
+    gold = ex.fields["gold"]["arguments"]
+    assert ArgumentsValid()(ex, _call("convert_currency", gold)).score == 1.0
+    for bad in ("EUR\n", "EU\nR", "\u0665\u0665\u0665"):
+        out = ArgumentsValid()(ex, _call("convert_currency", {**gold, "source": bad}))
+        assert out.score == 0.0 and "source" in out.reason, (bad, out)
+    params = tool_defs.TOOLS["book_table"]["parameters"]
+    args = {"restaurant": "Luigi", "people": 2, "time": "19:30"}
+    assert validate_arguments(params, args) is None
+    assert validate_arguments(params, {**args, "time": "19:30\n"}) is not None
+    assert validate_arguments(params, {**args, "time": "\u0661\u0669:30"}) is not None
+    assert tools.json_schema_regex(r"a$|[$]b\$").search("$b$")  # $ in a class or escaped
+    assert not tools.json_schema_regex(r"^a$").search("a\n")
+
+
+def test_the_arguments_reward_needs_the_gold_tool(task):
+    ex = _find(task, "set_alarm")
+    gold = ex.fields["gold"]["arguments"]
+    other = next(n for n in ex.fields["tools"] if n != "set_alarm")
+    out = ArgumentsMatch()(ex, _call(other, gold))
+    assert out.score == 0.0 and other in out.reason
+    out = ArgumentsMatch()(ex, _call("no_such_tool", gold))
+    assert out.score == 0.0
+    assert ArgumentsMatch()(ex, _call("set_alarm", gold)).score == 1.0
+
+
+def test_a_key_given_twice_is_not_a_call(task):
+    ex = _find(task, "set_timer")
+    m = ex.fields["gold"]["arguments"]["minutes"]
+    twice_arg = f'{{"name": "set_timer", "arguments": {{"minutes": 999, "minutes": {m}}}}}'
+    twice_name = f'{{"name": "translate", "name": "set_timer", "arguments": {{"minutes": {m}}}}}'
+    both = f'{{"name": "set_timer", "arguments": {{"minutes": {m}}}, "parameters": {{}}}}'
+    for text in (twice_arg, twice_name, both):
+        verdicts = [v(ex, text) for v in tool_verifiers()]
+        assert [v.score for v in verdicts] == [0.0] * 4, (text, verdicts)
+    assert "twice" in CallFormat()(ex, twice_arg).reason
+
+
+def test_two_calls_in_one_answer_earn_nothing(task):
+    ex = _find(task, "set_timer")
+    gold = _call("set_timer", ex.fields["gold"]["arguments"])
+    wrong = _call("set_alarm", {"hour": 7, "minute": 0})
+    for text in (
+        f"```json\n{gold}\n```\n```json\n{wrong}\n```",
+        f"```json\n{wrong}\n```\n```json\n{gold}\n```",
+        f"```json\n{gold}\n```\nor else {wrong}",
+        f"{wrong}\n```json\n{gold}\n```",
+    ):
+        verdicts = [v(ex, text) for v in tool_verifiers()]
+        assert [v.score for v in verdicts] == [0.0] * 4, (text, verdicts)
+        assert "more than one call" in verdicts[0].reason
+    # One fenced call with prose around it is still one call.
+    ok = f"Here you go:\n```json\n{gold}\n```\nDone."
+    assert [v(ex, ok).score for v in tool_verifiers()] == [1.0] * 4

@@ -6,11 +6,19 @@ inside its first fenced code block (`base.find_fence`: a ``` inside a JSON strin
 close the block). Input longer than `MAX_CALL_CHARS` or nested deeper than `MAX_DEPTH` is
 rejected before it is parsed (score 0 with the reason; no recursion).
 
+The call must be JSON and exactly one call: ``NaN``/``Infinity`` (which Python's parser
+accepts and JSON does not), an object with a key twice (a parser keeps either one), both
+``"arguments"`` and ``"parameters"``, and text outside the fenced block that holds a brace
+or another fence (a second call) all fail the format, and so every reward.
+
 Arguments are validated with ``jsonschema`` when it is installed (imported on first use,
 so importing this module never needs it) and otherwise with `validate_subset`, a small
 validator of the JSON Schema keywords the built-in tool definitions use (type, enum,
 properties, required, additionalProperties, items, minimum/maximum and their exclusive
 forms, minLength/maxLength, pattern); a schema with any other keyword is refused there.
+Both read ``pattern`` as JSON Schema (ECMA-262) does, not as Python does: ``$`` is the end
+of the string only (Python's also matches before a final newline, so ``"EUR\\n"`` would
+match ``^[A-Z]{3}$``) and ``\\d`` is an ASCII digit (`json_schema_regex`).
 
 Rewards (`tool_verifiers()`), reading these `Example.fields`:
 
@@ -24,8 +32,8 @@ Rewards (`tool_verifiers()`), reading these `Example.fields`:
   signature.
 - ``tool_schema``: 1 when the arguments validate against the called tool's schema; spans:
   the called tool's signature (the gold tool's if it called one not in the prompt).
-- ``tool_args``: 1 when the arguments equal the gold call's (numbers compared by value);
-  spans: the gold tool's signature and the request.
+- ``tool_args``: 1 when the call names the gold tool and its arguments equal the gold
+  call's (numbers compared by value); spans: the gold tool's signature and the request.
 """
 
 from __future__ import annotations
@@ -49,13 +57,29 @@ class CallParseError(ValueError):
     """The response is not one well-formed function call."""
 
 
+def _no_constant(name: str) -> Any:
+    raise CallParseError(f"not valid JSON: {name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise CallParseError(f"not valid JSON for a call: the key {dup[:80]!r} appears twice")
+    return obj
+
+
 def _loads_bounded(text: str) -> Any:
+    """Strict JSON: no NaN/Infinity, no key twice in one object, bounded size and depth."""
     if len(text) > MAX_CALL_CHARS:
         raise CallParseError(f"call is {len(text)} characters, more than {MAX_CALL_CHARS}")
     if json_nesting_depth(text, MAX_DEPTH) > MAX_DEPTH:
         raise CallParseError(f"call is nested deeper than {MAX_DEPTH} levels")
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except CallParseError:
+        raise
     except (ValueError, RecursionError) as e:
         raise CallParseError(f"not valid JSON: {e}") from None
 
@@ -67,6 +91,10 @@ def parse_call(response: str) -> tuple[str, dict]:
     if len(response) > 4 * MAX_CALL_CHARS:
         raise CallParseError(f"response is {len(response)} characters, too long for a call")
     fence = find_fence(response)
+    if fence is not None:
+        outside = response[: fence.start] + response[fence.end :]
+        if "{" in outside or "```" in outside:
+            raise CallParseError("more than one call: text outside the fenced call holds another")
     text = (fence.body if fence is not None else response).strip()
     if not text:
         raise CallParseError("empty response")
@@ -76,6 +104,8 @@ def parse_call(response: str) -> tuple[str, dict]:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise CallParseError('missing "name" (a non-empty string)')
+    if "arguments" in obj and "parameters" in obj:
+        raise CallParseError('both "arguments" and "parameters": which one is the call?')
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):
         args = _loads_bounded(args)
@@ -108,6 +138,53 @@ _TYPES = {
 }
 
 
+def json_schema_regex(pattern: str) -> re.Pattern:
+    """A JSON Schema ``pattern`` compiled for Python's ``re.search`` with ECMA-262's meaning
+    of the two constructs where they differ for plain patterns: ``$`` outside a character
+    class becomes ``\\Z`` (the end of the string only; Python's ``$`` also matches before a
+    final newline) and ``\\d`` / ``\\D`` become ``[0-9]`` / ``[^0-9]`` (Python's ``\\d``
+    also matches other scripts' digits). Raises ``re.error`` for a bad pattern."""
+    return _json_schema_regex(pattern)
+
+
+@lru_cache(maxsize=256)
+def _json_schema_regex(pattern: str) -> re.Pattern:
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            if nxt == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif nxt == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            if ch == "]":
+                in_class = False
+        elif ch == "[":
+            in_class = True
+            out.append(ch)
+            i += 1
+            # A ] (after an optional ^) right after [ is a literal in Python's classes.
+            if i < n and pattern[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and pattern[i] == "]":
+                out.append("\\]")
+                i += 1
+            continue
+        elif ch == "$":
+            ch = "\\Z"
+        out.append(ch)
+        i += 1
+    return re.compile("".join(out))
+
+
 def _check_subset_schema(schema: Any, where: str = "schema") -> None:
     if isinstance(schema, bool):
         return
@@ -126,7 +203,7 @@ def _check_subset_schema(schema: Any, where: str = "schema") -> None:
         if key in schema:
             _check_subset_schema(schema[key], f"{where}/{key}")
     if "pattern" in schema:
-        re.compile(schema["pattern"])
+        json_schema_regex(schema["pattern"])
 
 
 def _subset_error(schema: Any, x: Any, path: tuple) -> tuple[tuple, str] | None:
@@ -156,7 +233,7 @@ def _subset_error(schema: Any, x: Any, path: tuple) -> tuple[tuple, str] | None:
             return path, f"shorter than {schema['minLength']} characters"
         if "maxLength" in schema and len(x) > schema["maxLength"]:
             return path, f"longer than {schema['maxLength']} characters"
-        if "pattern" in schema and re.search(schema["pattern"], x) is None:
+        if "pattern" in schema and json_schema_regex(schema["pattern"]).search(x) is None:
             return path, f"does not match {schema['pattern']!r}"
     if isinstance(x, dict):
         props = schema.get("properties") or {}
@@ -205,8 +282,14 @@ def _validator(schema_json: str):
     except ImportError:
         return None
     schema = json.loads(schema_json)
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)
+    base = jsonschema.validators.validator_for(schema)
+    base.check_schema(schema)
+
+    def pattern(validator, patrn, instance, schema):  # JSON Schema's regex, not Python's
+        if validator.is_type(instance, "string") and not json_schema_regex(patrn).search(instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    cls = jsonschema.validators.extend(base, {"pattern": pattern})
     return cls(schema)
 
 
@@ -332,6 +415,9 @@ class ArgumentsMatch(_ToolVerifier):
         )
 
     def _score(self, example, name, args):
+        if name != example.fields["gold"]["name"]:
+            # The same arguments to another tool do another thing: nothing to pay for.
+            return 0.0, f"called {name[:80]!r}, not {example.fields['gold']['name']!r}"
         gold = example.fields["gold"]["arguments"]
         if _same(args, gold):
             return 1.0, None
