@@ -11,10 +11,13 @@ the policy's last hidden states in place of logits. Nothing here imports TRL.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mrtpo_kernels import linear_logprobs, linear_policy_loss
 
+from ..spans import score_and_spans
 from .common import (
     check_shape,
     check_tensor,
@@ -249,6 +252,71 @@ def fused_policy_loss(
     return loss, metrics
 
 
+# --------------------------------------------------------------------------- reward spans
+
+
+class _SpanCapture:
+    """A reward function that may return per sample a score, ``(score, spans)`` or an object
+    with ``score`` and ``spans`` (a ``Verdict``), seen by TRL as one returning scores; the
+    spans of its last call are kept in ``store[k]``."""
+
+    def __init__(self, fn, k: int, store: dict):
+        self.fn, self.k, self.store = fn, k, store
+        inner = fn
+        while isinstance(inner, functools.partial):
+            inner = inner.func
+        self.__name__ = getattr(inner, "__name__", type(inner).__name__)
+
+    def _split(self, out):
+        if out is None:
+            return out
+        pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
+                 for i, v in enumerate(out)]  # fmt: skip
+        self.store[self.k] = [sp for _, sp in pairs]
+        return [sc for sc, _ in pairs]
+
+    def __call__(self, *args, **kwargs):
+        return self._split(self.fn(*args, **kwargs))
+
+
+class _AsyncSpanCapture(_SpanCapture):
+    async def __call__(self, *args, **kwargs):
+        return self._split(await self.fn(*args, **kwargs))
+
+
+def _wrap_reward_funcs(reward_funcs, store: dict):
+    """TRL's ``reward_funcs`` (one or a list) with every plain callable span-capturing."""
+    from trl.trainer.utils import is_async_callable
+
+    single = not isinstance(reward_funcs, (list, tuple))
+    funcs = [reward_funcs] if single else list(reward_funcs)
+    out = []
+    for k, fn in enumerate(funcs):
+        if isinstance(fn, (str, torch.nn.Module)) or not callable(fn):
+            out.append(fn)  # a reward model: scores only
+        else:
+            cls = _AsyncSpanCapture if is_async_callable(fn) else _SpanCapture
+            out.append(cls(fn, k, store))
+    return out[0] if single else out
+
+
+def _trl_prompt_encoder(trainer):
+    """How GRPOTrainer tokenizes a prompt (``_tokenize_prompts``), one prompt at a time."""
+    proc = trainer.processing_class
+
+    def encode(prompt):
+        if isinstance(prompt, str):
+            return proc(text=[prompt])["input_ids"][0]
+        out = proc.apply_chat_template(
+            conversation=[prompt], tools=trainer.tools or None, chat_template=trainer.chat_template,
+            add_generation_prompt=True, tokenize=True, return_dict=True,
+            **trainer.chat_template_kwargs,
+        )  # fmt: skip
+        return out["input_ids"][0]
+
+    return encode
+
+
 # --------------------------------------------------------------------------- the trainer
 
 # TRL settings the fused loss path reproduces; any other value goes to TRL's own loss code,
@@ -263,10 +331,22 @@ def _trainer_mixin():
 
         Extra keyword arguments:
             mrtpo_alpha, mrtpo_gamma: MRTPO's alpha and gamma (``mrtpo_token_advantages``).
-            relevance_fn: ``fn(trainer, inputs, output) -> (relevance (K, B, T), has_info
-                (B, K))`` for this process's rows, e.g. from ``replay_relevance``; None
-                gives zero relevance and no spans (the GDPO advantage on every token).
+            reward_spans: one entry per reward function, ``fn_k(prompt, **columns) ->
+                spans`` (the prompt and the other dataset columns of one sample; spans as
+                in ``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on
+                a conversational one) or None. Where None, a reward function's own outputs
+                name the spans if it returns per sample ``(score, spans)`` or a ``Verdict``;
+                a reward with neither is spread uniformly (GDPO). On each generation batch
+                the trainer runs ``mrtpo.replay.replay_relevance`` on this process's rows
+                with the training model (whatever generated them, vLLM included).
+            relevance_fn: override: ``fn(trainer, inputs, output) -> (relevance (K, B, T),
+                has_info (B, K))`` for this process's rows.
+            mrtpo_micro_batch: responses per replay forward (16).
             mrtpo_advantages: False keeps TRL's own advantages (only the fused loss).
+
+        Logged per step: ``mrtpo/replay_seconds`` and, per reward with spans,
+        ``mrtpo/relevance/<reward name>`` (its mean relevance over the tokens of the samples
+        whose prompt it names spans of).
 
         Log-probs (old, reference and current) come from ``linear_logprobs`` on the
         decoder's hidden states, so no (B, T, V) logits are formed. The loss is
@@ -279,11 +359,19 @@ def _trainer_mixin():
         """
 
         def __init__(self, *args, mrtpo_alpha=1.0, mrtpo_gamma=1.0, relevance_fn=None,
-                     mrtpo_advantages=True, **kwargs):  # fmt: skip
+                     reward_spans=None, mrtpo_micro_batch=16, mrtpo_advantages=True,
+                     **kwargs):  # fmt: skip
+            store: dict = {}
+            if "reward_funcs" in kwargs:
+                kwargs["reward_funcs"] = _wrap_reward_funcs(kwargs["reward_funcs"], store)
+            elif len(args) >= 2:
+                args = (args[0], _wrap_reward_funcs(args[1], store), *args[2:])
             super().__init__(*args, **kwargs)
+            self._mrtpo_span_store = store
             self.mrtpo_alpha = float(mrtpo_alpha)
             self.mrtpo_gamma = float(mrtpo_gamma)
             self.relevance_fn = relevance_fn
+            self.mrtpo_micro_batch = mrtpo_micro_batch
             self.mrtpo_advantages = bool(mrtpo_advantages)
             if getattr(self, "aux_loss_enabled", False):
                 raise ValueError(
@@ -301,6 +389,19 @@ def _trainer_mixin():
                     )
             if self.mrtpo_advantages:
                 _check_scale_rewards(self.scale_rewards)
+            k = len(self.reward_funcs)
+            if reward_spans is None:
+                reward_spans = [None] * k
+            if not isinstance(reward_spans, (list, tuple)) or len(reward_spans) != k:
+                raise ValueError(
+                    f"reward_spans: expected a list of {k} entries (one per reward function, "
+                    f"a span function or None), got {reward_spans!r}"
+                )
+            for j, fn in enumerate(reward_spans):
+                if fn is not None and not callable(fn):
+                    raise ValueError(f"reward_spans[{j}]: expected a callable or None, got "
+                                     f"{type(fn).__name__}")  # fmt: skip
+            self.reward_spans = list(reward_spans)
 
         # ------------------------------------------------------------ advantages
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -318,11 +419,15 @@ def _trainer_mixin():
             mask = output["completion_mask"]
             b, t = mask.shape
             k = rewards.shape[1]
-            if self.relevance_fn is None:
+            spans = self._mrtpo_spans(inputs, k)
+            self._mrtpo_span_store.clear()
+            if self.relevance_fn is not None:
+                relevance, has_info = self.relevance_fn(self, inputs, output)
+            elif spans is not None:
+                relevance, has_info = self._mrtpo_replay(inputs, output, spans, mode)
+            else:
                 relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
                 has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
-            else:
-                relevance, has_info = self.relevance_fn(self, inputs, output)
             rank = self.accelerator.process_index
             process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
             output["advantages"] = mrtpo_advantages_for_grpo(
@@ -332,6 +437,62 @@ def _trainer_mixin():
                 process_slice=process_slice,
             )  # fmt: skip
             return output
+
+        # ------------------------------------------------------------ replay
+        def _mrtpo_spans(self, inputs, k):
+            """(B, K) spans of this process's rows, or None when no reward names any."""
+            spans = [[None] * k for _ in inputs]
+            found = False
+            for j in range(k):
+                fn, captured = self.reward_spans[j], self._mrtpo_span_store.get(j)
+                if fn is not None:
+                    for i, x in enumerate(inputs):
+                        cols = {c: v for c, v in x.items() if c != "prompt"}
+                        spans[i][j] = fn(x["prompt"], **cols)
+                elif captured is not None:
+                    if len(captured) != len(inputs):
+                        raise ValueError(
+                            f"reward function {j}: returned {len(captured)} outputs for "
+                            f"{len(inputs)} samples"
+                        )
+                    for i in range(len(inputs)):
+                        spans[i][j] = captured[i]
+                found = found or any(spans[i][j] for i in range(len(inputs)))
+            return spans if found else None
+
+        @torch.no_grad()
+        def _mrtpo_replay(self, inputs, output, spans, mode):
+            from mrtpo.replay import replay_relevance
+
+            model = self.accelerator.unwrap_model(self.model)
+            was_training = model.training
+            model.eval()
+            try:
+                with self.accelerator.autocast():
+                    rep = replay_relevance(
+                        model, [x["prompt"] for x in inputs], output["completion_ids"], spans,
+                        response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
+                        prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
+                        temperature=self.temperature, micro_batch=self.mrtpo_micro_batch,
+                        pad_token_id=self._tokenizer.pad_token_id,
+                    )  # fmt: skip
+            finally:
+                model.train(was_training)
+            self._log_replay(rep, mode)
+            return rep.relevance, rep.has_info
+
+        def _log_replay(self, rep, mode):
+            metrics = self._metrics[mode]
+            dev = self.accelerator.device
+            secs = self.accelerator.reduce(torch.tensor(rep.seconds, device=dev), "mean")
+            metrics["mrtpo/replay_seconds"].append(float(secs))
+            m = rep.response_mask.to(dev).float()
+            for j, name in enumerate(self.reward_func_names):
+                w = m * rep.has_info[:, j].to(dev).float()[:, None]
+                tot = torch.stack([(rep.relevance[j].to(dev) * w).sum(), w.sum()])
+                tot = self.accelerator.reduce(tot, reduction="sum")
+                if float(tot[1]) > 0:
+                    metrics[f"mrtpo/relevance/{name}"].append(float(tot[0] / tot[1]))
 
         # ------------------------------------------------------------ log-probs
         def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):

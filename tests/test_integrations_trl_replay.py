@@ -1,0 +1,214 @@
+"""MRTPOGRPOTrainer runs the contrastive replay itself: a real TRL GRPOTrainer on a tiny Qwen2
+built in code, span functions (``reward_spans``) and span-returning reward functions, no
+``relevance_fn``. On the same batch its token advantages equal ``mrtpo train``'s code path
+(``contrastive_replay`` then ``mrtpo_token_advantages`` on packed rows), and its relevance
+equals a float64 recomputation from full logits."""
+
+import copy
+import re
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from mrtpo.integrations import trl as mtrl  # noqa: E402
+from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.prompting import ChatPrompter  # noqa: E402
+from mrtpo.replay import contrastive_replay  # noqa: E402
+from mrtpo.verifiers.base import Verdict  # noqa: E402
+from mrtpo_kernels import mrtpo_token_advantages  # noqa: E402
+from mrtpo_kernels.reference import js_distance_ref  # noqa: E402
+
+WORDS = ["blue", "gold", "owls", "rain"]
+PROMPTS = [f'Write a line with the word "{w}" and end with "bye".' for w in WORDS]
+
+
+def quoted(prompt: str, n: int) -> tuple[int, int]:
+    m = list(re.finditer(r'"([^"]+)"', prompt))[n]
+    return (m.start(1), m.end(1))
+
+
+def user_text(prompt):
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def says_word(prompts, completions, **kw):  # spans from reward_spans
+    out = []
+    for p, c in zip(prompts, completions):
+        text = c if isinstance(c, str) else c[0]["content"]
+        word = user_text(p)[slice(*quoted(user_text(p), 0))]
+        out.append(sum(ch in word for ch in text) / (1 + len(text)))  # graded: varies
+    return out
+
+
+def word_spans(prompt, **columns):
+    assert "topic" in columns  # the other dataset columns reach the span function
+    return [quoted(user_text(prompt), 0)]
+
+
+def ends_bye(prompts, completions, **kw):  # names its own spans: (score, spans) / Verdict
+    out = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        text = c if isinstance(c, str) else c[0]["content"]
+        span = quoted(user_text(p), 1)  # on a chat prompt: the last user message
+        score = sum(ch in "bye" for ch in text[-4:]) / 4.0
+        if i % 2 == 0:
+            out.append(Verdict(score, (span,)))
+        else:  # (score, spans), with (message, start, end) spans on a chat prompt
+            out.append((score, [span if isinstance(p, str) else (len(p) - 1, *span)]))
+    return out
+
+
+def length(completions, **kw):  # no spans: spread uniformly (GDPO)
+    return [min(len(c if isinstance(c, str) else c[0]["content"]), 20) / 20.0 for c in completions]
+
+
+def tiny_model(seed=0):
+    tok = build_tokenizer(PROMPTS * 8 + [" ".join(WORDS) + " bye"] * 8)
+    cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=1, max_positions=128)  # fmt: skip
+    model = build_tiny_model(tok, cfg, seed=seed)
+    head = torch.nn.Linear(cfg.hidden_size, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = 3.0  # some completions end, others are truncated
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    return model, tok
+
+
+def recording_class(records):
+    class Recording(mtrl.MRTPOGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            state = copy.deepcopy(self.accelerator.unwrap_model(self.model).state_dict())
+            out = super()._generate_and_score_completions(inputs)
+            records.append(dict(state=state, inputs=inputs, rewards=self._mrtpo_rewards_per_func,
+                                out={k: v for k, v in out.items()}, replay=self._last))  # fmt: skip
+            return out
+
+        def _mrtpo_replay(self, inputs, output, spans, mode):
+            self._last = super()._mrtpo_replay(inputs, output, spans, mode)
+            return self._last
+
+    return Recording
+
+
+def run_trainer(tmp_path, *, conversational, mask_truncated, steps=1):
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if conversational else PROMPTS
+    ds = datasets.Dataset.from_dict({"prompt": prompts * 2, "topic": WORDS * 2})
+    config = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=0.0,
+        mask_truncated_completions=mask_truncated, loss_type="grpo", temperature=1.3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+    )  # fmt: skip
+    records = []
+    trainer = recording_class(records)(
+        model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
+        processing_class=tok, reward_spans=[word_spans, None, None], mrtpo_alpha=1.0,
+        mrtpo_gamma=1.0, mrtpo_micro_batch=3,
+    )  # fmt: skip
+    trainer.train()
+    return trainer, records, tok
+
+
+def _rows(out):
+    mask = out["completion_mask"].bool()
+    prompt_ids = [r[m.bool()].tolist() for r, m in zip(out["prompt_ids"], out["prompt_mask"])]
+    responses = [r[m].tolist() for r, m in zip(out["completion_ids"], mask)]
+    return mask, prompt_ids, responses
+
+
+def _spans_of(inputs):
+    spans = []
+    for x in inputs:
+        p = user_text(x["prompt"])
+        spans.append([[quoted(p, 0)], [quoted(p, 1)], []])
+    return spans
+
+
+def test_trl_replay_advantages_equal_mrtpo_train_path(tmp_path):
+    trainer, records, tok = run_trainer(tmp_path, conversational=True, mask_truncated=False)
+    assert records
+    rec = records[0]
+    out = rec["out"]
+    mask, prompt_ids, responses = _rows(out)
+    model, _ = tiny_model()
+    model.load_state_dict(rec["state"])
+    model.eval()
+    texts = [user_text(x["prompt"]) for x in rec["inputs"]]
+    pr = ChatPrompter(tok)
+    assert prompt_ids == [pr.encode(t).ids for t in texts]  # TRL rendered what mrtpo train does
+    spans = _spans_of(rec["inputs"])
+    rep = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, temperature=1.3)
+    lengths = torch.tensor([len(r) for r in responses])
+    cu = torch.zeros(len(responses) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lengths, 0)
+    has_info = torch.tensor([[bool(s) for s in row] for row in spans])
+    want = mrtpo_token_advantages(
+        rec["rewards"], torch.arange(len(responses)) // 4, rep.relevance, has_info=has_info,
+        cu_seqlens=cu, alpha=1.0, gamma=1.0, eps=1e-4, eps_batch=1e-4, batch_norm="sequence",
+    ).token  # fmt: skip
+    adv = out["advantages"]
+    assert adv.shape == mask.shape
+    torch.testing.assert_close(adv[mask], want.to(adv.dtype), rtol=1e-4, atol=1e-5)
+    assert torch.all(adv[~mask] == 0)
+    # the relevance moved the advantages away from the uniform (GDPO) spread
+    flat = adv[mask].split(lengths.tolist())
+    assert any(len(set(x.tolist())) > 1 for x in flat)
+    logged = trainer.state.log_history[0]
+    assert logged["mrtpo/replay_seconds"] > 0
+    assert logged["mrtpo/relevance/says_word"] > 0 and logged["mrtpo/relevance/ends_bye"] > 0
+    assert "mrtpo/relevance/length" not in logged
+
+
+def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
+    _, records, tok = run_trainer(tmp_path, conversational=False, mask_truncated=True)
+    rec = records[0]
+    out = rec["out"]
+    mask, prompt_ids, responses = _rows(out)
+    assert any(not r for r in responses) and any(responses)  # some truncations were masked
+    model, _ = tiny_model()
+    model.load_state_dict(rec["state"])
+    m64 = model.double().eval()
+    spans = _spans_of(rec["inputs"])
+    relevance, has_info = rec["replay"]  # what the trainer computed and used
+    assert has_info.tolist() == [[True, True, False]] * len(responses)
+    replayed = {}
+    for i, (p, r) in enumerate(zip([x["prompt"] for x in rec["inputs"]], responses)):
+        if not r:
+            assert torch.all(relevance[:, i] == 0)
+            continue
+        full = tok(p)["input_ids"]
+        with torch.no_grad():
+            lp = m64(torch.tensor([full + r])).logits[0, len(full) - 1 : -1]
+            for k in (0, 1):
+                s, e = spans[i][k][0]
+                q = tok(p[:s] + p[e:])["input_ids"]
+                lq = m64(torch.tensor([q + r])).logits[0, len(q) - 1 : -1]
+                want = js_distance_ref(lp, lq, temperature=1.3)
+                torch.testing.assert_close(relevance[k, i][mask[i]].double(), want,
+                                           rtol=1e-3, atol=1e-4)  # fmt: skip
+            assert torch.all(relevance[2, i] == 0)
+        replayed[i] = True
+    assert replayed
+    # the trainer's advantages came from that relevance: a masked row is all zero
+    assert torch.all(out["advantages"][~mask] == 0)
+
+
+def test_trl_reward_spans_errors(tmp_path):
+    model, tok = tiny_model()
+    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                            num_generations=4, report_to=[], use_cpu=True)  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    common = dict(model=model, reward_funcs=[says_word, length], args=config, train_dataset=ds,
+                  processing_class=tok)  # fmt: skip
+    with pytest.raises(ValueError, match="reward_spans: expected a list of 2"):
+        mtrl.MRTPOGRPOTrainer(**common, reward_spans=[word_spans])
+    with pytest.raises(ValueError, match=r"reward_spans\[1\]: expected a callable"):
+        mtrl.MRTPOGRPOTrainer(**common, reward_spans=[word_spans, "x"])
