@@ -20,8 +20,20 @@ all-reduces of (N,) tensors (no [N, V] tensor is communicated, no host synchroni
               mapped label's column (a rank that does not own the label maps it to column
               0); dW and db stay local, dh is all-reduced (SUM).
 
+The plain call's numerics (README "Numerics") hold here too. The combine above needs each
+shard's lse_r finite; one flag (all-reduced, read on the host: one synchronization per
+forward) says whether it is for every valid token on every rank. Where it is not (a
+log-normalizer past the float range at a small temperature, a NaN or +inf logit, a shard
+whose logits are all -inf) the forward recomputes the shard's logits (one more GEMM) and
+combines in the kernels' raw-max form: the global raw max M, x = (z/2 - M/2) (2/tau), so
+the log-probs are the plain call's (0 / -inf past the range, not NaN); a NaN or +inf on any
+shard, or every entry -inf, gives NaN (log-prob, entropy, gradient); a shard all -inf has
+no mass and no gradient.
+
 JS distance (no gradient): per chunk of tokens the shard's logits of both streams, global
-row maxima and sums by all-reduce, the shard's part of the divergence summed by a third.
+raw row maxima and sums by all-reduce (x in the raw-max form), the shard's part of the
+divergence summed by a third; a row with a NaN or +inf on any shard, or all -inf, gives
+NaN, never 0.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import torch.distributed as dist
 
 from . import _ops
 from .backends import _chunked
-from .backends.torch_backend import js_terms, policy_token_terms
+from .backends.torch_backend import js_terms, policy_token_terms, scaled_diff
 from .types import acc_dtype
 
 
@@ -67,7 +79,9 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
 
 
 def _combine(logp_r, ent_r, lse_r, owned, valid, with_ent, group):
-    """Global (logp, entropy|None, lse, w_r) from the shard's per-token statistics."""
+    """Global (logp, entropy|None, w_r, shift) from the shard's per-token statistics, all of
+    them finite (see _forward); w_r = exp(lse_r - lse), the shard's probability mass, and
+    shift = lse_r - lse = log w_r."""
     zero = torch.zeros_like(lse_r)
     lse_r = torch.where(valid, lse_r, zero)
     m = _all_reduce(lse_r.clone(), dist.ReduceOp.MAX, group)
@@ -80,25 +94,129 @@ def _combine(logp_r, ent_r, lse_r, owned, valid, with_ent, group):
     lse = m + torch.log(s)
     logp = torch.where(valid, red[1] - lse, zero)
     ent = torch.where(valid, red[2] / s + torch.log(s), zero) if with_ent else None
-    return logp, ent, lse, e / s
+    return logp, ent, e / s, torch.where(valid, lse_r - lse, zero)
 
 
-def _grad(ctx_tensors, cfg, g_logp, g_ent):
+def _half_diff(a: torch.Tensor, m: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """(a - m) / tau elementwise as (a/2 - m/2) (2/tau), the plain kernels' form."""
+    return (a * 0.5 - m * 0.5) * (2.0 * inv_t)
+
+
+def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent):
+    """This shard's per-row statistics in the plain kernels' raw-max form, from its logits
+    recomputed in chunks (one more GEMM): the raw max m_r (-inf where the row is not
+    finite-valued), log s_r = log sum exp((z - m_r) / tau), the raw logit z at the mapped
+    label, the shard's entropy H_r and whether the row holds a NaN or a +inf."""
+    acc = acc_dtype(h)
+    n = h.shape[0]
+    w32 = w.to(acc)
+    b32 = None if b is None else b.to(acc)
+    col = torch.where(valid, mapped, torch.zeros_like(mapped))
+    m_r, log_s, z_lab = (h.new_empty(n, dtype=acc) for _ in range(3))
+    ent = h.new_zeros(n, dtype=acc)
+    bad = torch.zeros(n, dtype=torch.bool, device=h.device)
+    rows = _chunked.chunk_rows(w.shape[0], streams=2)
+    for a in range(0, n, rows):
+        e = min(n, a + rows)
+        z = h[a:e].to(acc) @ w32.t()
+        if b32 is not None:
+            z = z + b32
+        mx = z.amax(-1)  # NaN propagates; +inf where a +inf is
+        fin = torch.isfinite(mx)
+        bad[a:e] = torch.isnan(mx) | (mx == math.inf)
+        x = scaled_diff(z, torch.where(fin, mx, torch.zeros_like(mx)), inv_t)
+        ls = torch.logsumexp(x, -1)
+        m_r[a:e] = torch.where(fin, mx, torch.full_like(mx, -math.inf))
+        log_s[a:e] = ls
+        z_lab[a:e] = z.gather(-1, col[a:e, None])[:, 0]
+        if with_ent:
+            lp = x - ls[:, None]
+            p = torch.exp(lp)
+            ent[a:e] = -torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1)
+    return m_r, log_s, z_lab, ent, bad
+
+
+def _combine_raw(stats, owned, valid, inv_t, with_ent, group):
+    """_combine from _shard_raw_stats, in the plain kernels' raw-max form: the global raw
+    max M, x = (z - M) / tau as one rounded difference times the scale, so the result is
+    the plain call's wherever that one is defined (log-normalizers beyond the float range
+    included); a NaN or +inf on any shard, or every entry -inf on every shard, gives NaN
+    (log-prob, entropy and gradient), as in the plain call; a shard whose entries are all
+    -inf has no mass."""
+    m_r, log_s, z_lab, ent_r, bad_r = stats
+    acc = m_r.dtype
+    zero = torch.zeros_like(m_r)
+    ninf = torch.full_like(m_r, -math.inf)
+    nan = torch.full_like(m_r, math.nan)
+    mx = torch.stack([torch.where(valid, m_r, ninf), bad_r.to(acc)])
+    mx = _all_reduce(mx, dist.ReduceOp.MAX, group)
+    big_m, bad = mx[0], mx[1] > 0
+    ok = valid & ~bad & torch.isfinite(big_m)
+    ms = torch.where(ok, big_m, zero)
+    has = ok & torch.isfinite(m_r)
+    lr = torch.where(has, _half_diff(torch.where(has, m_r, zero), ms, inv_t) + log_s, ninf)
+    e = torch.exp(lr)  # the shard's sum of exp((z - M) / tau)
+    parts = [e, torch.where(owned & ok, z_lab, zero)]
+    if with_ent:
+        parts.append(torch.where(e > 0, e * (ent_r - lr), zero))
+    red = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
+    s = torch.where(ok, red[0], torch.ones_like(red[0]))
+    log_s_all = torch.log(s)
+    logp = torch.where(ok, _half_diff(red[1], ms, inv_t) - log_s_all, nan)
+    logp = torch.where(valid, logp, zero)
+    ent = None
+    if with_ent:
+        ent = torch.where(ok, red[2] / s + log_s_all, nan)
+        ent = torch.where(valid, ent, zero)
+    w_r = torch.where(ok, e / s, torch.where(valid, nan, zero))
+    shift = torch.where(e > 0, lr - log_s_all, zero)
+    shift = torch.where(ok | ~valid, shift, nan)
+    return logp, ent, w_r, shift
+
+
+def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
+    """The shard's kernel, then the global statistics: (logp, ent|None, saved) with saved
+    the tensors _grad needs. The kernel's lse_r feeds the combine where it is finite on
+    every rank for every valid token (one flag, all-reduced and read on the host); else
+    (a log-normalizer past the float range at a small temperature, a NaN or +inf logit,
+    a shard whose logits are all -inf) the statistics are recomputed in the raw-max form
+    (_combine_raw), so the result follows the plain call's rules."""
+    v0, v_loc, _ = shard_info(w, group)
+    mapped, owned, valid = local_labels(lab, v0, v_loc, ignore_index)
+    mapped = mapped.contiguous()
+    logp_r, ent_r, lse_r = _ops.linear_logprobs_fwd(
+        h, w, b, mapped, temperature, ignore_index, with_ent, backend
+    )
+    odd = (valid & ~torch.isfinite(lse_r)).any().to(lse_r.dtype).reshape(1)
+    if not torch.compiler.is_compiling() and bool(_all_reduce(odd, dist.ReduceOp.MAX, group)):
+        stats = _shard_raw_stats(h, w, b, mapped, valid, 1.0 / temperature, with_ent)
+        logp, ent, w_r, shift = _combine_raw(stats, owned, valid, 1.0 / temperature,
+                                             with_ent, group)  # fmt: skip
+    else:
+        logp, ent, w_r, shift = _combine(logp_r, ent_r, lse_r, owned, valid, with_ent, group)
+    return logp, ent, (h, w, b, mapped, owned, valid, lse_r, w_r, shift)
+
+
+def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     """(dh, dW_loc, db_loc) of sum_t g_logp_t logp_t + g_ent_t H_t for this shard."""
-    h, w, b, mapped, owned, valid, lse, lse_r, w_r, ent = ctx_tensors
+    h, w, b, mapped, owned, valid, lse_r, w_r, shift = ctx_tensors
     temperature, ignore_index, backend, group = cfg
-    acc = lse.dtype
-    zero = torch.zeros_like(lse)
+    acc = lse_r.dtype
+    zero = torch.zeros_like(lse_r)
     g = torch.where(valid, g_logp.to(acc), zero)
     has_ent = g_ent is not None and ent is not None
     if has_ent:
         ge = torch.where(valid, g_ent.to(acc), zero)
-        ent_in = (ent + lse_r - lse).contiguous()
+        ent_in = (ent + shift).contiguous()  # H + lse_r - lse
         ge_in = (ge * w_r).contiguous()
     else:
-        ent_in = ge_in = lse.new_empty(0)
+        ent_in = ge_in = lse_r.new_empty(0)
+    # a shard without mass for a token (w_r = 0: e.g. all its logits -inf) contributes no
+    # gradient there beyond the label's column below: its kernel rows are skipped (the
+    # kernel would call an all -inf row undefined); NaN (an undefined token) still runs
+    lab_k = torch.where(w_r == 0, torch.full_like(mapped, ignore_index), mapped).contiguous()
     dh, dw, db = _ops.linear_logprobs_bwd(
-        h, w, b, mapped, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
+        h, w, b, lab_k, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
         temperature, ignore_index, backend,
     )  # fmt: skip
     # the label's column: g [v == y] where the kernel put g w_r [v == mapped]
@@ -116,24 +234,21 @@ def _grad(ctx_tensors, cfg, g_logp, g_ent):
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
-        v0, v_loc, _ = shard_info(w, group)
-        mapped, owned, valid = local_labels(lab, v0, v_loc, ignore_index)
-        logp_r, ent_r, lse_r = _ops.linear_logprobs_fwd(
-            h, w, b, mapped.contiguous(), temperature, ignore_index, with_ent, backend
+        logp, ent, saved = _forward(
+            h, w, b, lab, temperature, ignore_index, with_ent, backend, group
         )
-        logp, ent, lse, w_r = _combine(logp_r, ent_r, lse_r, owned, valid, with_ent, group)
-        ctx.save_for_backward(h, w, b, mapped, owned, valid, lse, lse_r, w_r, ent)
+        ctx.save_for_backward(*saved, ent)
         ctx.cfg = (temperature, ignore_index, backend, group)
         ctx.has_bias = b is not None
         ctx.set_materialize_grads(False)
-        return logp, (ent if with_ent else lse.new_empty(0))
+        return logp, (ent if with_ent else logp.new_empty(0))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        saved = ctx.saved_tensors
+        *saved, ent = ctx.saved_tensors
         if g_logp is None:
             g_logp = torch.zeros_like(saved[6])
-        dh, dw, db = _grad(saved, ctx.cfg, g_logp, g_ent)
+        dh, dw, db = _grad(saved, ent, ctx.cfg, g_logp, g_ent)
         h, w, b = saved[:3]
         dh = dh.to(h.dtype) if ctx.needs_input_grad[0] else None
         dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
@@ -154,12 +269,8 @@ class _LinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, lab, old, adv, coef, ref, cfg, group):
         temperature, cl, ch, cc, beta, kl_iw, ignore_index, backend = cfg
-        v0, v_loc, _ = shard_info(w, group)
-        mapped, owned, valid = local_labels(lab, v0, v_loc, ignore_index)
-        logp_r, _, lse_r = _ops.linear_logprobs_fwd(
-            h, w, b, mapped.contiguous(), temperature, ignore_index, False, backend
-        )
-        logp, _, lse, w_r = _combine(logp_r, None, lse_r, owned, valid, False, group)
+        logp, _, saved = _forward(h, w, b, lab, temperature, ignore_index, False, backend, group)
+        valid = saved[5]
         per_tok, dlogp, clipped = policy_token_terms(
             logp, old, adv, ref if ref.numel() else None, cl, ch, cc, beta, kl_iw
         )
@@ -167,7 +278,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
         loss = torch.where(valid, per_tok * coef, zero).sum()
         clipped = torch.where(valid & clipped, 1.0, 0.0).to(logp.dtype)
         g = torch.where(valid, dlogp * coef, zero)
-        ctx.save_for_backward(h, w, b, mapped, owned, valid, lse, lse_r, w_r, g)
+        ctx.save_for_backward(*saved, g)
         ctx.cfg = (temperature, ignore_index, backend, group)
         ctx.has_bias = b is not None
         ctx.set_materialize_grads(False)
@@ -179,9 +290,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
         none = (None,) * 7
         if g_loss is None:
             return (None, None, None) + none
-        h, w, b, mapped, owned, valid, lse, lse_r, w_r, g = ctx.saved_tensors
-        saved = (h, w, b, mapped, owned, valid, lse, lse_r, w_r, None)
-        dh, dw, db = _grad(saved, ctx.cfg, g * g_loss.to(g.dtype), None)
+        *saved, g = ctx.saved_tensors
+        h, w, b = saved[:3]
+        dh, dw, db = _grad(saved, None, ctx.cfg, g * g_loss.to(g.dtype), None)
         dh = dh.to(h.dtype) if ctx.needs_input_grad[0] else None
         dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
         db = db.to(b.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -208,20 +319,28 @@ def linear_js(hp, hq, w, b, temperature, group):
     rows = _chunked.chunk_rows(w.shape[0], streams=2)
 
     def log_probs(hh):
+        """(log p of the shard's entries, whether the row is defined): the global raw max M,
+        x = (z - M) / tau in the plain kernels' form (no z / tau that could overflow); a
+        NaN or +inf on any shard, or every entry -inf, leaves the row undefined (JS NaN)."""
         z = hh.to(acc) @ w32.t()
         if b32 is not None:
             z = z + b32
-        z = z * inv_t
-        m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        x = z - m[:, None]
+        mx = z.amax(-1)  # NaN propagates
+        fin = torch.isfinite(mx)
+        bad = (torch.isnan(mx) | (mx == math.inf)).to(acc)
+        red = torch.stack([torch.where(fin, mx, torch.full_like(mx, -math.inf)), bad])
+        red = _all_reduce(red, dist.ReduceOp.MAX, group)
+        ok = (red[1] == 0) & torch.isfinite(red[0])
+        x = scaled_diff(z, torch.where(ok, red[0], torch.zeros_like(mx)), inv_t)
         s = _all_reduce(torch.exp(x).sum(-1), dist.ReduceOp.SUM, group)
-        return x - torch.log(s)[:, None]
+        return x - torch.log(s)[:, None], ok
 
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        a = log_probs(hp[s:e])
+        a, ok_p = log_probs(hp[s:e])
         for j in range(k):
-            part = _all_reduce(js_terms(a, log_probs(hq[j, s:e])), dist.ReduceOp.SUM, group)
-            out[j, s:e] = torch.sqrt(part.clamp(min=0.0) / math.log(2.0)).clamp(max=1.0)
+            bq, ok_q = log_probs(hq[j, s:e])
+            part = _all_reduce(js_terms(a, bq), dist.ReduceOp.SUM, group)
+            d = torch.sqrt(part.clamp(min=0.0) / math.log(2.0)).clamp(max=1.0)
+            out[j, s:e] = torch.where(ok_p & ok_q, d, torch.full_like(d, math.nan))
     return out

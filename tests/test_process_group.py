@@ -9,8 +9,10 @@ once) and save what they computed; the test process compares.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -82,6 +84,63 @@ def _run_all(x, backend, rank=None, group=None):
     return out
 
 
+EXTREME = ("past_range", "shard_all_ninf", "nan_bias", "inf_row", "nan_row")
+
+
+def _extreme_inputs(case, dtype):
+    """Inputs outside the ordinary range (README "Numerics"), in the dtype asked.
+    past_range: |z / T| beyond float32 at T = 0.01 (float32: the shard's log-normalizer
+    overflows, the log-probs are 0 / -inf and finite in between); shard_all_ninf: the second
+    shard's logits all -inf (a -inf bias), so that shard has no mass; nan_bias: a NaN
+    logit in every row; inf_row / nan_row: one token's hidden state holds +inf / NaN."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(B * T, D, generator=g, dtype=torch.float64)
+    w = torch.randn(V, D, generator=g, dtype=torch.float64)
+    bias = torch.randn(V, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, V, (B * T,), generator=g)
+    lab[1] = -100
+    temp = 0.8
+    if case == "past_range":
+        h, temp = h * 1e36, 0.01
+    elif case == "shard_all_ninf":
+        bias[V // WORLD :] = -math.inf
+        lab = torch.where(lab == -100, lab, lab % (V // WORLD))
+    elif case == "nan_bias":
+        bias[V - 3] = math.nan
+    elif case == "inf_row":
+        h[4, 2] = math.inf
+    else:
+        h[4, 2] = math.nan
+    hq = h * torch.linspace(0.9, 1.1, D, dtype=torch.float64)
+    return dict(h=h.to(dtype), w=w.to(dtype), bias=bias.to(dtype), lab=lab, hq=hq.to(dtype),
+                temp=temp)  # fmt: skip
+
+
+def _run_extreme(x, backend, rank=None, group=None, world=WORLD):
+    """Log-probs, entropy, their gradients, the policy loss (with a KL term) and JS."""
+    w, bias = x["w"], x["bias"]
+    if group is not None:
+        v_loc = V // world
+        w, bias = w[rank * v_loc : (rank + 1) * v_loc], bias[rank * v_loc : (rank + 1) * v_loc]
+    hh, ww, bb = (t.detach().clone().requires_grad_() for t in (x["h"], w, bias))
+    kw = dict(bias=bb, temperature=x["temp"], process_group=group, backend=backend)
+    logp, ent = mk.linear_logprobs(hh, ww, x["lab"], return_entropy=True, **kw)
+    valid = x["lab"] != -100
+    torch.where(valid & logp.isfinite(), logp, 0.0).sum().add(ent.nan_to_num().sum()).backward()
+    out = dict(logp=logp.detach(), ent=ent.detach(), gh=hh.grad, gw=ww.grad, gb=bb.grad)
+    n = logp.shape[0]
+    old = logp.detach().double().nan_to_num(0.0).clamp(min=-1e30).float() - 0.1
+    loss, metrics = mk.linear_policy_loss(
+        hh.detach(), ww.detach(), x["lab"], old, torch.linspace(-1, 1, n),
+        ref_logprobs=old + 0.05, beta=0.1, **kw | dict(bias=bb.detach()),
+    )  # fmt: skip
+    out.update(loss=loss.detach(), kl=metrics["kl"], ratio=metrics["mean_ratio"])
+    with torch.no_grad():
+        out["js"] = mk.linear_js_distance(x["h"], x["hq"], w, bias=bias, temperature=x["temp"],
+                                          process_group=group, backend=backend)  # fmt: skip
+    return out
+
+
 def _worker(rank, port, path, dtype):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -89,6 +148,10 @@ def _worker(rank, port, path, dtype):
     try:
         x = _inputs(dtype)
         res = {be: _run_all(x, be, rank, dist.group.WORLD) for be in BACKENDS}
+        for case in EXTREME:
+            xe = _extreme_inputs(case, dtype)
+            for be in BACKENDS:
+                res[be][case] = _run_extreme(xe, be, rank, dist.group.WORLD)
         torch.save(res, f"{path}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -169,3 +232,61 @@ def test_vocab_parallel_needs_an_initialized_group():
     x = _inputs(torch.float64)
     with pytest.raises(ValueError, match="process_group"):
         mk.linear_logprobs(x["h"], x["w"], x["lab"], process_group=object())
+
+
+def _same_numbers(got, want, rtol, atol, what):
+    """NaN exactly where want has NaN, infinities equal, the rest close (atol relative to
+    the largest finite |want|: gradients at |h| ~ 1e36 are of that size)."""
+    got, want = got.double(), want.double()
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN at {got}, want {want}"
+    fin = want.isfinite()
+    assert torch.equal(got[~fin & ~want.isnan()], want[~fin & ~want.isnan()]), what
+    scale = float(want[fin].abs().max()) if bool(fin.any()) else 0.0
+    torch.testing.assert_close(got[fin], want[fin], rtol=rtol, atol=atol * max(1.0, scale),
+                               msg=lambda m: f"{what}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", EXTREME)
+def test_vocab_parallel_follows_the_plain_rules_on_extreme_inputs(sharded, backend, case):
+    """Non-finite logits and log-normalizers past the float range, over 2 ranks: NaN where
+    the plain call has NaN (never a JS of 0), 0 / -inf log-probs where it has them, a shard
+    whose logits are all -inf has no mass; values and gradients equal the plain call's."""
+    dtype, ranks = sharded
+    plain = _run_extreme(_extreme_inputs(case, dtype), backend)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    v_loc = V // WORLD
+    for r in range(WORLD):
+        got = ranks[r][backend][case]
+        for k in ("logp", "ent", "gh", "loss", "kl", "ratio", "js"):
+            _same_numbers(got[k], plain[k], what=f"{case} {k} rank {r}", **tol)
+        sl = slice(r * v_loc, (r + 1) * v_loc)
+        _same_numbers(got["gw"], plain["gw"][sl], what=f"{case} grad weight rank {r}", **tol)
+        _same_numbers(got["gb"], plain["gb"][sl], what=f"{case} grad bias rank {r}", **tol)
+
+
+@pytest.fixture
+def world_of_one():
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp}/store")
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocab_parallel_world_of_one_equals_plain_call(world_of_one, backend):
+    """A group of one rank is the plain call: NaN / +inf rows give JS NaN (not 0), and
+    past float32's range the log-probs are the plain call's 0 / -inf (not NaN)."""
+    for case in EXTREME:
+        if case == "shard_all_ninf":
+            continue  # one shard holds the whole vocabulary: every row undefined, both ways
+        x = _extreme_inputs(case, torch.float32)
+        got, want = _run_extreme(x, backend, 0, world_of_one, 1), _run_extreme(x, backend)
+        for k in ("logp", "ent", "gh", "gw", "gb", "loss", "kl", "ratio", "js"):
+            _same_numbers(got[k], want[k], rtol=1e-5, atol=1e-6, what=f"{case} {k}")
+    x = _extreme_inputs("past_range", torch.float32)
+    assert bool((x["h"].abs() @ x["w"].abs().t() / x["temp"] > torch.finfo().max).any())
