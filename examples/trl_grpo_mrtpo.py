@@ -1,14 +1,21 @@
-"""GRPO with MRTPO credit assignment in TRL: MRTPOGRPOTrainer with a contrastive replay.
+"""GRPO with MRTPO credit assignment in TRL: MRTPOGRPOTrainer replays each reward's spans itself.
 
-Two rewards: "says the quoted word" (its verifier checks the quoted word in the prompt: that
-span is removed in the replay) and a length reward (no span: spread uniformly, as in GDPO).
+A conversational dataset (system + user messages) and three verifiers:
+- ``says_word``: the response contains the quoted word; its span is named by a span function
+  (``reward_spans``), from the prompt alone;
+- ``ends_with``: the response ends with the word the prompt asks for; the reward function
+  returns ``(score, spans)`` per sample, spans as (message index, start, end);
+- ``short``: a length reward that names no span (spread uniformly over tokens, as in GDPO).
+No relevance code is written here: the trainer removes each reward's spans from the prompt,
+re-renders it with the chat template and teacher-forces the responses after it.
 
     python examples/trl_grpo_mrtpo.py                 # tiny model built in code, CPU
-    python examples/trl_grpo_mrtpo.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 50 \\
-        --batch 16 --generations 8 --max-completion 64 --out runs/trl_mrtpo
+    python examples/trl_grpo_mrtpo.py --model smollm2-135m-instruct --steps 20 --batch 16 \\
+        --generations 8 --max-completion 48          # the built-in pretrained model, offline
+    python examples/trl_grpo_mrtpo.py --model PATH    # any local Hugging Face causal LM
 
-Needs trl (pinned in requirements.txt). A --model path or hub name is loaded with
-transformers; without it a tiny Qwen2 and tokenizer are built from this file's prompts.
+After training it prints, for a few samples of the last batch, each reward's top-relevance
+response tokens beside the prompt text its verifier names.
 """
 
 from __future__ import annotations
@@ -19,74 +26,53 @@ import re
 import torch
 
 WORDS = ["blue", "gold", "owls", "rain", "cat", "tree", "salt", "moon"]
-PROMPTS = [f'Write a short line that says the word "{w}".' for w in WORDS]
+ENDS = ["now", "then", "here", "soon"]
+SYSTEM = {"role": "system", "content": "Answer in one short line."}
 
 
-def quoted_span(prompt: str) -> tuple[int, int]:
-    m = re.search(r'"([^"]+)"', prompt)
-    return (m.start(1), m.end(1))
+def make_prompt(i: int) -> list[dict]:
+    w, e = WORDS[i % len(WORDS)], ENDS[i % len(ENDS)]
+    user = f'Write a line that says the word "{w}" and ends with "{e}".'
+    return [SYSTEM, {"role": "user", "content": user}]
 
 
-def reward_says_word(prompts, completions, **kwargs):
-    return [float(p[slice(*quoted_span(p))] in c) for p, c in zip(prompts, completions)]
+def quoted(text: str, n: int) -> tuple[int, int]:
+    m = list(re.finditer(r'"([^"]+)"', text))[n]
+    return m.start(1), m.end(1)
 
 
-def reward_length(completions, **kwargs):
-    return [min(len(c), 40) / 40.0 for c in completions]
+def _text(completion) -> str:  # conversational completions are [{"role", "content"}]
+    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
-def make_relevance_fn(tokenizer, temperature: float):
-    """relevance_fn for MRTPOGRPOTrainer: JS relevance of each reward's prompt spans.
+def says_word(prompts, completions, **kwargs):
+    return [float(p[-1]["content"][slice(*quoted(p[-1]["content"], 0))] in _text(c))
+            for p, c in zip(prompts, completions)]  # fmt: skip
 
-    TRL tokenizes plain-string prompts as they are, so the prompt without reward k's span is
-    the text with the span cut out, tokenized the same way. Masked (truncated) completions
-    are empty responses: no replay, relevance 0.
-    """
-    from mrtpo.integrations.common import padded_from_packed
-    from mrtpo.model import lm_head
-    from mrtpo.replay import forward_shared_prompts
-    from mrtpo_kernels import linear_js_distance
 
-    def relevance_fn(trainer, inputs, output):
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        device = output["completion_ids"].device
-        mask = output["completion_mask"]
-        prompts = [x["prompt"] for x in inputs]
-        prompt_ids = [
-            ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])
-        ]
-        responses = [ids[m.bool()].tolist() for ids, m in zip(output["completion_ids"], mask)]
-        k, b = len(trainer.reward_funcs), len(prompts)
-        has_info = torch.zeros(b, k, dtype=torch.bool)
-        has_info[:, 0] = True  # reward 0 checks the quoted word; reward 1 names no span
-        pad = tokenizer.pad_token_id
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            hp = forward_shared_prompts(model, prompt_ids, responses, pad, micro_batch=32,
-                                        device=device)  # fmt: skip
-            hq = hp.unsqueeze(0).repeat(k, 1, 1)
-            without = []
-            for p in prompts:
-                s, e = quoted_span(p)
-                without.append(tokenizer(p[:s] + p[e:], add_special_tokens=False)["input_ids"])
-            hq[0] = forward_shared_prompts(model, without, responses, pad, micro_batch=32,
-                                           device=device)  # fmt: skip
-            weight, bias = lm_head(model)
-            if hp.shape[0] == 0:  # every completion masked as truncated
-                rel = hp.new_zeros((k, 0), dtype=torch.float32)
-            else:
-                rel = linear_js_distance(hp, hq, weight, bias=bias, temperature=temperature)
-        model.train(was_training)
-        return padded_from_packed(rel, mask), has_info.to(device)
+def says_word_spans(prompt, **columns):
+    """What says_word checks: the quoted word of the user message (message index 1)."""
+    return [(len(prompt) - 1, *quoted(prompt[-1]["content"], 0))]
 
-    return relevance_fn
+
+def ends_with(prompts, completions, **kwargs):
+    out = []
+    for p, c in zip(prompts, completions):
+        s, e = quoted(p[-1]["content"], 1)
+        score = float(_text(c).rstrip(" .!").endswith(p[-1]["content"][s:e]))
+        out.append((score, [(len(p) - 1, s, e)]))  # the score and the span it checked
+    return out
+
+
+def short(completions, **kwargs):
+    return [1.0 - min(len(_text(c)), 60) / 60.0 for c in completions]
 
 
 def tiny_model():
     from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
 
-    tok = build_tokenizer(PROMPTS * 8 + [" ".join(WORDS)] * 8)
+    texts = [m["content"] for i in range(len(WORDS)) for m in make_prompt(i)]
+    tok = build_tokenizer(texts * 8 + [" ".join(WORDS + ENDS)] * 8)
     cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                      num_kv_heads=1, max_positions=128)  # fmt: skip
     model = build_tiny_model(tok, cfg, seed=0)
@@ -101,9 +87,40 @@ def tiny_model():
     return model, tok
 
 
+def show_top_tokens(trainer, tok, samples: int = 3, top: int = 3) -> list[str]:
+    """Each reward's top-relevance response tokens beside the prompt text it names."""
+    last = getattr(trainer, "last_replay", None)
+    if last is None:
+        return []
+    rep, lines = last["replay"], []
+    names = trainer.reward_func_names
+    shown = 0
+    for i in range(len(last["prompts"])):
+        mask = rep.response_mask[i]
+        ids = last["completion_ids"][i][mask.to(last["completion_ids"].device)].tolist()
+        if not ids:  # a truncated completion, masked
+            continue
+        if shown == samples:
+            break
+        shown += 1
+        lines.append(f"sample {i}: {tok.decode(ids)!r}")
+        for k, name in enumerate(names):
+            spans = last["spans"][i][k]
+            if not spans:
+                lines.append(f"  {name}: no span (uniform)")
+                continue
+            named = [last["prompts"][i][m]["content"][s:e] for m, s, e in spans]
+            rel = rep.relevance[k, i][mask]
+            best = rel.topk(min(top, rel.numel())).indices.tolist()
+            toks = [f"{tok.decode([ids[t]])!r}:{rel[t].item():.3f}" for t in best]
+            lines.append(f"  {name}: names {named}; top tokens {', '.join(toks)}")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a model path or name (default: tiny)")
+    ap.add_argument("--model", default=None,
+                    help="a local model path or a built-in name (default: tiny)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="per-device train batch size")
     ap.add_argument("--generations", type=int, default=4)
@@ -123,15 +140,14 @@ def main(argv=None):
     torch.manual_seed(0)
     if args.model is None:
         model, tok = tiny_model()
-        # TRL builds the reference model (beta > 0) from the policy's path: save it there
-        path = f"{args.out}/tiny-policy"
-        model.save_pretrained(path)
-        model.config._name_or_path = path
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from mrtpo.model import load_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.model)
-        tok = AutoTokenizer.from_pretrained(args.model)
+        model, tok = load_model(args.model)
+    # TRL builds the reference model (beta > 0) from the policy's path: save it there
+    path = f"{args.out}/policy"
+    model.save_pretrained(path)
+    model.config._name_or_path = path
     config = trl.GRPOConfig(
         output_dir=args.out, per_device_train_batch_size=args.batch,
         num_generations=args.generations, max_completion_length=args.max_completion,
@@ -139,16 +155,22 @@ def main(argv=None):
         temperature=args.temperature, mask_truncated_completions=True, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
     )  # fmt: skip
+    dataset = datasets.Dataset.from_dict({"prompt": [make_prompt(i) for i in range(32)]})
     trainer = MRTPOGRPOTrainer(
-        model=model, reward_funcs=[reward_says_word, reward_length], args=config,
-        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS * 4}),
-        processing_class=tok, mrtpo_alpha=args.alpha,
-        relevance_fn=make_relevance_fn(tok, args.temperature),
+        model=model, reward_funcs=[says_word, ends_with, short], args=config,
+        train_dataset=dataset, processing_class=tok, mrtpo_alpha=args.alpha,
+        reward_spans=[says_word_spans, None, None],  # ends_with names its own; short: none
     )  # fmt: skip
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     for h in logs:
-        print(f"step {h['step']}: loss {h['loss']:.4f} reward {h.get('reward', float('nan')):.3f}")
+        rel = " ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in h.items()
+                       if k.startswith("mrtpo/relevance/"))  # fmt: skip
+        secs = h.get("mrtpo/replay_seconds", float("nan"))
+        print(f"step {h['step']}: loss {h['loss']:.4f} reward {h.get('reward', float('nan')):.3f}"
+              f" replay {secs:.3f}s relevance {rel}")  # fmt: skip
+    for line in show_top_tokens(trainer, tok):
+        print(line)
     return logs
 
 

@@ -5,7 +5,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -20,30 +19,32 @@ def _load():
     return mod
 
 
-def test_trl_example_runs_with_replayed_relevance(tmp_path):
+def test_trl_example_runs_with_replayed_relevance(tmp_path, capsys):
+    """No hand-written replay: the trainer replays the span function's and the span-returning
+    reward's spans; the span-less reward stays uniform."""
     ex = _load()
     seen = []
-    make = ex.make_relevance_fn
+    show = ex.show_top_tokens
 
-    def recording(tok, temperature):
-        fn = make(tok, temperature)
+    def recording(trainer, tok, **kw):
+        seen.append(trainer.last_replay)
+        return show(trainer, tok, **kw)
 
-        def wrapped(trainer, inputs, output):
-            rel, info = fn(trainer, inputs, output)
-            seen.append((rel.detach().clone(), info.clone(), output["completion_mask"].clone()))
-            return rel, info
-
-        return wrapped
-
-    ex.make_relevance_fn = recording
+    ex.show_top_tokens = recording
     logs = ex.main(["--steps", "2", "--out", str(tmp_path)])
     assert [h["step"] for h in logs] == [1, 2]
     assert all(math.isfinite(h["loss"]) for h in logs)
-    assert seen
-    for rel, info, mask in seen:
-        k, b, t = rel.shape
-        assert (k, b, t) == (2, *mask.shape)
-        assert (rel[:, mask == 0] == 0).all() and (rel[1] == 0).all()  # reward 1: no span
-        assert info[:, 0].all() and not info[:, 1].any()
-    assert any(bool((rel[0][mask.bool()] > 0).any()) for rel, _, mask in seen)
-    assert torch.cat([m.sum(1) for _, _, m in seen]).max() > 0
+    for h in logs:
+        assert h["mrtpo/replay_seconds"] > 0
+        assert h["mrtpo/relevance/says_word"] > 0 and h["mrtpo/relevance/ends_with"] > 0
+        assert "mrtpo/relevance/short" not in h
+    (last,) = seen
+    rep = last["replay"]
+    mask = rep.response_mask
+    k, b, t = rep.relevance.shape
+    assert (k, b, t) == (3, *mask.shape)
+    assert (rep.relevance[:, ~mask] == 0).all() and (rep.relevance[2] == 0).all()
+    assert rep.has_info[:, :2].all() and not rep.has_info[:, 2].any()
+    assert bool((rep.relevance[:2][:, mask] > 0).any())
+    out = capsys.readouterr().out
+    assert "says_word: names ['" in out and "short: no span (uniform)" in out

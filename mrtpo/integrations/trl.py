@@ -346,7 +346,8 @@ def _trainer_mixin():
 
         Logged per step: ``mrtpo/replay_seconds`` and, per reward with spans,
         ``mrtpo/relevance/<reward name>`` (its mean relevance over the tokens of the samples
-        whose prompt it names spans of).
+        whose prompt it names spans of). ``trainer.last_replay`` keeps the last batch's
+        prompts, spans, completion ids and ``Replay`` (relevance, has_info) for inspection.
 
         Log-probs (old, reference and current) come from ``linear_logprobs`` on the
         decoder's hidden states, so no (B, T, V) logits are formed. The loss is
@@ -479,6 +480,10 @@ def _trainer_mixin():
             finally:
                 model.train(was_training)
             self._log_replay(rep, mode)
+            self.last_replay = dict(
+                prompts=[x["prompt"] for x in inputs], spans=spans,
+                completion_ids=output["completion_ids"], replay=rep,
+            )  # fmt: skip
             return rep.relevance, rep.has_info
 
         def _log_replay(self, rep, mode):
