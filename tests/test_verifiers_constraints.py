@@ -242,3 +242,157 @@ def test_well_formed_answers_still_pass(kind, params, response):
 def test_sections_count_is_exact_and_only_headers_count():
     assert check("sections", "SECTION 1\na\nsee SECTION 2 below", {"n": 2}) is not None
     assert check("sections", "SECTION 1\nSECTION 2\nSECTION 3", {"n": 2}) is not None
+
+
+# --- Rewards a careful judge would not pay (issue 19): one test per case -----------------
+
+
+def test_echoing_the_prompt_earns_nothing():
+    """The constraint sentences hold their own example markup (<<title>>, [name], the
+    keyword, "***"); a copy of the prompt, in any case or spacing, satisfies nothing, and a
+    copied sentence's markup does not count beside an answer either."""
+    from mrtpo.tasks import load_task
+
+    for name in ("constraints", "constraints-full", "constraints:title,placeholders,word_count"):
+        task = load_task(name, seed=0)
+        for ex in task.train[:40]:
+            for echo in (ex.prompt, ex.prompt.upper(), ex.prompt.replace(" ", "\n"),
+                         ex.prompt.replace(". ", "\n")):  # fmt: skip
+                verdicts = [v(ex, echo) for v in task.verifiers]
+                assert all(v.score == 0.0 for v in verdicts), (ex.prompt, echo, verdicts)
+            assert [v(ex, ex.reference).score for v in task.verifiers] == [1.0] * len(
+                task.verifiers
+            )
+    # Beside an answer, a copied sentence adds nothing: its <<title>> and [name] do not count,
+    # and the answer does not start with the phrase when the copy comes first.
+    for kind, params, answer in [
+        ("title", {}, "my cat sleeps all day."),
+        ("placeholders", {"n": 1}, "my cat sleeps all day."),
+        ("keyword_include", {"word": "river"}, "my cat sleeps all day."),
+        ("paragraph_count", {"n": 2}, "my cat sleeps all day."),
+        ("start_phrase", {"phrase": "dear friend"}, "dear friend. my cat sleeps."),
+    ]:
+        ex = _example(kind, params)
+        sentence = describe(kind, params)
+        v = ConstraintVerifier(kind)
+        for text in (f"{sentence}\n{answer}", f"{answer} {sentence.rstrip('.')}"):
+            if kind == "start_phrase" and text.startswith(answer):
+                continue  # the answer comes first: it does start with the phrase
+            out = v(ex, text)
+            assert out.score == 0.0, (kind, text, out)
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "the ri\u200bver is wide.",  # zero-width space
+        "the ri\u00adver is wide.",  # soft hyphen
+        "the riv\u2060er is wide.",  # word joiner
+        "the r\u0456ver is wide.",  # Cyrillic i
+        "the RIV\u0415R is wide.",  # Cyrillic capital E
+        "the \u0280\u026a\u1d20\u1d07\u0280 is wide.",  # Latin small capitals
+        "the \uff52\uff49\uff56\uff45\uff52 is wide.",  # fullwidth
+        "the \U0001d42b\U0001d422\U0001d42f\U0001d41e\U0001d42b is wide.",  # mathematical bold
+    ],
+)
+def test_invisible_and_look_alike_characters_do_not_hide_a_banned_word(response):
+    ex = _example("keyword_exclude", {"word": "river"})
+    out = ConstraintVerifier("keyword_exclude")(ex, response)
+    assert out.score == 0.0 and "river" in out.reason, out
+    # and the word they spell counts where it is asked for
+    assert check("keyword_include", response, {"word": "river"}) is None
+
+
+@pytest.mark.parametrize(
+    "kind, params, response",
+    [
+        ("title", {}, "<<\u200b>>\nmy cat"),
+        ("title", {}, "<<\u3164>>\nmy cat"),  # Hangul filler: a "letter" that shows nothing
+        ("title", {}, "<<\u2800>>\nmy cat"),  # braille blank
+        ("title", {}, "<<\u00ad\u0301>>\nmy cat"),  # soft hyphen, a lone accent
+        ("title", {}, "<<...>>\nmy cat"),
+        ("quotation", {}, '"\u200b\u200b"'),
+        ("quotation", {}, '"\u3164"'),
+        ("quotation", {}, '"..."'),
+        ("bullet_count", {"n": 2}, "* my cat\n* \u200b"),
+        ("bullet_count", {"n": 2}, "* my cat\n- \u2800"),
+        ("bullet_count", {"n": 2}, "* my cat\n* ***"),
+        ("paragraph_count", {"n": 2}, "my cat\n***\n\u200b\u2060"),
+        ("paragraph_count", {"n": 2}, "my cat\n***\n\u3164"),
+        ("paragraph_count", {"n": 2}, "my cat\n***\n!!!"),
+        ("placeholders", {"n": 1}, "ask [\u200b]"),
+        ("placeholders", {"n": 1}, "ask [ ]"),
+        ("placeholders", {"n": 1}, "ask [\u3164]"),
+        ("word_count", {"relation": "at least", "n": 1}, "\u200b\ufeff\u00ad"),
+    ],
+)
+def test_content_that_shows_nothing_is_empty(kind, params, response):
+    out = ConstraintVerifier(kind)(_example(kind, params), response)
+    assert out.score == 0.0 and out.reason, out
+
+
+@pytest.mark.parametrize(
+    "kind, response",
+    [
+        ("lowercase", "\ua4e7ello world"),  # Lisu letter shaped like H (no case)
+        ("lowercase", "\U0001d407ello world"),  # mathematical bold capital H
+        ("lowercase", "\uff28ello world"),  # fullwidth H
+        ("lowercase", "hello \u13bborld"),  # Cherokee capital
+        ("lowercase", "\u2122 hello"),  # trade mark sign: T and M
+        ("uppercase", "HELLO \u0138"),  # kra: lowercase, no uppercase form
+        ("uppercase", "HELLO W\u1d0f\u0280LD"),  # small capitals are lowercase letters...
+        ("uppercase", "HELLO \u1d43"),  # modifier small a
+        ("uppercase", "HELL\U0001d428"),  # mathematical bold small o
+    ],
+)
+def test_look_alike_letters_do_not_fool_the_case_checks(kind, response):
+    if "\u1d0f" in response:  # ...and read as the capitals they look like
+        assert check(kind, response, {}) is None
+        response = response.replace("W", "w")
+    out = ConstraintVerifier(kind)(_example(kind, {}), response)
+    assert out.score == 0.0 and "letter" in out.reason, out
+
+
+@pytest.mark.parametrize(
+    "comma",
+    ["\u060c", "\u3001", "\uff0c", "\ufe50", "\u201a", "\u055d", "\u1363", "\ua4fe", "\u066c"],
+)
+def test_other_scripts_commas_are_commas(comma):
+    ex = _example("no_commas", {})
+    text = f"one{comma} two and three"
+    out = ConstraintVerifier("no_commas")(ex, text)
+    assert out.score == 0.0 and "comma" in out.reason, out
+    assert [text[s:e] for s, e in ConstraintVerifier("no_commas").relevant_chars(ex, text)] == [
+        comma
+    ]
+
+
+@pytest.mark.parametrize(
+    "response",
+    ["NaN", "Infinity", "-Infinity", '{"a": NaN}', "```json\n[1, Infinity]\n```"],
+)
+def test_json_format_refuses_nan_and_infinity(response):
+    out = ConstraintVerifier("json_format")(_example("json_format", {}), response)
+    assert out.score == 0.0 and "JSON" in out.reason, out
+    assert check("json_format", '{"a": "NaN", "b": 1e308}', {}) is None  # a string is fine
+
+
+@pytest.mark.parametrize(
+    "kind, phrase, response",
+    [
+        ("start_phrase", "dear friend", "dear friendship is rare."),
+        ("start_phrase", "dear friend", "dear friend's cat is here."),
+        ("start_phrase", "good news", "good newsletter today."),
+        ("start_phrase", "in short", "in shortbread we trust."),
+        ("end_phrase", "the end", "we went to bathe end"),
+        ("end_phrase", "thank you", "we say prethank you"),
+        ("end_phrase", "see you soon", "i will oversee you soon"),
+    ],
+)
+def test_start_and_end_phrases_do_not_match_inside_a_longer_word(kind, phrase, response):
+    ex = _example(kind, {"phrase": phrase})
+    out = ConstraintVerifier(kind)(ex, response)
+    assert out.score == 0.0 and "word" in out.reason, out
+    # whole words still pass, with punctuation or a line break beside them
+    ok = f"{phrase}. more text." if kind == "start_phrase" else f"more text.\n{phrase}"
+    assert ConstraintVerifier(kind)(ex, ok).score == 1.0

@@ -4,10 +4,12 @@ a few hundred generated edge cases each.
 For each kind, ``IFEVAL[kind](text, params)`` is the IFEval checker's rule written from its
 description (not imported from the verifier), and ``DEVIATIONS[kind]`` lists the intended
 differences documented in docs/verifiers.md: each is a predicate that says when it applies
-and what the verdict must then be. The verifier must agree with IFEval wherever no
-deviation applies, and follow the documented deviation where one does. The test also
-checks that every kind saw both verdicts and that the generated cases exercise each
-deviation, so a generator that drifts cannot make it pass vacuously.
+and what the verdict must then be. ``READING`` lists how the verifier reads the text before
+any rule (invisible characters removed, look-alike letters read as Latin, NFKC), each as a
+transformation re-derived here for the fragments that exercise it. The verifier must agree
+with IFEval wherever no deviation applies, and follow the documented deviation where one
+does. The test also checks that every kind saw both verdicts and that the generated cases
+exercise each deviation, so a generator that drifts cannot make it pass vacuously.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import json
 import random
 import re
+import unicodedata
 
 import pytest
 
@@ -170,21 +173,26 @@ def _word_count_rule(text, p):
     return n <= p["n"] if p["relation"] == "at most" else n >= p["n"]
 
 
+def _alnum(text):
+    return any(c.isalnum() for c in text)
+
+
 def _bullet_lines(text):
     count = 0
     for line in text.split("\n"):
         s = line.lstrip(" \t")
-        if s[:1] in ("*", "-") and s[1:2] in (" ", "\t") and s[1:].strip():
+        if s[:1] in ("*", "-") and s[1:2] in (" ", "\t") and _alnum(s[1:]):
             count += 1
     return count
 
 
 def _odd_bullet_line(text):
-    """A line starting with a marker that is not "marker, blank, text" (``-5``, ``---``,
-    ``*x``, a bare ``*``, ``**bold**``): IFEval's patterns may count it."""
+    """A line starting with a marker that is not "marker, blank, text with a letter or
+    digit" (``-5``, ``---``, ``*x``, a bare ``*``, ``**bold**``, ``- ***``): IFEval's
+    patterns may count it."""
     for line in text.split("\n"):
         s = line.lstrip(" \t")
-        if s[:1] in ("*", "-") and not (s[1:2] in (" ", "\t") and s[1:].strip()):
+        if s[:1] in ("*", "-") and not (s[1:2] in (" ", "\t") and _alnum(s[1:])):
             return True
     return False
 
@@ -193,26 +201,61 @@ def _our_placeholders(text):
     return sum(
         1
         for m in re.finditer(r"\[([^\[\]]*)\]", text)
-        if 1 <= len(m.group(1)) <= 40 and "\n" not in m.group(1)
+        if 1 <= len(m.group(1)) <= 40 and "\n" not in m.group(1) and _alnum(m.group(1))
     )
 
 
 def _ife_placeholder_odd(text):
-    return any(not (1 <= len(m) - 2 <= 40) or "[" in m[1:-1] for m in re.findall(r"\[.*?\]", text))
+    return any(
+        not (1 <= len(m) - 2 <= 40) or "[" in m[1:-1] or not _alnum(m)
+        for m in re.findall(r"\[.*?\]", text)
+    )
 
 
 def _our_titles(text):
     return any(
-        1 <= len(m.group(1)) <= 80 and m.group(1).strip()
+        1 <= len(m.group(1)) <= 80 and _alnum(m.group(1))
         for m in re.finditer(r"<<([^<>\n]*)>>", text)
     )
 
 
 def _ife_title_odd(text):
     return any(
-        ("<" in t[2:-2] or ">" in t[2:-2] or len(t) - 4 > 80)
+        ("<" in t[2:-2] or ">" in t[2:-2] or len(t) - 4 > 80 or (t[2:-2].strip() and not _alnum(t)))
         for t in re.findall(r"<<[^\n]+>>", text)
     )
+
+
+def _paragraph_without_alnum(text):
+    parts = text.split("***")
+    if len(parts) > 1 and not parts[-1].strip():
+        parts.pop()
+    if len(parts) > 1 and not parts[0].strip():
+        parts.pop(0)
+    return any(not _alnum(part) for part in parts)
+
+
+def _continues_word(text, i, step):
+    """text[i] is a letter or digit, or an apostrophe before one (in direction step)."""
+    if not 0 <= i < len(text):
+        return False
+    if text[i] == "'":
+        return 0 <= i + step < len(text) and text[i + step].isalnum()
+    return text[i].isalnum()
+
+
+def _starts_inside_a_word(t, phrase):
+    t = t.strip()
+    return t.startswith(phrase) and _continues_word(t, len(phrase), 1)
+
+
+def _ends_inside_a_word(t, phrase):
+    t = t.strip()
+    return t.endswith(phrase) and _continues_word(t, len(t) - len(phrase) - 1, -1)
+
+
+def _json_constant(text):
+    return re.search(r"\b(NaN|-?Infinity)\b", text) is not None
 
 
 def _section_headers(text):
@@ -303,11 +346,15 @@ DEVIATIONS = {
          lambda t, p: False),
     ],
     "uppercase": [
+        ("a lowercase letter by its category is lowercase, even if upper-casing keeps it",
+         lambda t, p: any(unicodedata.category(c) in ("Ll", "Lt") and c.upper() == c for c in t),
+         lambda t, p: False),
         ("needs at least one uppercase letter that has case",
          lambda t, p: not any(c.swapcase() != c and c == c.upper() for c in t),
          lambda t, p: False),
     ],
     "json_format": [
+        ("NaN and Infinity are not JSON", lambda t, p: _json_constant(t), lambda t, p: False),
         ("a fence must open and close the whole answer", lambda t, p: _fence_one_sided(t),
          lambda t, p: False),
         ("nesting deeper than 32 levels is refused", lambda t, p: _json_depth(t) > 32,
@@ -318,25 +365,33 @@ DEVIATIONS = {
          lambda t, p: False),
     ],
     "bullet_count": [
-        ("a bullet is a marker, a blank, then text", lambda t, p: _odd_bullet_line(t),
-         lambda t, p: _bullet_lines(t) == p["n"]),
+        ("a bullet is a marker, a blank, then text with a letter or digit",
+         lambda t, p: _odd_bullet_line(t), lambda t, p: _bullet_lines(t) == p["n"]),
+    ],
+    "paragraph_count": [
+        ("a paragraph needs a letter or digit", lambda t, p: _paragraph_without_alnum(t),
+         lambda t, p: False),
     ],
     "start_phrase": [
         ("the phrase is case-sensitive",
          lambda t, p: ife_start_phrase(t, p) and not t.strip().startswith(p["phrase"]),
          lambda t, p: False),
+        ("the phrase must end where a word ends",
+         lambda t, p: _starts_inside_a_word(t, p["phrase"]), lambda t, p: False),
     ],
     "end_phrase": [
         ("the phrase is case-sensitive",
          lambda t, p: ife_end_phrase(t, p) and not t.strip().endswith(p["phrase"]),
          lambda t, p: False),
+        ("the phrase must start where a word starts",
+         lambda t, p: _ends_inside_a_word(t, p["phrase"]), lambda t, p: False),
     ],
     "placeholders": [
-        ("a placeholder holds 1-40 characters, no brackets",
+        ("a placeholder holds 1-40 characters with a letter or digit, no brackets",
          lambda t, p: _ife_placeholder_odd(t), lambda t, p: _our_placeholders(t) >= p["n"]),
     ],
     "title": [
-        ("a title holds 1-80 characters, no angle brackets",
+        ("a title holds 1-80 characters with a letter or digit, no angle brackets",
          lambda t, p: _ife_title_odd(t), lambda t, p: _our_titles(t)),
     ],
     "sections": [
@@ -345,11 +400,32 @@ DEVIATIONS = {
          lambda t, p: _section_headers(t) == p["n"]),
     ],
     "quotation": [
-        ("something must be inside the quotes",
-         lambda t, p: ife_quotation(t, p) and not t.strip()[1:-1].strip(), lambda t, p: False),
+        ("a letter or digit must be inside the quotes",
+         lambda t, p: ife_quotation(t, p) and not _alnum(t.strip()[1:-1]), lambda t, p: False),
     ],
 }  # fmt: skip
 ALL_KINDS = ("empty or whitespace-only answers pass nothing", lambda t, p: not t.strip())
+
+# How every kind but json_format reads the text before any rule: (name, applies, the text
+# read). Re-derived for the fragments below that exercise each.
+_INVISIBLE = "\u200b\u00ad\u2060\ufeff"
+_LOOKALIKE = {
+    "\u0456": "i",
+    "\u0406": "I",
+    "\u0435": "e",
+    "\u0415": "E",
+    "\ua4e7": "H",
+    "\u060c": ",",
+    "\u1d07": "E",
+}
+READING = [
+    ("invisible characters are removed", lambda t: any(c in t for c in _INVISIBLE),
+     lambda t: "".join(c for c in t if c not in _INVISIBLE)),
+    ("look-alike letters and commas read as what they imitate",
+     lambda t: any(c in t for c in _LOOKALIKE), lambda t: "".join(_LOOKALIKE.get(c, c) for c in t)),
+    ("the text is read in NFKC form", lambda t: unicodedata.normalize("NFKC", t) != t,
+     lambda t: unicodedata.normalize("NFKC", t)),
+]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------
 # Generated edge cases.
@@ -365,6 +441,9 @@ FRAGMENTS = [
     "SECTION 1", "## SECTION 2", "**SECTION 3**", "Section 4", "SECTION5", "see SECTION 2",
     "_SECTION 1_", "####### SECTION 1", "SECTION \u0663",
     '"', '""', '" "', '{"a": 1}', "[1, 2]", "```", "```json", "null",
+    # read as a reader sees them (READING): invisible characters, look-alikes, NFKC forms
+    "ri\u200bver", "\u00adriver", "\u2060", "r\u0456ver", "\u0435v\u0435", "\ua4e7ELLO",
+    "a\u060cb", "\u1d07", "\uff32iver", "\u0138", "<<?>>",
 ]  # fmt: skip
 SEPARATORS = ["", " ", "\n", "\n\n", " \n"]
 
@@ -399,7 +478,7 @@ def _random_text(rng, pool):
 
 def _json_cases():
     bodies = ['{"a": [1, 2]}', '{"s": "fence ``` inside"}', "{a: 1}", "[" * 33 + "]" * 33,
-              "[" * 32 + "]" * 32, "", "5", '"x"']  # fmt: skip
+              "[" * 32 + "]" * 32, "", "5", '"x"', "NaN", '{"a": -Infinity}']  # fmt: skip
     opens = ["", "```", "```json", "```JSON", "```Json", "```jSon", "``` json", "```python",
              "```json5"]  # fmt: skip
     closes = ["", "```", "\n```", "\n```\nbye", "\n``` "]
@@ -413,8 +492,12 @@ _PHRASES = ["dear friend", "Dear Friend", "DEAR FRIEND", "the end", "The End", "
 _WRAP = ["", " ", "\n", "  \n"]
 # Texts built around what a kind looks at, for half of its cases.
 STRUCTURED = {
-    "start_phrase": lambda r, t: r.choice(_WRAP) + r.choice(_PHRASES) + r.choice(SEPARATORS) + t,
-    "end_phrase": lambda r, t: t + r.choice(SEPARATORS) + r.choice(_PHRASES) + r.choice(_WRAP),
+    "start_phrase": lambda r, t: (
+        r.choice(_WRAP) + r.choice(_PHRASES) + r.choice([*SEPARATORS, "ship", "'s"]) + t
+    ),
+    "end_phrase": lambda r, t: (
+        t + r.choice([*SEPARATORS, "bathe", "4"]) + r.choice(_PHRASES) + r.choice(_WRAP)
+    ),
     "quotation": lambda r, t: (
         r.choice(_WRAP) + '"' + t + r.choice(['"', "", '" ']) + r.choice(_WRAP)
     ),
@@ -436,7 +519,13 @@ def _cases(kind, n=400):
 
 def _expected(kind, text, p):
     """(verdict, the deviation that decided it or None)."""
-    for name, applies, verdict in [ALL_KINDS + (lambda t, p: False,)] + DEVIATIONS.get(kind, []):
+    if ALL_KINDS[1](text, p):
+        return False, ALL_KINDS[0]
+    if kind != "json_format":  # json_format parses the raw text
+        for name, applies, read in READING:
+            if applies(text):
+                return _expected(kind, read(text), p)[0], name
+    for name, applies, verdict in DEVIATIONS.get(kind, []):
         if applies(text, p):
             return verdict(text, p), name
     return IFEVAL[kind](text, p), None
@@ -460,4 +549,7 @@ def test_verifier_matches_ifeval_up_to_documented_deviations(kind):
     assert used[None] >= 50, used  # plenty of plain agreement with IFEval
     for name, *_ in DEVIATIONS.get(kind, []):
         assert used[name] > 0, (kind, name, used)  # every deviation exercised
+    if kind != "json_format":
+        for name, *_ in READING:
+            assert used[name] > 0, (kind, name, used)
     assert used[ALL_KINDS[0]] >= 2

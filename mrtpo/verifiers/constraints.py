@@ -14,24 +14,34 @@ that its constraint concerns, used to measure credit precision. What each type r
 | ``keyword_include`` | the word occurs (case-insensitive, whole word) | its occurrences |
 | ``keyword_exclude`` | the word does not occur (needs a letter) | its occurrences (violations) |
 | ``letter_frequency`` | the letter occurs at least n times (case-insensitive) | its occurrences |
-| ``no_commas`` | no ``,`` (needs a letter) | the commas (the violations) |
+| ``no_commas`` | no comma of any script (needs a letter) | the commas (the violations) |
 | ``lowercase`` | no uppercase letter, one cased lowercase | the uppercase letters (violations) |
 | ``uppercase`` | no lowercase letter, one cased uppercase | the lowercase letters (violations) |
-| ``json_format`` | the text, or one fenced block that is all of it, is JSON | the stripped text |
-| ``bullet_count`` | exactly n lines start with ``* `` or ``- `` | the bullet markers |
+| ``json_format`` | the text, or a fenced block that is all of it, is JSON (no NaN) | all of it |
+| ``bullet_count`` | exactly n lines start with ``* `` or ``- `` and a letter/digit | the markers |
 | ``paragraph_count`` | exactly n paragraphs split by ``***`` (ends ignored) | the dividers |
-| ``start_phrase`` | the stripped text starts with the phrase | its first len(phrase) chars |
-| ``end_phrase`` | the stripped text ends with the phrase | its last len(phrase) chars |
-| ``placeholders`` | at least n ``[placeholders]`` | the placeholders |
-| ``title`` | a non-blank title ``<<like this>>`` | the titles |
+| ``start_phrase`` | the stripped text starts with the phrase, a whole word | its first chars |
+| ``end_phrase`` | the stripped text ends with the phrase, a whole word | its last chars |
+| ``placeholders`` | at least n ``[placeholders]`` with a letter or digit | the placeholders |
+| ``title`` | a title ``<<like this>>`` with a letter or digit | the titles |
 | ``sections`` | exactly n header lines ``SECTION k`` (``##``, ``**`` allowed) | the headers |
-| ``quotation`` | the stripped text is wrapped in double quotes | the two quote characters |
+| ``quotation`` | the stripped text is in double quotes, a letter/digit inside | the quotes |
 
 Words are maximal runs of letters and digits (apostrophes inside a word allowed). An
 empty or whitespace-only response satisfies no constraint. Prohibitions point at what
 breaks them (empty when satisfied); prescriptions point at where the required text is, or
 must be. Responses longer than `MAX_RESPONSE_CHARS` score 0. docs/verifiers.md lists every
 rule and its intended differences from the IFEval checkers.
+
+Every check but ``json_format`` judges the text a reader sees (`visible.reading`: NFKC,
+invisible characters removed, look-alike letters and commas read as what they imitate),
+and `ConstraintVerifier` also sets aside each copy of one of the prompt's sentences
+(`visible.drop_copies`): an answer that only repeats the prompt satisfies nothing, and the
+example markup of a copied constraint sentence counts for nothing. ``json_format`` parses
+the raw text (a parser reads code points, not glyphs), and refuses ``NaN`` and
+``Infinity``. Content must be visible: a title, a placeholder, a bullet's text, a paragraph
+and the inside of the quotes need a letter or digit. ``relevant_chars`` reads the raw
+response (its offsets are the response's).
 """
 
 from __future__ import annotations
@@ -39,9 +49,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import unicodedata
 from typing import Any
 
 from .base import Example, Span, Verdict, find_fence, json_nesting_depth
+from .visible import COPY, drop_copies, prompt_pieces, reading
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +61,13 @@ MAX_RESPONSE_CHARS = 100_000
 MAX_JSON_DEPTH = 32
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
-_BULLET = re.compile(r"^[ \t]*([*-])[ \t]+\S", re.M)
+# A bullet: a marker, a blank, then text on the same line with a letter or digit.
+_BULLET = re.compile(r"^[ \t]*([*-])[ \t]+(?=[^\s])(?=[^\n]*?[^\W_])", re.M)
 _DIVIDER = re.compile(r"\*\*\*")
-_PLACEHOLDER = re.compile(r"\[[^\[\]\n]{1,40}\]")
-# A title: 1-80 characters, not all blank, without brackets or a line break.
-_TITLE = re.compile(r"<<(?=[^<>\n]*[^\s<>])[^<>\n]{1,80}>>")
+# A placeholder: 1-40 characters with a letter or digit, no brackets or line break.
+_PLACEHOLDER = re.compile(r"\[(?=[^\[\]\n]*?[^\W_])[^\[\]\n]{1,40}\]")
+# A title: 1-80 characters with a letter or digit, without brackets or a line break.
+_TITLE = re.compile(r"<<(?=[^<>\n]*?[^\W_])[^<>\n]{1,80}>>")
 # A section header: a line starting with SECTION k, optionally as a Markdown heading
 # (``## SECTION 1``) or in bold/italics (``**SECTION 1**``).
 _SECTION = re.compile(r"^[ \t]*(?:#{1,6}[ \t]+|\*\*|__|\*|_)?SECTION[ \t]*\d+", re.M)
@@ -71,6 +85,23 @@ def _has_letter(text: str) -> bool:
     return any(ch.isalpha() for ch in text)
 
 
+def _has_alnum(text: str) -> bool:
+    """A letter or a digit: what makes content visible (not blanks, marks or symbols)."""
+    return any(ch.isalnum() for ch in text)
+
+
+def _in_word(text: str, i: int, step: int) -> bool:
+    """True when ``text[i]`` continues a word: a letter or digit, or an apostrophe followed
+    (in the direction ``step``) by one, as in ``friend's``."""
+    if not 0 <= i < len(text):
+        return False
+    ch = text[i]
+    if ch == "'":
+        j = i + step
+        return 0 <= j < len(text) and text[j].isalnum()
+    return ch.isalnum()
+
+
 def _stripped_bounds(text: str) -> Span:
     start = len(text) - len(text.lstrip())
     end = len(text.rstrip())
@@ -81,16 +112,28 @@ class Constraint:
     """One constraint type: its prompt sentence, its check and its relevant response spans."""
 
     kind = ""
+    raw = False  # True: `_check` reads the raw text, not `visible.reading` of it
 
     def sentence(self, p: dict) -> str:
         raise NotImplementedError
 
-    def check(self, text: str, p: dict) -> str | None:
-        """None if ``text`` satisfies the constraint, else the reason it does not. An empty
-        or whitespace-only answer satisfies no constraint."""
-        if not text.strip():
+    def check(self, text: str, p: dict, prompt: tuple[str, ...] = ()) -> str | None:
+        """None if ``text`` satisfies the constraint, else the reason it does not.
+
+        The check reads `visible.reading` of ``text`` (``json_format``: the raw text), with
+        each copy of one of the sentences ``prompt`` set aside (`visible.drop_copies`). An
+        answer with nothing visible, or with no letter or digit besides its copies of the
+        prompt, satisfies no constraint."""
+        seen = reading(text)
+        if not seen.strip():
             return "empty answer"
-        return self._check(text, p)
+        if prompt:
+            seen = drop_copies(seen, prompt)
+            # Copies of the prompt with only blanks, quotes, brackets or other marks around
+            # them: nothing of the answer's own.
+            if COPY in seen and not _has_alnum(seen.replace(COPY, "")):
+                return "the answer only repeats the prompt"
+        return self._check(text if self.raw else seen, p)
 
     def _check(self, text: str, p: dict) -> str | None:
         raise NotImplementedError
@@ -168,13 +211,13 @@ class NoCommas(Constraint):
         return "Do not use any commas."
 
     def _check(self, text, p):
-        n = text.count(",")
+        n = text.count(",")  # other scripts' commas read as "," (visible.LOOKALIKES)
         if n:
             return f"{n} commas"
         return None if _has_letter(text) else "no words with letters"
 
     def relevant(self, text, p):
-        return [(i, i + 1) for i, ch in enumerate(text) if ch == ","]
+        return [(i, i + 1) for i, ch in enumerate(text) if "," in reading(ch)]
 
 
 class Lowercase(Constraint):
@@ -184,7 +227,9 @@ class Lowercase(Constraint):
         return "Write only in lowercase letters."
 
     def _check(self, text, p):
-        if text != text.lower():
+        # An uppercase or titlecase letter by its category too, whether or not lower-casing
+        # changes it.
+        if text != text.lower() or any(unicodedata.category(ch) in ("Lu", "Lt") for ch in text):
             return "contains uppercase letters"
         # At least one letter that has case: digits, symbols or caseless scripts alone
         # are not "lowercase".
@@ -201,7 +246,7 @@ class Uppercase(Constraint):
         return "Write only in capital letters."
 
     def _check(self, text, p):
-        if text != text.upper():
+        if text != text.upper() or any(unicodedata.category(ch) in ("Ll", "Lt") for ch in text):
             return "contains lowercase letters"
         return None if any(ch != ch.lower() for ch in text) else "no uppercase letter"
 
@@ -209,8 +254,13 @@ class Uppercase(Constraint):
         return [(i, i + 1) for i, ch in enumerate(text) if ch != ch.upper()]
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 class JsonFormat(Constraint):
     kind = "json_format"
+    raw = True  # a JSON parser reads code points: fullwidth braces are not braces
 
     def sentence(self, p):
         return "Wrap your whole answer in JSON."
@@ -233,7 +283,7 @@ class JsonFormat(Constraint):
         if json_nesting_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
         try:
-            json.loads(body)
+            json.loads(body, parse_constant=_no_constant)  # NaN, Infinity: not JSON
         except (ValueError, RecursionError) as e:
             return f"not valid JSON: {str(e)[:80]}"
         return None
@@ -270,8 +320,8 @@ class ParagraphCount(Constraint):
             parts.pop()
         if len(parts) > 1 and not parts[0].strip():
             parts.pop(0)
-        if any(not part.strip() for part in parts):
-            return "an empty paragraph between dividers"
+        if any(not _has_alnum(part) for part in parts):
+            return "a paragraph without a letter or digit"
         return None if len(parts) == p["n"] else f"{len(parts)} paragraphs, expected {p['n']}"
 
     def relevant(self, text, p):
@@ -285,7 +335,12 @@ class StartPhrase(Constraint):
         return f'Start your answer with "{p["phrase"]}".'
 
     def _check(self, text, p):
-        return None if text.lstrip().startswith(p["phrase"]) else "does not start with the phrase"
+        t, phrase = text.lstrip(), p["phrase"]
+        if not t.startswith(phrase):
+            return "does not start with the phrase"
+        if phrase[-1:].isalnum() and _in_word(t, len(phrase), 1):
+            return "starts with the phrase inside a longer word"
+        return None
 
     def relevant(self, text, p):
         s, e = _stripped_bounds(text)
@@ -299,7 +354,12 @@ class EndPhrase(Constraint):
         return f'End your answer with "{p["phrase"]}".'
 
     def _check(self, text, p):
-        return None if text.rstrip().endswith(p["phrase"]) else "does not end with the phrase"
+        t, phrase = text.rstrip(), p["phrase"]
+        if not t.endswith(phrase):
+            return "does not end with the phrase"
+        if phrase[:1].isalnum() and _in_word(t, len(t) - len(phrase) - 1, -1):
+            return "ends with the phrase inside a longer word"
+        return None
 
     def relevant(self, text, p):
         s, e = _stripped_bounds(text)
@@ -359,7 +419,7 @@ class Quotation(Constraint):
         ok = len(t) >= 2 and t[0] == '"' and t[-1] == '"'
         if not ok:
             return "not wrapped in double quotes"
-        return None if t[1:-1].strip() else "nothing inside the quotes"
+        return None if _has_alnum(t[1:-1]) else "no letter or digit inside the quotes"
 
     def relevant(self, text, p):
         s, e = _stripped_bounds(text)
@@ -431,7 +491,8 @@ class ConstraintVerifier:
                 return Verdict(0.0, spans, f"response is {type(response).__name__}, not str")
             if len(response) > MAX_RESPONSE_CHARS:
                 return Verdict(0.0, spans, f"response longer than {MAX_RESPONSE_CHARS} chars")
-            reason = CONSTRAINTS[entry["kind"]].check(response, entry.get("params") or {})
+            prompt = _prompt_sentences(example)
+            reason = CONSTRAINTS[entry["kind"]].check(response, entry.get("params") or {}, prompt)
         except Exception as e:  # never raise into the trainer
             logger.warning("%s: verifier error on %s: %r", self.name, example.id, e)
             return Verdict(0.0, spans, f"verifier error: {type(e).__name__}: {e}")
@@ -452,11 +513,27 @@ class ConstraintVerifier:
             return []
 
 
+def _prompt_sentences(example: Example) -> tuple[str, ...]:
+    """The prompt's sentences (each constraint's and the instruction around them), whose
+    copies in a response count for nothing."""
+    spans = []
+    for c in example.fields.get("constraints") or []:
+        try:
+            s, e = c["span"]
+            spans.append((int(s), int(e)))
+        except Exception:
+            continue
+    return prompt_pieces(example.prompt if isinstance(example.prompt, str) else "", spans)
+
+
 def describe(kind: str, params: dict[str, Any]) -> str:
     """The prompt sentence of a constraint."""
     return CONSTRAINTS[kind].sentence(params)
 
 
-def check(kind: str, response: str, params: dict[str, Any]) -> str | None:
-    """None if ``response`` satisfies the constraint, else the reason."""
-    return CONSTRAINTS[kind].check(response, params)
+def check(
+    kind: str, response: str, params: dict[str, Any], prompt: tuple[str, ...] = ()
+) -> str | None:
+    """None if ``response`` satisfies the constraint, else the reason; copies of the
+    sentences ``prompt`` in the response count for nothing (see `Constraint.check`)."""
+    return CONSTRAINTS[kind].check(response, params, prompt)
