@@ -178,7 +178,7 @@ def test_fast_enough(task):
 def test_nan_and_infinity_are_not_json_and_earn_nothing(task):
     ex = _find(task, "convert_currency")
     gold = ex.fields["gold"]["arguments"]
-    for const in ("NaN", "Infinity", "-Infinity"):
+    for const in ("NaN", "Infinity", "-Infinity", "1e400"):
         text = json.dumps({"name": "convert_currency", "arguments": {**gold, "amount": 1}})
         text = text.replace('"amount": 1', f'"amount": {const}')
         verdicts = [v(ex, text) for v in tool_verifiers()]
@@ -243,10 +243,11 @@ def test_two_calls_in_one_answer_earn_nothing(task):
         f"```json\n{wrong}\n```\n```json\n{gold}\n```",
         f"```json\n{gold}\n```\nor else {wrong}",
         f"{wrong}\n```json\n{gold}\n```",
+        gold[:-1] + f', "then": {wrong}}}',  # a second call under another key
     ):
         verdicts = [v(ex, text) for v in tool_verifiers()]
         assert [v.score for v in verdicts] == [0.0] * 4, (text, verdicts)
-        assert "more than one call" in verdicts[0].reason
+        assert "more than one call" in verdicts[0].reason or "then" in verdicts[0].reason
     # One fenced call with prose around it is still one call.
     ok = f"Here you go:\n```json\n{gold}\n```\nDone."
     assert [v(ex, ok).score for v in tool_verifiers()] == [1.0] * 4

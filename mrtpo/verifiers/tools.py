@@ -8,8 +8,9 @@ rejected before it is parsed (score 0 with the reason; no recursion).
 
 The call must be JSON and exactly one call: ``NaN``/``Infinity`` (which Python's parser
 accepts and JSON does not), an object with a key twice (a parser keeps either one), both
-``"arguments"`` and ``"parameters"``, and text outside the fenced block that holds a brace
-or another fence (a second call) all fail the format, and so every reward.
+``"arguments"`` and ``"parameters"``, a key besides those, ``"name"``, ``"id"`` and ``"type"``,
+a number beyond double range (``1e400``), and text outside the fenced block that holds a
+brace or another fence (a second call) all fail the format, and so every reward.
 
 Arguments are validated with ``jsonschema`` when it is installed (imported on first use,
 so importing this module never needs it) and otherwise with `validate_subset`, a small
@@ -61,6 +62,13 @@ def _no_constant(name: str) -> Any:
     raise CallParseError(f"not valid JSON: {name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON syntax, but no number a consumer can hold
+        raise CallParseError(f"number {text[:40]} is out of range")
+    return value
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -77,11 +85,21 @@ def _loads_bounded(text: str) -> Any:
     if json_nesting_depth(text, MAX_DEPTH) > MAX_DEPTH:
         raise CallParseError(f"call is nested deeper than {MAX_DEPTH} levels")
     try:
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        return json.loads(
+            text,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys,
+        )
     except CallParseError:
         raise
     except (ValueError, RecursionError) as e:
         raise CallParseError(f"not valid JSON: {e}") from None
+
+
+# The keys a call may have: its name, its arguments (or "parameters"), and the "id" and
+# "type" that chat APIs add.
+_CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
 
 
 def parse_call(response: str) -> tuple[str, dict]:
@@ -106,6 +124,9 @@ def parse_call(response: str) -> tuple[str, dict]:
         raise CallParseError('missing "name" (a non-empty string)')
     if "arguments" in obj and "parameters" in obj:
         raise CallParseError('both "arguments" and "parameters": which one is the call?')
+    extra = sorted(set(obj) - _CALL_KEYS)
+    if extra:  # anything else may hold another call
+        raise CallParseError(f"unexpected keys {', '.join(map(repr, extra))[:120]} in the call")
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):
         args = _loads_bounded(args)
