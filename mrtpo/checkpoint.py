@@ -6,8 +6,16 @@ covered, config). A save writes ``checkpoint.tmp/``, fsyncs every file and folde
 ``meta.json`` (the commit mark), then renames ``checkpoint`` to ``checkpoint.old``,
 ``checkpoint.tmp`` to ``checkpoint`` and removes ``checkpoint.old`` (its mark first), with
 the parent folder fsynced after each rename. `RunDir.recover` repairs every state a kill can
-leave: a ``checkpoint`` wins; without one, a marked ``.tmp`` is the newest complete state,
-then a marked ``.old``; everything else is debris.
+leave and says what it found: of the folders with a readable mark, the one of the highest
+step is the checkpoint (a marked ``.tmp`` newer than ``checkpoint`` is a save that was
+killed after its commit: it is finished); unmarked folders are debris. A ``checkpoint``
+without its mark is never made by a save: it is removed only when a complete state stands
+beside it, else the resume is refused (nothing is cut).
+
+Ownership: ``mrtpo-run.json`` marks a folder the trainer made; only such a folder (or one of
+an older trainer, recognized by its ``config.json``) is resumed or overwritten, and a folder
+that holds a file of a run's names without the mark is refused. ``mrtpo-run.lock`` is held
+with ``flock`` for the whole run: one writer per folder.
 
 The metrics history is never cut before the state that replaces it is durable: rows are
 appended and fsynced before each save, the checkpoint records how many rows it covers, and
@@ -20,6 +28,7 @@ Tests inject kills with ``MRTPO_TEST_KILL_AT=POINT`` or ``POINT:STEP`` (one of
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -44,6 +53,13 @@ KILL_POINTS = (
 )
 META = "meta.json"
 FORMAT = 1
+MARK = "mrtpo-run.json"  # the trainer made this folder
+LOCK = "mrtpo-run.lock"  # flock-ed by the one process writing the folder
+# the names a run writes in out/ (a folder holding any of them without MARK is not the trainer's)
+RUN_FILES = ("config.json", "metrics.jsonl", "curves.png", "tokens.html", "checkpoint",
+             "checkpoint.tmp", "checkpoint.old")  # fmt: skip
+# the keys of a config.json an older trainer (before MARK) wrote
+_RUN_CONFIG_KEYS = {"task", "algo", "seed", "steps", "prompts_per_step", "group_size"}
 
 
 def kill_point(name: str, step: int) -> None:
@@ -131,6 +147,7 @@ class RunDir:
         self.metrics_path = self.out / "metrics.jsonl"
         self.config_path = self.out / "config.json"
         self._metrics_file = None
+        self._lock_fd = None
 
     # -- start-up -----------------------------------------------------------------------------
     def create(self) -> None:
@@ -143,11 +160,115 @@ class RunDir:
         except OSError as err:
             raise ValueError(f"out: cannot write to {str(self.out)!r}: {err.strerror}") from None
 
+    def _run_files(self) -> list[str]:
+        return [name for name in RUN_FILES if (self.out / name).exists()]
+
+    def _made_by_older_trainer(self) -> bool:
+        try:
+            saved = json.loads(self.config_path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(saved, dict) and _RUN_CONFIG_KEYS <= saved.keys()
+
     def holds_run(self) -> bool:
-        return any(
-            p.exists()
-            for p in (self.metrics_path, self.config_path, self.checkpoint, self.tmp, self.old)
+        """True if ``out`` holds a run of the trainer (its mark, or an older trainer's
+        config.json); a ValueError if it holds a run's file names without being one."""
+        if (self.out / MARK).is_file():
+            return True
+        present = self._run_files()
+        if not present:
+            return False
+        if self._made_by_older_trainer():
+            return True
+        raise ValueError(
+            f"out: {str(self.out)!r} holds {', '.join(present)} but is not a folder the trainer "
+            f"made (no {MARK}); it is neither resumed nor overwritten: choose another --out"
         )
+
+    def mark(self) -> None:
+        """Mark ``out`` as the trainer's (before any other file of the run is written)."""
+        path = self.out / MARK
+        if not path.is_file():
+            write_atomic(path, json.dumps({"format": FORMAT, "made_by": "mrtpo train"}) + "\n")
+
+    def lock(self) -> None:
+        """Take the folder's lock for this process (held until `unlock` or exit), or a
+        ValueError naming the process that holds it."""
+        if self._lock_fd is not None:
+            return
+        path = self.out / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            who = f"process {holder}" if holder.isdigit() else "another process"
+            raise ValueError(
+                f"out: {str(self.out)!r} is in use: {who} holds its lock {LOCK} (one trainer "
+                "per folder); wait for it to end or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def prepare(self, *, resume: bool, overwrite: bool, check_config=None, log=None):
+        """Make ``out`` ready for a run and lock it: refuse a folder the trainer did not make
+        and a run without ``resume`` or ``overwrite``; clear it (``overwrite``) or recover it
+        (``resume``, each finding logged). Returns the committed checkpoint's meta when
+        resuming from one, else None. ``check_config(saved)`` may refuse the saved config."""
+        log = log or (lambda msg: None)
+        self.create()
+        self.holds_run()  # refuses a foreign folder before the lock file is written there
+        self.lock()
+        try:
+            ours = self.holds_run()  # again, under the lock
+            if not resume:
+                if ours and not overwrite:
+                    raise ValueError(
+                        f"out: {str(self.out)!r} already holds a run; pass --resume to continue "
+                        "it or --overwrite to replace it"
+                    )
+                if ours:
+                    self.clear()
+                self.mark()
+                return None
+            if not ours:
+                log(f"resume: no run in {self.out}, starting from step 0")
+                self.mark()
+                return None
+            saved = self.saved_config()
+            if saved is not None and check_config is not None:
+                check_config(saved)
+            for note in self.recover():
+                log(f"resume: {note}")
+            self.mark()
+            meta = self.meta()
+            rows = self.metrics_rows()
+            step = 0 if meta is None else int(meta["step"])
+            if meta is None:
+                log(f"resume: no complete checkpoint in {self.out}, starting from step 0")
+            else:
+                covers = meta.get("metrics_rows", step)
+                log(f"resume: checkpoint/ of step {step}, covering {covers} metrics rows")
+            if rows > step:
+                log(f"resume: metrics.jsonl's {rows - step} rows past step {step} run again")
+            return meta
+        except BaseException:
+            self.unlock()
+            raise
+
+    def metrics_rows(self) -> int:
+        """Complete lines of metrics.jsonl."""
+        try:
+            return self.metrics_path.read_bytes().count(b"\n")
+        except OSError:
+            return 0
 
     def clear(self) -> None:
         """Remove a previous run's files (``--overwrite``)."""
@@ -158,22 +279,51 @@ class RunDir:
             (self.out / name).unlink(missing_ok=True)
         _fsync_dir(self.out)
 
-    def recover(self) -> None:
-        """Bring the folder back to one committed checkpoint (or none) after a kill."""
-        if self.checkpoint.exists():
-            self._remove(self.tmp)
-            self._remove(self.old)
-        elif (self.tmp / META).exists():
-            os.replace(self.tmp, self.checkpoint)
+    def _mark_step(self, path: Path) -> int | None:
+        """The step in ``path``'s commit mark, or None if it has no readable one."""
+        try:
+            meta = json.loads((path / META).read_text())
+            return int(meta["step"]) if meta.get("format") == FORMAT else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+    def recover(self) -> list[str]:
+        """Bring the folder back to one committed checkpoint (or none) after a kill: the
+        marked folder of the highest step wins (ties: checkpoint, .tmp, .old), unmarked ones
+        are removed. Returns what it found and did, one line each. A ``checkpoint`` without
+        its mark and nothing complete beside it is refused (a ValueError), not discarded."""
+        found = {p: self._mark_step(p) for p in (self.checkpoint, self.tmp, self.old) if p.exists()}
+        if not found:
+            return []
+        complete = {p: s for p, s in found.items() if s is not None}
+        order = (self.checkpoint, self.tmp, self.old)
+        if self.checkpoint in found and not (self.checkpoint / META).exists() and not complete:
+            rows = self.metrics_rows()
+            raise ValueError(
+                f"checkpoint: {self.checkpoint} has no {META} (its completion mark) and no "
+                "complete checkpoint is beside it; resuming would start again at step 0 and "
+                f"cut metrics.jsonl ({rows} rows): nothing was changed; remove that folder to "
+                "start again, or choose another --out"
+            )
+        if self.checkpoint in found and (self.checkpoint / META).exists() and not complete:
+            return []  # an unreadable mark: meta() names it
+        notes = []
+        best = max(complete, key=lambda p: (complete[p], -order.index(p))) if complete else None
+        name = lambda p: p.name + "/"  # noqa: E731
+        for p in order:
+            if p not in found or p == best:
+                continue
+            if found[p] is None:
+                why = "no completion mark" if not (p / META).exists() else "an unreadable mark"
+                notes.append(f"removed {name(p)} ({why}: a save that did not finish)")
+            else:
+                notes.append(f"removed {name(p)} (step {found[p]}), superseded by {name(best)}")
+            self._remove(p)
+        if best is not None and best != self.checkpoint:
+            os.replace(best, self.checkpoint)
             _fsync_dir(self.out)
-            self._remove(self.old)
-        elif (self.old / META).exists():
-            os.replace(self.old, self.checkpoint)
-            _fsync_dir(self.out)
-            self._remove(self.tmp)
-        else:
-            self._remove(self.tmp)
-            self._remove(self.old)
+            notes.append(f"took {name(best)} (complete, step {complete[best]}) as checkpoint/")
+        return notes
 
     def meta(self) -> dict | None:
         """The committed checkpoint's step, metrics rows and config, or None."""
@@ -184,9 +334,16 @@ class RunDir:
             meta = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise ValueError(f"checkpoint: {path} is unreadable ({err})") from None
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint: {path} has format {meta.get('format')}, not {FORMAT}")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else meta
+            raise ValueError(f"checkpoint: {path} has format {got!r}, not {FORMAT}")
         return meta
+
+    def committed_step(self) -> int | None:
+        """The step `recover` would resume from, read without changing anything."""
+        steps = [self._mark_step(p) for p in (self.checkpoint, self.tmp, self.old) if p.exists()]
+        steps = [s for s in steps if s is not None]
+        return max(steps) if steps else None
 
     def saved_config(self) -> dict | None:
         """The config of the run in the folder: the checkpoint's, else config.json's."""

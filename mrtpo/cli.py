@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint under --out.",
     )
     add_flags(p, TrainConfig())
-    p.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar or per-step lines (what --resume found is still printed)",
+    )
     p = sub.add_parser(
         "compare",
         help="compare algorithms over seeds on a built-in task",
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg.validate()
     except ValueError as err:
-        parser.exit(2, f"mrtpo {args.command}: error: {flag_for_error(str(err), cfg)}\n")
+        _refuse(parser, args.command, err, cfg)
     threads = cfg.train.threads if isinstance(cfg, CompareConfig) else cfg.threads
     if threads:
         import torch
@@ -91,14 +95,23 @@ def main(argv: list[str] | None = None) -> int:
 
         run_compare(cfg)
     except ValueError as err:
-        parser.exit(2, f"mrtpo {args.command}: error: {flag_for_error(str(err), cfg)}\n")
+        _refuse(parser, args.command, err, cfg)
     return 0
+
+
+def _refuse(parser, command: str, err: ValueError, cfg) -> None:
+    """Exit 2 with the error on one line, naming the flag of the field it starts with."""
+    message = " ".join(flag_for_error(str(err), cfg).split())
+    parser.exit(2, f"mrtpo {command}: error: {message}\n")
 
 
 def _train(cfg: TrainConfig, *, quiet: bool) -> int:
     from .trainer import train
 
-    log = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))
+    def log(msg: str) -> None:
+        if not quiet or msg.startswith("resume"):  # what --resume found is always said
+            print(msg, flush=True)
+
     res = train(cfg, progress=not quiet, log=log)
     last = res.metrics[-1] if res.metrics else {}
     print(

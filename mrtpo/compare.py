@@ -20,8 +20,11 @@ Reported per algorithm, over seeds:
 The claim tested, per MRTPO variant (``mrtpo:specific:gamma=2``, see
 ``mrtpo.config.parse_variant``): it reaches the target in at most 0.75x GDPO's steps on
 average over seeds with the upper end of the bootstrap 95% interval below 1, and its area
-under the all-pass curve is larger. Results go to ``<results>/<task>/``; a finished run in
-``<out>/<task>/<variant>-seed<s>`` with the same settings is reused (``--rerun`` retrains).
+under the all-pass curve is larger. Results go to ``<results>/<task>/``. Each run lives in
+``<out>/<task>/<variant>-seed<s>``; a finished run there with the same key (`run_key`: every
+trajectory setting, the number of steps, the device and CPU threads) is reused, one of the
+same key that stopped before the end (killed, or made with fewer ``--steps``) is resumed
+from its checkpoint, anything else is trained again (``--rerun`` retrains every run).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from .checkpoint import write_atomic
@@ -38,7 +41,6 @@ from .config import COMPARE_FIXED, CompareConfig, flag_of, task_slug
 from .model import default_model
 from .report import pyplot
 from .tasks import load_task
-from .trainer import train
 
 CLAIM_RATIO = 0.75
 ALGO_COLORS = {"grpo": "tab:blue", "gdpo": "tab:orange", "mrtpo": "tab:green"}
@@ -139,49 +141,104 @@ def _done_path(run_cfg) -> Path:
     return Path(run_cfg.out) / "compare_run.json"
 
 
-def _finished(run_cfg) -> dict | None:
-    """The saved summary of a finished run with the same settings, or None."""
-    path = _done_path(run_cfg)
-    if not path.is_file():
-        return None
+def run_key(run_cfg) -> dict:
+    """Every setting that changes what a run computes, as JSON: the trajectory settings,
+    the number of steps, and the device and CPU threads it computes with (they change the
+    order of floating-point sums). A run is reused only under the same key."""
+    import torch
+
+    from .trainer import resolve_device
+
+    key = json.loads(json.dumps(run_cfg.trajectory()))
+    key["steps"] = run_cfg.steps
+    key["device"] = str(resolve_device(run_cfg.device))
+    key["threads"] = run_cfg.threads or torch.get_num_threads()
+    return key
+
+
+def _record(run_cfg) -> dict | None:
+    """This comparison's record of the run in ``run_cfg.out`` (its key, whether it finished),
+    or None."""
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(_done_path(run_cfg).read_text())
     except (OSError, ValueError):
         return None
-    if saved.get("trajectory") != json.loads(json.dumps(run_cfg.trajectory())):
+    return saved if isinstance(saved, dict) and isinstance(saved.get("key"), dict) else None
+
+
+def _full_history(run_cfg) -> list[dict] | None:
+    """The run's metrics rows if they are exactly steps 1..``steps``, else None."""
+    try:
+        text = (Path(run_cfg.out) / "metrics.jsonl").read_text()
+        rows = [json.loads(line) for line in text.splitlines()]
+    except (OSError, ValueError):
         return None
-    return saved
+    steps = [r.get("step") if isinstance(r, dict) else None for r in rows]
+    return rows if steps == list(range(1, run_cfg.steps + 1)) else None
+
+
+def _without_steps(key: dict) -> dict:
+    return {k: v for k, v in key.items() if k != "steps"}
+
+
+def plan_run(run_cfg, key: dict, *, rerun: bool = False) -> tuple[str, object]:
+    """What to do with the folder of one run: ("reuse", metrics) for a finished run of the
+    same key; ("resume", step) for a run of the same key but its length that stopped at or
+    before ``steps`` (a killed run, or a shorter one to extend); ("fresh", reason) otherwise."""
+    if rerun:
+        return "fresh", "--rerun"
+    record = _record(run_cfg)
+    if record is None:
+        return "fresh", None
+    if _without_steps(record["key"]) != _without_steps(key):
+        return "fresh", "made with other settings"
+    metrics = _full_history(run_cfg)
+    if record["key"] == key and record.get("complete") and metrics is not None:
+        return "reuse", metrics
+    from .checkpoint import RunDir
+
+    step = RunDir(run_cfg.out).committed_step() or 0
+    if step > run_cfg.steps:
+        return "fresh", f"made with more steps ({step})"
+    return "resume", step
 
 
 def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
-    """One (algo, seed) run, or its saved summary when it already finished (unless
-    ``cfg.rerun``); runs in the parent or in a worker process."""
+    """One (algo, seed) run: its saved metrics when it already finished with the same key
+    (unless ``cfg.rerun``), its continuation when it stopped early, else a fresh run; runs
+    in the parent or in a worker process."""
     import torch
 
-    run_cfg = cfg.run_config(algo, seed)
-    if not cfg.rerun:
-        saved = _finished(run_cfg)
-        if saved is not None:
-            # the target and window are not trajectory settings: summarize the saved metrics
-            # again under this comparison's (a rerun with another --target reuses the runs)
-            metrics_path = Path(run_cfg.out) / "metrics.jsonl"
-            if metrics_path.is_file():
-                metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x]
-                s = summarize_run(metrics, saved["names"], cfg.target, cfg.window)
-                s["seed"], s["wall_s"] = seed, saved["summary"]["wall_s"]
-                saved["summary"] = s
-            saved["reused"] = True
-            return saved
+    from .trainer import Trainer
+
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    run_cfg = cfg.run_config(algo, seed)
+    key = run_key(run_cfg)
+    action, found = plan_run(run_cfg, key, rerun=cfg.rerun)
+    if action == "reuse":
+        # the target and window are not run settings: summarize the saved metrics under this
+        # comparison's (a rerun with another --target reuses the runs)
+        metrics = found
+        names = [k[len("pass/") :] for k in metrics[0] if k.startswith("pass/")]
+        s = summarize_run(metrics, names, cfg.target, cfg.window)
+        s["seed"], s["wall_s"] = seed, _record(run_cfg)["summary"]["wall_s"]
+        return {"algo": algo, "names": names, "summary": s, "how": "reused"}
+    if action == "resume":
+        run_cfg = replace(run_cfg, resume=True, overwrite=False)
     t0 = time.perf_counter()
-    res = train(run_cfg, task=task, progress=False)
+    trainer = Trainer(run_cfg, task=task)
+    write_atomic(_done_path(run_cfg), json.dumps({"algo": algo, "key": key, "complete": False}))
+    res = trainer.run(progress=False)
     names = [k[len("pass/") :] for k in res.metrics[0] if k.startswith("pass/")]
     s = summarize_run(res.metrics, names, cfg.target, cfg.window)
     s["seed"], s["wall_s"] = seed, time.perf_counter() - t0
-    done = {"algo": algo, "names": names, "summary": s, "trajectory": run_cfg.trajectory()}
+    done = {"algo": algo, "names": names, "summary": s, "key": key, "complete": True}
     write_atomic(_done_path(run_cfg), json.dumps(done))
-    done["reused"] = False
+    how = f"resumed from step {found}" if action == "resume" else "trained"
+    if action == "fresh" and found:
+        how += f"; replaced a run {found}" if found != "--rerun" else ""
+    done["how"] = how
     return done
 
 
@@ -233,7 +290,7 @@ def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
             f"{d['algo']} seed {s['seed']}: steps to target {reached}, AUC {_fmt(s['auc'])}, "
             f"final all-pass {_fmt(s['final_all_pass'])}, credit precision "
             f"{_fmt(s['credit_precision'])} (uniform {_fmt(s['uniform_share'])}), "
-            f"{s['wall_s']:.0f} s" + (" (reused)" if d["reused"] else "")
+            f"{s['wall_s']:.0f} s" + (f" ({d['how']})" if d["how"] != "trained" else "")
         )
     total = time.perf_counter() - t_start
     summary = {

@@ -78,6 +78,104 @@ def check_device(name) -> str | None:
     return None
 
 
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _special_token(value) -> bool:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return isinstance(value, str) and value != ""
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """None if ``path`` starts like a whole safetensors file (header length, JSON header,
+    data as long as the header says), else what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or n > 100_000_000:
+                return f"{path.name} is not a safetensors file"
+            header = json.loads(f.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+                  default=0)  # fmt: skip
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+        return f"{path.name} is not a readable safetensors file ({type(err).__name__})"
+    if path.stat().st_size < 8 + n + end:
+        size = path.stat().st_size
+        return f"{path.name} is truncated ({size} bytes, its header needs {8 + n + end})"
+    return None
+
+
+def check_model_folder(path) -> str | None:
+    """None if ``path`` looks like a saved Hugging Face causal LM that the trainer can load
+    (a folder with a JSON config.json naming its model_type, whole weights, a tokenizer
+    with a pad or an end-of-sequence token), else one line saying what is wrong. Reads
+    only small files; builds nothing."""
+    p = Path(path)
+    where = repr(str(path))
+    if not p.is_dir():
+        return f"{where} is not a folder with a saved Hugging Face causal LM"
+    if not (p / "config.json").is_file():
+        what = "is empty" if not any(p.iterdir()) else "has no config.json"
+        return (
+            f"{where} {what}: expected a saved Hugging Face causal LM (config.json, weights, "
+            "tokenizer)"
+        )
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"{where}: config.json is not valid JSON ({err})"
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return f"{where}: config.json names no model_type (not a Hugging Face model config)"
+    shards = []
+    for weights in _WEIGHTS:
+        index = p / (weights + ".index.json")
+        if (p / weights).is_file():
+            shards = [p / weights]
+        elif index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                return f"{where}: {index.name} is not a valid weight index ({err})"
+            missing = [n for n in names if not (p / n).is_file()]
+            if not names:
+                return f"{where}: {index.name} names no weight files"
+            if missing:
+                return f"{where}: {index.name} names {missing[0]}, which is missing"
+            shards = [p / n for n in names]
+        if shards:
+            break
+    if not shards:
+        return f"{where} has no weights ({' or '.join(_WEIGHTS)}, or a sharded index of them)"
+    for shard in shards:
+        if shard.suffix == ".safetensors":
+            msg = _safetensors_problem(shard)
+            if msg:
+                return f"{where}: {msg}"
+        elif shard.stat().st_size == 0:
+            return f"{where}: {shard.name} is empty"
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        return f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)})"
+    special = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((p / name).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as err:
+            return f"{where}: {name} is not valid JSON ({err})"
+        if isinstance(data, dict):
+            special.update({k: v for k, v in data.items() if _special_token(v)})
+    if "pad_token" not in special and "eos_token" not in special:
+        return (
+            f"{where}: its tokenizer has neither a pad nor an eos token (tokenizer_config.json); "
+            "the trainer pads with the pad token, else the eos token"
+        )
+    return None
+
+
 def parse_variant(label: str) -> tuple[str, dict]:
     """``mrtpo:specific:gamma=2`` -> ("mrtpo", {"relevance": "specific", "gamma": 2.0}).
 
@@ -104,6 +202,9 @@ def parse_variant(label: str) -> tuple[str, dict]:
                 over[key] = float(value)
             except ValueError:
                 raise ValueError(f"{key} in {label!r}: expected a number, got {value!r}") from None
+            msg = check_value(next(f for f in fields(TrainConfig) if f.name == key), over[key])
+            if msg:
+                raise ValueError(f"{key} in {label!r}: {msg}")
     return algo, over
 
 
@@ -426,10 +527,10 @@ class TrainConfig:
         msg = _check_writable_dir(self.out)
         if msg:
             raise ValueError(f"out: {msg}")
-        if self.model is not None and not Path(self.model).is_dir():
-            raise ValueError(
-                f"model: {self.model!r} is not a folder with a saved Hugging Face causal LM"
-            )
+        if self.model is not None:
+            msg = check_model_folder(self.model)
+            if msg:
+                raise ValueError(f"model: {msg}")
         if self.model is None:
             msg = _check_writable_dir(self.cache_dir)
             if msg:
@@ -501,10 +602,13 @@ class CompareConfig:
             msg = check_value(f, getattr(self, f.name))
             if msg:
                 raise ValueError(f"{f.name}: {msg}")
-        try:
-            self.run_config(self.algos[0], 0).validate(builtin_task=builtin_task)
-        except ValueError as err:
-            raise ValueError(f"train.{err}") from None
+        for algo in self.algos:  # every variant, before any run trains
+            try:
+                self.run_config(algo, 0).validate(builtin_task=builtin_task)
+            except ValueError as err:
+                if str(err).partition(":")[0] in parse_variant(algo)[1]:
+                    raise ValueError(f"algos: {algo}: {err}") from None
+                raise ValueError(f"train.{err}") from None
         return self
 
     def run_config(self, algo: str, seed: int) -> TrainConfig:

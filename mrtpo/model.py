@@ -167,17 +167,28 @@ def save_model(model, tokenizer, path: str | Path) -> Path:
     return path
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu"):
-    """Load a local Hugging Face causal LM and its tokenizer from ``path``."""
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", what: str = "model"
+):
+    """Load a local Hugging Face causal LM and its tokenizer from ``path``; a load failure is
+    a one-line ValueError that starts with ``what`` (the setting that named ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(f"model: {str(path)!r} is not a folder with a saved causal LM")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        raise ValueError(f"{what}: {str(path)!r} is not a folder with a saved causal LM")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        why = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ValueError(f"{what}: cannot load a causal LM from {str(path)!r} ({why})") from None
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"{what}: the tokenizer in {str(path)!r} has neither a pad nor an eos token"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer

@@ -38,7 +38,7 @@ from mrtpo_kernels import (
 )
 
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
-from .config import TrainConfig
+from .config import TrainConfig, check_model_folder
 from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .prompting import ChatPrompter
@@ -154,6 +154,14 @@ class Trainer:
     builds the model and, with ``cfg.resume``, the checkpoint."""
 
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
+        try:
+            self._init(cfg, task=task, log=log)
+        except BaseException:
+            if hasattr(self, "run_dir"):
+                self.run_dir.unlock()  # the folder's lock is held only by a trainer that runs
+            raise
+
+    def _init(self, cfg: TrainConfig, *, task=None, log=None):
         self.cfg = cfg.validate(builtin_task=task is None)
         self.log = log or (lambda msg: None)
         self.out = Path(cfg.out)
@@ -200,26 +208,16 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _prepare_out(self) -> dict | None:
-        """Create --out, repair what a kill left, refuse to clobber or to resume another
-        run; the committed checkpoint's meta when resuming from one."""
-        cfg, rd = self.cfg, self.run_dir
-        rd.create()
-        rd.recover()
-        if not cfg.resume:
-            if rd.holds_run() and not cfg.overwrite:
-                raise ValueError(
-                    f"out: {str(self.out)!r} already holds a run; pass --resume to continue it "
-                    "or --overwrite to replace it"
-                )
-            rd.clear()
-            return None
-        saved = rd.saved_config()
-        if saved is not None:
-            _refuse_other_config(saved, cfg, self.out)
-        meta = rd.meta()
-        if meta is None:
-            self.log(f"resume: no checkpoint in {rd.checkpoint}, starting from step 0")
-        return meta
+        """Create and lock --out, refuse a folder the trainer did not make, a run without
+        --resume or --overwrite and the resume of another run, repair what a kill left (and
+        say what it found); the committed checkpoint's meta when resuming from one."""
+        cfg = self.cfg
+        return self.run_dir.prepare(
+            resume=cfg.resume,
+            overwrite=cfg.overwrite,
+            check_config=lambda saved: _refuse_other_config(saved, cfg, self.out),
+            log=self.log,
+        )
 
     def save_checkpoint(self):
         self.run_dir.save(
@@ -236,9 +234,15 @@ class Trainer:
         )
 
     def _load_checkpoint(self, meta: dict):
+        problem = check_model_folder(self.ckpt_dir / "model")
+        if problem:
+            raise ValueError(f"checkpoint: {problem} (the checkpoint of step {meta['step']})")
         state = self.run_dir.load_state()
         model, _ = load_model(
-            self.ckpt_dir / "model", dtype=getattr(torch, self.cfg.dtype), device=self.device
+            self.ckpt_dir / "model",
+            dtype=getattr(torch, self.cfg.dtype),
+            device=self.device,
+            what="checkpoint",
         )
         self.model.load_state_dict(model.state_dict())
         self.opt.load_state_dict(state["optimizer"])
@@ -411,6 +415,12 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self, *, progress: bool = True) -> TrainResult:
+        try:
+            return self._run(progress=progress)
+        finally:
+            self.run_dir.unlock()
+
+    def _run(self, *, progress: bool = True) -> TrainResult:
         from tqdm.auto import tqdm
 
         cfg = self.cfg

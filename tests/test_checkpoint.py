@@ -8,6 +8,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def _fake_checkpoint(path: Path, step: int, *, complete: bool = True) -> None:
         ({"checkpoint.tmp": None}, None),  # first save, incomplete
         ({"checkpoint.old": 1}, 1),
         ({}, None),
+        ({"checkpoint": 1, "checkpoint.tmp": 2}, 2),  # killed after .tmp's commit mark
+        ({"checkpoint": None, "checkpoint.tmp": 2}, 2),  # an unmarked checkpoint: debris
+        ({"checkpoint": None, "checkpoint.old": 1, "checkpoint.tmp": None}, 1),
     ],
 )
 def test_recover_every_leftover_state(tmp_path, present, want_step):
@@ -190,3 +194,56 @@ def test_damaged_metrics_history_names_the_file(tmp_path, reference):
     t = Trainer(dataclasses.replace(cfg, resume=True, steps=2), task=standin_task())
     assert [r["step"] for r in t.metrics] == [1, 2]
     assert res.metrics_path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+
+
+def test_recover_says_what_it_found_and_never_drops_a_complete_state(tmp_path):
+    _fake_checkpoint(tmp_path / "checkpoint", 0, complete=False)
+    _fake_checkpoint(tmp_path / "checkpoint.tmp", 4)
+    notes = RunDir(tmp_path).recover()
+    assert any("checkpoint/" in n and "no completion mark" in n for n in notes), notes
+    assert any("checkpoint.tmp/" in n and "step 4" in n for n in notes), notes
+    assert RunDir(tmp_path).meta()["step"] == 4
+    # a partly written mark in .tmp (a kill inside its write) is no mark
+    _fake_checkpoint(tmp_path / "x" / "checkpoint", 2)
+    _fake_checkpoint(tmp_path / "x" / "checkpoint.tmp", 3, complete=False)
+    (tmp_path / "x" / "checkpoint.tmp" / META).write_text('{"format": 1, "st')
+    assert RunDir(tmp_path / "x").recover() and RunDir(tmp_path / "x").meta()["step"] == 2
+
+
+def test_resume_with_an_unmarked_checkpoint_keeps_history_and_complete_states(tmp_path, reference):
+    cfg = tiny_config(tmp_path, steps=2, checkpoint_every=1, cache_dir=str(reference[0] / "cache"))
+    res = train(cfg, task=standin_task(), progress=False)
+    history = res.metrics_path.read_bytes()
+    ckpt = Path(cfg.out) / "checkpoint"
+    # nothing complete beside it: refused, nothing cut or replaced
+    (ckpt / META).rename(tmp_path / "meta-aside.json")
+    with pytest.raises(ValueError, match="checkpoint: .*has no meta.json.*nothing was changed"):
+        Trainer(dataclasses.replace(cfg, resume=True, steps=3), task=standin_task())
+    assert res.metrics_path.read_bytes() == history
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model", "state.pt"]
+    # a complete checkpoint.tmp beside it: resumed from there, and said so
+    (tmp_path / "meta-aside.json").rename(ckpt / META)
+    shutil.copytree(ckpt, Path(cfg.out) / "checkpoint.tmp")
+    (ckpt / META).unlink()
+    logs = []
+    t = Trainer(
+        dataclasses.replace(cfg, resume=True, steps=3), task=standin_task(), log=logs.append
+    )
+    assert t.step == 2 and [r["step"] for r in t.metrics] == [1, 2]
+    assert res.metrics_path.read_bytes() == history
+    assert any("checkpoint/" in m and "no completion mark" in m for m in logs), logs
+    assert any("checkpoint.tmp/" in m and "step 2" in m for m in logs), logs
+    t.run_dir.unlock()
+
+
+def test_one_trainer_per_folder(tmp_path, reference):
+    cfg = tiny_config(tmp_path, steps=1, cache_dir=str(reference[0] / "cache"))
+    first = Trainer(cfg, task=standin_task())  # holds the folder until its run ends
+    for again in (dataclasses.replace(cfg, resume=True), dataclasses.replace(cfg, overwrite=True)):
+        with pytest.raises(ValueError, match=f"out: .* is in use: process {os.getpid()} holds"):
+            Trainer(again, task=standin_task())
+    assert not (Path(cfg.out) / "metrics.jsonl").read_text()  # the refused ones wrote nothing
+    first.run(progress=False)
+    assert [r["step"] for r in _rows_of(Path(cfg.out) / "metrics.jsonl")] == [1]
+    resumed = Trainer(dataclasses.replace(cfg, resume=True, steps=1), task=standin_task())
+    assert resumed.step == 1  # the lock went with the first run's end

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mrtpo.checkpoint import MARK
 from mrtpo.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,8 @@ def test_help_lists_every_command_and_flag(capsys):
         (["train", "--temperature", "-1"], "--temperature"),
         (["train", "--group-size", "x"], "--group-size: expected an integer"),
         (["compare", "--algos", "gdpo,foo"], "--algos: expected a comma-separated list"),
+        (["compare", "--algos", "gdpo,mrtpo:alpha=2"], "--algos: expected a comma-separated"),
+        (["compare", "--algos", "gdpo,mrtpo:gamma=0"], "gamma in 'mrtpo:gamma=0'"),
         (["compare", "--task", "sqll"], "--task"),
         (["compare", "--lr", "nan"], "--lr: expected a finite number"),
         (["train", "--model", "/no/such/folder"], "--model:"),
@@ -87,6 +90,7 @@ def test_bad_paths_fail_before_any_model_is_built(tmp_path, capsys):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     run = tmp_path / "old"
     run.mkdir()
+    (run / MARK).write_text("{}")  # a folder the trainer made
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     code, _, err = _run(_train_argv(tmp_path, "--out", str(run)), capsys)
     assert code == 2 and "already holds a run" in err and "--overwrite" in err
@@ -216,3 +220,120 @@ def test_train_with_warm_noise_smoke(tmp_path):
     assert sorted(i["config"]["warm_noise"] for i in infos) == [0.0, 0.5]
     with pytest.raises(SystemExit):
         main([*common, "--out", str(tmp_path / "c"), "--warm-noise", "1.5"])
+
+
+# --------------------------------------------------------------------------------------------
+# Broken --model folders, folders the trainer did not make, a folder in use
+
+
+def _safetensors(path: Path, *, truncate: int = 0) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    data = len(header).to_bytes(8, "little") + header + b"\0" * 8
+    path.write_bytes(data[: len(data) - truncate])
+
+
+def _hf_folder(path: Path, *, config=None, weights=True, tokenizer=None) -> Path:
+    """A folder laid out like a saved Hugging Face causal LM (not loadable: no model)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2"} if config is None else config)
+        if not isinstance(config, str)
+        else config
+    )
+    if weights:
+        _safetensors(path / "model.safetensors")
+    (path / "tokenizer.json").write_text("{}")
+    tok = {"eos_token": "</s>", "pad_token": None} if tokenizer is None else tokenizer
+    (path / "tokenizer_config.json").write_text(json.dumps(tok))
+    return path
+
+
+def _broken_models(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_shard = _hf_folder(tmp_path / "no_shard", weights=False)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
+    (no_shard / "model.safetensors.index.json").write_text(json.dumps(index))
+    truncated = _hf_folder(tmp_path / "truncated")
+    _safetensors(truncated / "model.safetensors", truncate=3)
+    return [
+        (empty, "is empty"),
+        (_hf_folder(tmp_path / "bad_json", config="{not json"), "config.json is not valid JSON"),
+        (_hf_folder(tmp_path / "no_type", config={"hidden": 1}), "names no model_type"),
+        (_hf_folder(tmp_path / "no_weights", weights=False), "has no weights"),
+        (no_shard, "names model-00001-of-00002.safetensors, which is missing"),
+        (truncated, "model.safetensors is truncated"),
+        (_hf_folder(tmp_path / "no_pad_eos", tokenizer={"bos_token": "<s>"}), "neither a pad nor"),
+    ]
+
+
+def test_broken_model_folders_give_one_line_naming_the_problem(tmp_path, capsys):
+    for folder, needle in _broken_models(tmp_path):
+        code, _, err = _run(_train_argv(tmp_path, "--model", str(folder)), capsys)
+        assert code == 2 and "--model: " in err and needle in err, (folder.name, err)
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_folder_the_trainer_did_not_make_is_never_overwritten(tmp_path, capsys):
+    hf = _hf_folder(tmp_path / "hf-model")
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    for flag in ("--overwrite", "--resume", None):
+        argv = _train_argv(tmp_path, "--out", str(hf), *([flag] if flag else []))
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and "not a folder the trainer made" in err, err
+        assert "--overwrite" not in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before  # no file added or changed
+
+
+def test_a_folder_in_use_is_refused(tmp_path, capsys):
+    import fcntl
+    import os
+
+    from mrtpo.checkpoint import LOCK
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / MARK).write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    # another process holds the folder's lock for its whole run
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(run / LOCK)!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+         "print('locked', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for flag in ("--resume", "--overwrite"):
+            code, _, err = _run(_train_argv(tmp_path, "--out", str(run), flag), capsys)
+            assert code == 2 and "--out: " in err and "in use" in err, err
+            assert f"process {holder.pid}" in err and len(err.strip().splitlines()) == 1
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = os.open(run / LOCK, os.O_RDWR)  # the refused runs left the lock free
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_resume_without_the_checkpoint_model_blames_the_checkpoint(tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    small = ["--warm-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--out",
+             str(out), "--max-new-tokens", "4", "--algo", "gdpo"]  # fmt: skip
+    assert main([*_train_argv(tmp_path), *small]) == 0
+    from mrtpo.config import check_model_folder
+
+    (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert check_model_folder(cached) is None  # a model the trainer saved passes the checks
+    shutil.rmtree(out / "checkpoint" / "model")
+    capsys.readouterr()
+    code, _, err = _run([*_train_argv(tmp_path), *small, "--resume", "--steps", "2"], capsys)
+    assert code == 2 and "checkpoint: " in err and "--model" not in err, err
+    assert "checkpoint/model' is not a folder" in err and len(err.strip().splitlines()) == 1
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]

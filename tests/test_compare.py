@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from test_trainer import TINY, standin_task
 
-from mrtpo.compare import bootstrap_ratio, run_compare
+from mrtpo.compare import bootstrap_ratio, plan_run, run_compare, run_key
 from mrtpo.config import CompareConfig, TrainConfig, check_algos, parse_variant
 from mrtpo.metrics import analogue_chars
 from mrtpo.replay import control_span
 from mrtpo.tasks import load_task
 
 
-def _cfg(tmp_path, task="constraints", algos=("gdpo", "mrtpo"), seeds=1, **train):
+def _cfg(tmp_path, task="constraints", algos=("gdpo", "mrtpo"), seeds=1, steps=2, **train):
     base = dict(
         prompts_per_step=2,
         group_size=2,
@@ -35,7 +36,7 @@ def _cfg(tmp_path, task="constraints", algos=("gdpo", "mrtpo"), seeds=1, **train
         task=task,
         algos=tuple(algos),
         seeds=seeds,
-        steps=2,
+        steps=steps,
         window=1,
         out=str(tmp_path / "runs"),
         results=str(tmp_path / "res"),
@@ -189,3 +190,69 @@ def test_oracle_relevance_puts_every_allocation_on_the_verifier_tokens(monkeypat
     rel = trainer.oracle_relevance(task, None, torch.tensor([4, 3]))
     want = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0]], dtype=torch.float32)
     assert torch.equal(rel, want)  # all-true and None masks: 0 (uniform allocation)
+
+
+def _fake_compare_run(run_cfg, key, *, rows, step, complete):
+    out = Path(run_cfg.out)
+    out.mkdir(parents=True)
+    text = "".join(json.dumps({"step": i + 1, "all_pass": 0.0}) + "\n" for i in range(rows))
+    (out / "metrics.jsonl").write_text(text)
+    if step is not None:
+        (out / "checkpoint").mkdir()
+        (out / "checkpoint" / "meta.json").write_text(json.dumps({"format": 1, "step": step}))
+    record = {"algo": "gdpo", "key": key, "complete": complete, "summary": {"wall_s": 1.0}}
+    (out / "compare_run.json").write_text(json.dumps(record))
+
+
+def test_reuse_is_keyed_by_every_setting_of_a_run_and_partial_runs_resume(tmp_path):
+    cfg = _cfg(tmp_path, algos=("gdpo",), steps=4)
+    run = cfg.run_config("gdpo", 0)
+    key = run_key(run)
+    assert key["steps"] == 4 and key["device"] == "cpu" and key["threads"] == 1
+    cases = [  # (the record's key, metrics rows, checkpoint step, finished) -> plan
+        (key, 4, 4, True, ("reuse", None)),
+        ({**key, "steps": 2}, 2, 2, True, ("resume", 2)),  # made with fewer --steps
+        ({**key, "steps": 6}, 6, 6, True, ("fresh", "made with more steps (6)")),
+        (key, 3, 2, False, ("resume", 2)),  # killed at step 3, checkpoint at 2
+        (key, 2, 2, True, ("resume", 2)),  # marked finished, history short: not complete
+        (key, 0, None, False, ("resume", 0)),  # killed before the first checkpoint
+        ({**key, "lr": 1.0}, 4, 4, True, ("fresh", "made with other settings")),
+        ({**key, "threads": 2}, 4, 4, True, ("fresh", "made with other settings")),
+        ({**key, "device": "cuda:0"}, 4, 4, True, ("fresh", "made with other settings")),
+    ]
+    for i, (saved, rows, step, complete, want) in enumerate(cases):
+        r = replace(run, out=str(tmp_path / f"case{i}"))
+        _fake_compare_run(r, saved, rows=rows, step=step, complete=complete)
+        action, found = plan_run(r, key)
+        if action == "reuse":
+            found = None if [m["step"] for m in found] == [1, 2, 3, 4] else found
+        assert (action, found) == want, (i, action, found)
+    assert plan_run(replace(run, out=str(tmp_path / "none")), key) == ("fresh", None)
+    assert plan_run(replace(run, out=str(tmp_path / "case0")), key, rerun=True)[0] == "fresh"
+
+
+def test_more_steps_resume_the_shorter_runs_instead_of_reusing_them(tmp_path):
+    short = _cfg(tmp_path, algos=("gdpo",), steps=2)
+    first = run_compare(short, task=standin_task(), log=lambda _: None)
+    logs = []
+    longer = run_compare(replace(short, steps=3), task=standin_task(), log=logs.append)
+    assert not any("(reused)" in line for line in logs), logs
+    assert sum("(resumed from step 2)" in line for line in logs) == 1, logs
+    curve = longer["runs"]["gdpo"][0]["curve"]
+    assert len(curve) == 3 and curve[:2] == first["runs"]["gdpo"][0]["curve"]
+    logs = []
+    again = run_compare(replace(short, steps=3), task=standin_task(), log=logs.append)
+    assert (
+        sum("(reused)" in line for line in logs) == 1 and again["runs"]["gdpo"][0]["curve"] == curve
+    )
+
+
+def test_every_variant_is_checked_before_any_run_trains(tmp_path):
+    for bad, needle in (
+        ("mrtpo:alpha=2", "alpha in 'mrtpo:alpha=2'"),
+        ("mrtpo:gamma=inf", "gamma"),
+    ):
+        cfg = _cfg(tmp_path, algos=("gdpo", bad))
+        with pytest.raises(ValueError, match=f"algos: .*{needle}"):
+            run_compare(cfg, task=standin_task(), log=lambda _: None)
+        assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
