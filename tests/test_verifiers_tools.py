@@ -244,10 +244,12 @@ def test_two_calls_in_one_answer_earn_nothing(task):
         f"```json\n{gold}\n```\nor else {wrong}",
         f"{wrong}\n```json\n{gold}\n```",
         gold[:-1] + f', "then": {wrong}}}',  # a second call under another key
+        gold[:-1] + f', "id": {wrong}}}',  # or under a key a call may have
     ):
         verdicts = [v(ex, text) for v in tool_verifiers()]
         assert [v.score for v in verdicts] == [0.0] * 4, (text, verdicts)
-        assert "more than one call" in verdicts[0].reason or "then" in verdicts[0].reason
+        reason = verdicts[0].reason
+        assert "more than one call" in reason or "then" in reason or '"id"' in reason
     # One fenced call with prose around it is still one call.
     ok = f"Here you go:\n```json\n{gold}\n```\nDone."
     assert [v(ex, ok).score for v in tool_verifiers()] == [1.0] * 4

@@ -8,9 +8,10 @@ rejected before it is parsed (score 0 with the reason; no recursion).
 
 The call must be JSON and exactly one call: ``NaN``/``Infinity`` (which Python's parser
 accepts and JSON does not), an object with a key twice (a parser keeps either one), both
-``"arguments"`` and ``"parameters"``, a key besides those, ``"name"``, ``"id"`` and ``"type"``,
-a number beyond double range (``1e400``), and text outside the fenced block that holds a
-brace or another fence (a second call) all fail the format, and so every reward.
+``"arguments"`` and ``"parameters"``, a key besides those, ``"name"``, ``"id"`` and
+``"type"`` (both strings), a number beyond double range (``1e400``), and text outside the
+fenced block that holds a brace or another fence (a second call) all fail the format, and
+so every reward.
 
 Arguments are validated with ``jsonschema`` when it is installed (imported on first use,
 so importing this module never needs it) and otherwise with `validate_subset`, a small
@@ -127,6 +128,9 @@ def parse_call(response: str) -> tuple[str, dict]:
     extra = sorted(set(obj) - _CALL_KEYS)
     if extra:  # anything else may hold another call
         raise CallParseError(f"unexpected keys {', '.join(map(repr, extra))[:120]} in the call")
+    for key in ("id", "type"):
+        if key in obj and not isinstance(obj[key], str):
+            raise CallParseError(f'"{key}" must be a string, got {type(obj[key]).__name__}')
     args = obj.get("arguments", obj.get("parameters"))
     if isinstance(args, str):
         args = _loads_bounded(args)
