@@ -4,10 +4,13 @@
     python examples/verl/main_mrtpo.py --check   # CPU, no ray: the wiring on a toy batch
 
 The training run is verl's own (``verl.trainer.main_ppo``): it needs what verl needs (ray,
-GPUs, a rollout engine such as vllm, a model and data), plus the MRTPO inputs in the batch
-(``mrtpo_rewards``, ``mrtpo_relevance``, ``mrtpo_has_info``; docs/integrations.md, "verl").
-This launcher only makes verl's task runner, the process that computes advantages, install
-``register_with_verl(patch_compute_advantage=True, **config.mrtpo)`` before training.
+GPUs, a rollout engine such as vllm, a model and data), plus ``mrtpo_rewards`` (bs, K) and
+each sample's spans (``non_tensor_batch["mrtpo_spans"]``) in the batch (docs/integrations.md,
+"verl"). This launcher makes verl's task runner, the process that computes advantages,
+install ``register_with_verl(patch_compute_advantage=True, **config.mrtpo)`` and, with
+``actor_rollout_ref.mrtpo.replay.enable: true`` (this directory's config), the replay: the
+actor workers are ``mrtpo_actor_worker_class()`` and ``install_replay_hook()`` fills
+``mrtpo_relevance`` / ``mrtpo_has_info`` after the old log-probs.
 ``--check`` composes this directory's config and runs verl's ``compute_advantage`` on a
 toy ``DataProto`` in this process, as the task runner would.
 """
@@ -24,6 +27,12 @@ def _options(config) -> dict:
     from omegaconf import OmegaConf
 
     return dict(OmegaConf.to_container(config.get("mrtpo", {}), resolve=True))
+
+
+def _replay_on(config) -> bool:
+    from mrtpo.integrations.verl import replay_options
+
+    return replay_options(config.actor_rollout_ref) is not None
 
 
 def check() -> None:
@@ -75,10 +84,23 @@ def main() -> None:
 
     @ray.remote
     class MRTPOTaskRunner(TaskRunner.__ray_actor_class__):
+        def add_actor_rollout_worker(self, config):
+            out = super().add_actor_rollout_worker(config)
+            if _replay_on(config):  # the actor workers get compute_mrtpo_relevance
+                from mrtpo.integrations.verl import mrtpo_actor_worker_class
+
+                worker = ray.remote(mrtpo_actor_worker_class())
+                for role in list(self.role_worker_mapping):
+                    if "Actor" in getattr(role, "name", str(role)):
+                        self.role_worker_mapping[role] = worker
+            return out
+
         def run(self, config):
-            from mrtpo.integrations.verl import register_with_verl
+            from mrtpo.integrations.verl import install_replay_hook, register_with_verl
 
             register_with_verl(patch_compute_advantage=True, **_options(config))
+            if _replay_on(config):  # the replay after the old log-probs, in this driver
+                install_replay_hook()
             return super().run(config)
 
     @hydra.main(config_path=HERE, config_name="mrtpo_trainer", version_base=None)

@@ -1,0 +1,154 @@
+"""The contrastive replay inside verl 0.9.1 (run by `make test-frameworks`): a real DataProto
+with a real Hugging Face model on the CPU, in verl's padded layout and in the remove-padding
+TensorDict its workers receive (``left_right_2_no_padding``), gives the same relevance as
+``mrtpo.replay.replay_relevance`` on the same rows; the worker method and the driver hook
+fill the batch the advantage step reads."""
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl runs in .venv-frameworks (make test-frameworks)")
+
+from omegaconf import OmegaConf  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.single_controller.base.decorator import MAGIC_ATTR  # noqa: E402
+from verl.trainer.ppo import ray_trainer  # noqa: E402
+from verl.workers import engine_workers  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+from mrtpo.integrations import verl  # noqa: E402
+from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.replay import replay_relevance  # noqa: E402
+
+USERS = ['Write about owls. Include the word "blue".', 'Write about rain. End with "bye now".']
+SYSTEM = {"role": "system", "content": "be brief"}
+TAU = 0.9
+
+
+def _setup():
+    tok = build_tokenizer(USERS * 4 + ["hello blue owls", "rain bye now", "be brief"],
+                          vocab_size=300)  # fmt: skip
+    cfg = TinyConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=2, num_kv_heads=1)  # fmt: skip
+    return tok, build_tiny_model(tok, cfg, seed=0).eval()
+
+
+def _batch(tok):
+    """A verl batch after generation: 2 prompts x 2 responses, chat prompts with and without
+    a system message, an empty (masked) and a truncated response."""
+    msgs = [
+        [{"role": "user", "content": USERS[0]}],
+        [SYSTEM, {"role": "user", "content": USERS[1]}],
+    ]
+    raw = [msgs[0], msgs[0], msgs[1], msgs[1]]
+    u0, u1 = USERS
+    spans = [
+        [[(0, u0.index('"'), len(u0))], []],
+        [[(0, u0.index('"'), len(u0))], []],
+        [[(1, u1.index("End"), len(u1))], [(0, 0, 8)]],
+        [[(1, u1.index("End"), len(u1))], [(0, 0, 8)]],
+    ]
+    responses = [[10, 11, 12, tok.eos_token_id], [13, 14, 15, 16, 17], [], [18, 19]]
+    prompt_ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)["input_ids"]
+                  for m in raw]  # fmt: skip
+    b, p, t = 4, max(map(len, prompt_ids)), 5
+    prompts = torch.full((b, p), tok.pad_token_id)
+    resp = torch.full((b, t), tok.pad_token_id)
+    att = torch.zeros((b, p + t), dtype=torch.long)
+    for i, (q, r) in enumerate(zip(prompt_ids, responses)):
+        prompts[i, p - len(q) :] = torch.tensor(q)
+        att[i, p - len(q) : p] = 1
+        if r:
+            resp[i, : len(r)] = torch.tensor(r)
+        att[i, p : p + len(r)] = 1
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    data = DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": resp, "input_ids": torch.cat([prompts, resp], 1),
+                 "attention_mask": att, "position_ids": pos, "response_mask": att[:, p:]},
+        non_tensors={"raw_prompt": np.array(raw + [None], dtype=object)[:-1],
+                     "mrtpo_spans": np.array(spans + [None], dtype=object)[:-1],
+                     "uid": np.array(["a", "a", "b", "b"], dtype=object)},
+    )  # fmt: skip
+    return data, raw, spans, responses
+
+
+def _want(model, tok, raw, spans, responses):
+    return replay_relevance(model, raw, responses, spans, tokenizer=tok, temperature=TAU)
+
+
+def test_padded_and_remove_padding_layouts_equal_the_neutral_replay():
+    tok, model = _setup()
+    data, raw, spans, responses = _batch(tok)
+    want = _want(model, tok, raw, spans, responses)
+    assert bool((want.relevance > 0).any())
+    verl.fill_mrtpo_relevance(data, model, tok, temperature=TAU)
+    rel = data.batch[verl.RELEVANCE_KEY]
+    assert tuple(rel.shape) == (4, 2, 5)
+    torch.testing.assert_close(rel.transpose(0, 1), want.relevance, rtol=1e-5, atol=1e-6)
+    assert torch.all(rel[2] == 0)  # the empty response
+    assert data.batch[verl.HAS_INFO_KEY].tolist() == want.has_info.tolist()
+    # the TensorDict verl's actor worker receives (remove-padding layout, nested input_ids)
+    td = left_right_2_no_padding(data.to_tensordict())
+    assert td["input_ids"].is_nested
+    verl.fill_mrtpo_relevance(td, model, tok, temperature=TAU)
+    torch.testing.assert_close(td[verl.RELEVANCE_KEY], rel, rtol=1e-5, atol=1e-6)
+    # the advantage step reads what the replay wrote
+    data.batch[verl.REWARDS_KEY] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.5]])
+    verl.compute_mrtpo_advantage_for_batch(data, batch_norm="sequence")
+    assert torch.isfinite(data.batch["advantages"]).all()
+
+
+def test_truncated_prompt_is_an_error():
+    tok, model = _setup()
+    data, *_ = _batch(tok)
+    data.batch["prompts"][0, -3] = 7  # not what the chat template renders
+    with pytest.raises(ValueError, match="prompt_ids: row 0"):
+        verl.fill_mrtpo_relevance(data, model, tok, temperature=TAU)
+
+
+def _worker(model, tok, enable=True):
+    cfg = OmegaConf.create({"mrtpo": {"replay": {"enable": enable, "micro_batch": 2}},
+                            "rollout": {"temperature": TAU}, "model": {}})  # fmt: skip
+    return NS(config=cfg, actor=NS(engine=NS(module=model), model_config=NS(tokenizer=tok)))
+
+
+def test_worker_method_and_driver_hook(monkeypatch):
+    tok, model = _setup()
+    data, raw, spans, responses = _batch(tok)
+    want = _want(model, tok, raw, spans, responses)
+    worker = _worker(model, tok)
+    # the worker class: one more registered method, dispatched like compute_log_prob
+    cls = verl.mrtpo_actor_worker_class()
+    assert issubclass(cls, engine_workers.ActorRolloutRefWorker)
+    method = getattr(cls, verl.REPLAY_METHOD)
+    base = getattr(engine_workers.ActorRolloutRefWorker.compute_log_prob, MAGIC_ATTR)
+    assert getattr(method, MAGIC_ATTR)["dispatch_mode"] is base["dispatch_mode"]
+    # the driver hook around RayPPOTrainer._compute_old_log_prob (verl's own old-log-prob
+    # step is stood in for; the hook adds the replay after it)
+    calls = []
+    monkeypatch.setattr(ray_trainer.RayPPOTrainer, "_compute_old_log_prob",
+                        lambda self, batch: calls.append("old") or "old-out")  # fmt: skip
+    verl.install_replay_hook()
+    wg = NS(**{verl.REPLAY_METHOD: lambda td: method(worker, td)})
+    trainer = NS(config=OmegaConf.create({"actor_rollout_ref": worker.config}),
+                 actor_rollout_wg=wg)  # fmt: skip
+    out = ray_trainer.RayPPOTrainer._compute_old_log_prob(trainer, data)
+    assert out == "old-out" and calls == ["old"]
+    rel = data.batch[verl.RELEVANCE_KEY]
+    torch.testing.assert_close(rel.transpose(0, 1), want.relevance, rtol=1e-5, atol=1e-6)
+    # switched off in the config: no replay, no keys
+    data2, *_ = _batch(tok)
+    trainer.config = OmegaConf.create({"actor_rollout_ref": _worker(model, tok, False).config})
+    ray_trainer.RayPPOTrainer._compute_old_log_prob(trainer, data2)
+    assert verl.RELEVANCE_KEY not in set(data2.batch.keys())
+
+
+def test_version_check(monkeypatch):
+    import verl as verl_pkg
+
+    monkeypatch.setattr(verl_pkg, "__version__", "0.0.1")
+    with pytest.raises(RuntimeError, match="verl 0.0.1"):
+        verl.install_replay_hook()
