@@ -307,9 +307,10 @@ def _head(model):
 def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device) -> torch.Tensor:
     """(N, d) packed hidden states predicting each response token, without gradient."""
     if not isinstance(model, CallableLM):
-        return forward_shared_prompts(
+        h = forward_shared_prompts(
             model, prompts, responses, pad_id, micro_batch=micro_batch, device=device
         )
+        return h.to(lm_head(model)[0].dtype)  # under autocast the decoder may give bf16
     out = [model.weight.new_empty((0, model.weight.shape[1]))]
     for s in range(0, len(prompts), micro_batch):
         tb = teacher_batch(prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id,
