@@ -26,6 +26,7 @@ from .common import (
 __all__ = [
     "mrtpo_token_advantages_for_experiences",
     "mrtpo_token_advantages_from_experience",
+    "relevance_for_experience",
     "rollout_group_ids",
 ]
 
@@ -173,3 +174,104 @@ def _cat_index(index) -> list:
     for part in index:
         keys.extend(part.tolist() if isinstance(part, torch.Tensor) else list(part))
     return keys
+
+
+# --------------------------------------------------------------------------- the replay
+
+
+@torch.no_grad()
+def relevance_for_experience(
+    model,
+    experience,
+    spans,
+    *,
+    temperature: float,
+    tokenizer=None,
+    encode=None,
+    prompts=None,
+    add_special_tokens: bool = False,
+    micro_batch: int = 16,
+    check_prompt_ids: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(relevance (K, B, A), has_info (B, K)) of an OpenRLHF ``Experience`` (or its samples)
+    in the action layout, from ``mrtpo.replay.replay_relevance`` run on ``model`` (the
+    actor's Hugging Face module, unwrapped).
+
+    Layout read: ``sequences`` (B, L) prompt + response, left- or right-padded, with
+    ``attention_mask`` (B, L); ``action_mask`` (B, A) over the last A next-token positions
+    (OpenRLHF 0.11: A = L - 1, ``action_mask[i, t]`` marks token t + 1). Row i's prompt is
+    its tokens before its first action token; every token from there to its last action token
+    is teacher-forced (tokens between actions, such as an environment's observation in a
+    multi-turn rollout, too) and relevance is written at the action positions only. A row
+    without action tokens is empty (zeros).
+
+    Args:
+        spans: (B, K) per sample, per reward, spans of its prompt (``mrtpo.spans``).
+        prompts: (B,) the prompts the spans refer to; default ``experience.prompts`` (the
+            dataset's prompt text after OpenRLHF's chat templating: plain strings, tokenized
+            with ``add_special_tokens=False`` as OpenRLHF does). Chat messages are rendered
+            with the tokenizer's chat template.
+        check_prompt_ids: each prompt, rendered, must equal the row's prompt tokens.
+    """
+    seq, att, act = experience.sequences, experience.attention_mask, experience.action_mask
+    check_tensor("sequences", seq, ndim=2)
+    check_tensor("action_mask", act, ndim=2)
+    b, width = seq.shape
+    a = act.shape[1]
+    att = torch.ones_like(seq) if att is None else att
+    check_shape("attention_mask", att, (b, width), "(B, L) like sequences")
+    if act.shape[0] != b or a > width - 1:
+        raise ValueError(f"action_mask: expected (B, A) with B = {b} and A <= L - 1 = "
+                         f"{width - 1}, got {tuple(act.shape)}")  # fmt: skip
+    if prompts is None:
+        prompts = list(getattr(experience, "prompts", None) or [])
+    if len(prompts) != b:
+        raise ValueError(f"prompts: expected {b} (one per row; experience.prompts or "
+                         f"prompts=), got {len(prompts)}")  # fmt: skip
+    offset = width - a  # action column j is token offset + j
+    prompt_rows, conts, firsts = [], [], []
+    for i in range(b):
+        cols = act[i].bool().nonzero().flatten()
+        valid = att[i].bool()
+        if cols.numel() == 0:  # nothing to replay; its prompt is not checked
+            prompt_rows.append(None)
+            conts.append([])
+            firsts.append(None)
+            continue
+        first, last = offset + int(cols[0]), offset + int(cols[-1])
+        pre = valid.clone()
+        pre[first:] = False
+        prompt_rows.append(seq[i][pre].tolist())
+        span = valid.clone()
+        span[:first] = False
+        span[last + 1 :] = False
+        conts.append(seq[i][span].tolist())
+        firsts.append(first)
+    if encode is None and tokenizer is not None:
+        from mrtpo.replay import _prompt_encoder
+
+        encode = _prompt_encoder(tokenizer, chat_template=False,
+                                 add_special_tokens=add_special_tokens,
+                                 chat_template_kwargs=None)  # fmt: skip
+    from mrtpo.replay import replay_relevance
+
+    if encode is not None:
+        prompt_rows = [list(encode(p)) if r is None else r for p, r in zip(prompts, prompt_rows)]
+    k = len(spans[0]) if b else 0
+    rep = replay_relevance(
+        model, prompts, conts, spans, encode=encode, temperature=temperature,
+        prompt_ids=prompt_rows if check_prompt_ids else None, num_rewards=k,
+        micro_batch=micro_batch,
+        pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
+    )  # fmt: skip
+    out = torch.zeros((k, b, a), dtype=torch.float32, device=act.device)
+    for i, first in enumerate(firsts):
+        if first is None:
+            continue
+        n = len(conts[i])
+        rel = rep.relevance[:, i, :n].to(act.device)
+        valid_idx = att[i].bool().nonzero().flatten()
+        tok_idx = valid_idx[(valid_idx >= first)][:n]  # the sequence index of each token
+        keep = act[i, tok_idx - offset].bool()
+        out[:, i, tok_idx[keep] - offset] = rel[:, keep]
+    return out, rep.has_info.to(act.device)
