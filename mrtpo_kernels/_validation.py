@@ -84,6 +84,12 @@ def shape_eq(name: str, t: torch.Tensor, shape, what: str) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
 
 
+def finite(x: float) -> bool:
+    """math.isfinite by comparisons, which torch.compile also traces for a symbolic float
+    (a temperature that changes between calls, or dynamic=True): NaN fails both."""
+    return -math.inf < x < math.inf
+
+
 def number(name: str, x) -> float:
     """float(x), or a ValueError naming ``name`` when x is not a real number (a string,
     None, a bool, a complex number, a tensor of more than one element)."""
@@ -105,16 +111,46 @@ def integer(name: str, x) -> int:
         raise ValueError(f"{name}: expected an integer, got {type(x).__name__} {x!r}") from None
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def int64(name: str, x) -> int:
+    """``integer(name, x)`` that also fits an int64 (what the kernels and the label tensors
+    hold), else a ValueError naming ``name``."""
+    x = integer(name, x)
+    if not INT64_MIN <= x <= INT64_MAX:
+        raise ValueError(f"{name}: expected an integer in [-2^63, 2^63 - 1] (int64), got {x}")
+    return x
+
+
+# The smallest temperature the kernels take: 2^-126, the smallest normal float32, so that
+# 1 / temperature and the kernels' 2 / temperature are finite in float32 (below about
+# 5.9e-39, 2 / temperature is inf and the scaled logits of a row's max entry 0 * inf = NaN).
+MIN_TEMPERATURE = 2.0**-126
+
+
+def temperature(x) -> float:
+    """A sampling temperature: a finite number >= MIN_TEMPERATURE (2^-126), else a
+    ValueError naming ``temperature``."""
+    t = positive_finite("temperature", x)
+    if t < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature: expected a number >= 2^-126 = {MIN_TEMPERATURE:.9g} (the smallest "
+            f"normal float32: 1 / temperature must be finite in float32), got {t:.9g}"
+        )
+    return t
+
+
 def positive_finite(name: str, x) -> float:
     x = number(name, x)
-    if not (x > 0 and math.isfinite(x)):
+    if not (x > 0 and finite(x)):
         raise ValueError(f"{name}: expected a positive finite number, got {x}")
     return x
 
 
 def non_negative(name: str, x) -> float:
     x = number(name, x)
-    if not (x >= 0 and math.isfinite(x)):
+    if not (x >= 0 and finite(x)):
         raise ValueError(f"{name}: expected a finite number >= 0, got {x}")
     return x
 

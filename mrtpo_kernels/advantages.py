@@ -6,7 +6,8 @@ with weights lambda_k to S, then S is normalized over the batch.
 
 MRTPO: reward k's advantage is spread over response i's tokens by allocation weights
 w_k[t] = (1 - alpha) + alpha d_k[t]^gamma / mean_t d_k^gamma (uniform where reward k has no
-verifier spans or the mean is below delta), so that sum_t A[i, t] = T_i x GDPO advantage.
+verifier spans, the mean is below delta, or the relevance is all zero: uniform whatever
+delta, delta = 0 included), so that sum_t A[i, t] = T_i x GDPO advantage.
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ def mrtpo_token_advantages(
             prompt; where False, reward k is broadcast uniformly (plain GDPO).
         alpha: share of each reward's advantage that is reallocated, in [0, 1].
         gamma: sharpening exponent on d, > 0.
-        delta: below this mean d^gamma, a response keeps uniform weights for that reward.
+        delta: below this mean d^gamma, a response keeps uniform weights for that reward;
+            so does an all-zero relevance (mean 0) whatever delta, 0 included.
         clip: optional (w_min, w_max) for the normalized weights, then renormalized.
         eps, eps_batch, batch_norm, nan: as in ``gdpo_advantages``.
 

@@ -75,7 +75,7 @@ def linear_js_distance(
     check.lm_head(hidden_p, weight, bias)
     check.same_dtype(hidden_p=hidden_p, hidden_q=hidden_q)
     check.same_device(hidden_p=hidden_p, hidden_q=hidden_q, weight=weight, bias=bias)
-    temperature = check.positive_finite("temperature", temperature)
+    temperature = check.temperature(temperature)
     p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
     check.non_empty("hidden_p", p2.shape[0])
     if process_group is not None:
@@ -111,7 +111,7 @@ def js_distance(
     check.last_dim_positive("logits_p", logits_p)
     check.same_dtype(logits_p=logits_p, logits_q=logits_q)
     check.same_device(logits_p=logits_p, logits_q=logits_q)
-    temperature = check.positive_finite("temperature", temperature)
+    temperature = check.temperature(temperature)
     if logits_p.dim() == 1:
         logits_p, logits_q = logits_p.unsqueeze(0), logits_q.unsqueeze(-2)
         p2, q3, out_shape, squeeze = _pair_shapes(logits_p, logits_q, "logits_p", "logits_q")

@@ -51,8 +51,8 @@ def linear_logprobs(
     h, lab = check.flatten_tokens(hidden, labels)
     check.lm_head(hidden, weight, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
-    temperature = check.positive_finite("temperature", temperature)
-    ignore_index = check.integer("ignore_index", ignore_index)
+    temperature = check.temperature(temperature)
+    ignore_index = check.int64("ignore_index", ignore_index)
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
@@ -96,8 +96,8 @@ def logprobs_from_logits(
     streaming over the vocabulary in fp32 (no log-softmax tensor is kept).
     Differentiable with respect to logits. See ``linear_logprobs`` for the arguments."""
     z, lab = check.flatten_tokens(logits, labels, "logits")
-    temperature = check.positive_finite("temperature", temperature)
-    ignore_index = check.integer("ignore_index", ignore_index)
+    temperature = check.temperature(temperature)
+    ignore_index = check.int64("ignore_index", ignore_index)
     check.same_device(logits=logits, labels=labels)
     check.non_empty("logits", z.shape[0])
     if z.shape[1] == 0:

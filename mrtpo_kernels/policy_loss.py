@@ -18,6 +18,7 @@ import torch
 
 from . import _dispatch, _ops, _vocab_parallel
 from . import _validation as check
+from .backends.torch_backend import kl_k3
 from .types import acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -32,19 +33,21 @@ def _token_coefficients(valid, aggregation, cu_seqlens, padded_shape, norm_len, 
     if padded_shape is not None:
         b, t = padded_shape
         seq_ids = torch.arange(b, device=valid.device).repeat_interleave(t)
-        num_seqs, max_len = b, t
+        num_seqs = b
     else:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         num_seqs = lengths.shape[0]
         seq_ids = torch.repeat_interleave(
             torch.arange(num_seqs, device=valid.device), lengths, output_size=n_tok
         )
-        max_len = lengths.max().to(dtype)
     counts = torch.zeros(num_seqs, dtype=dtype, device=valid.device).index_add_(0, seq_ids, v)
     present = (counts > 0).to(dtype).sum().clamp(min=1.0)
     if aggregation == "seq-mean-token-mean":
         return v / (counts.clamp(min=1.0)[seq_ids] * present)
-    denom = norm_len if norm_len is not None else max_len
+    # seq-mean-token-sum-norm: norm_len, by default the most valid (not ignored) tokens of
+    # one sequence, a count of the tokens themselves: the same for padded and packed
+    # layouts of the same tokens (never the padded width T or a span holding ignored ones)
+    denom = norm_len if norm_len is not None else counts.amax().clamp(min=1.0)
     return v / (denom * present)
 
 
@@ -82,8 +85,11 @@ def linear_policy_loss(
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         aggregation: "token-mean" (mean over all valid tokens), "seq-mean-token-mean"
             (mean over sequences of each one's token mean), "seq-mean-token-sum-norm" (mean
-            over sequences of the token sum divided by ``norm_len``, default the longest
-            sequence). The sequence rules need (B, T) inputs or ``cu_seqlens`` (n+1,).
+            over sequences of the token sum divided by ``norm_len``; by default the largest
+            number of valid, i.e. not ignored, tokens in one sequence of the call, so that
+            padded and packed layouts of the same tokens give the same loss; pass a
+            constant, e.g. the maximum response length, for Dr. GRPO's fixed normalizer).
+            The sequence rules need (B, T) inputs or ``cu_seqlens`` (n+1,).
         ref_logprobs, beta: optional k3 KL penalty to a reference policy.
         clip_ratio_c: the dual clip (an option outside METHOD.md; verl's ``clip_ratio_c``,
             e.g. 3): a token with A < 0 has its loss capped at -A clip_ratio_c, i.e.
@@ -120,16 +126,16 @@ def linear_policy_loss(
         hidden=hidden, weight=weight, labels=labels, old_logprobs=old_logprobs,
         advantages=advantages, bias=bias, ref_logprobs=ref_logprobs, cu_seqlens=cu_seqlens,
     )  # fmt: skip
-    temperature = check.positive_finite("temperature", temperature)
+    temperature = check.temperature(temperature)
     clip_low = check.non_negative("clip_low", clip_low)
     clip_high = check.non_negative("clip_high", clip_high)
     beta = check.non_negative("beta", beta)
-    ignore_index = check.integer("ignore_index", ignore_index)
+    ignore_index = check.int64("ignore_index", ignore_index)
     if norm_len is not None:
         norm_len = check.positive_finite("norm_len", norm_len)
     if clip_ratio_c is not None:
         clip_ratio_c = check.number("clip_ratio_c", clip_ratio_c)
-        if not (clip_ratio_c > 1.0 and math.isfinite(clip_ratio_c)):
+        if not (clip_ratio_c > 1.0 and check.finite(clip_ratio_c)):
             raise ValueError(
                 f"clip_ratio_c: expected a finite number > 1 (the dual clip) or None, "
                 f"got {clip_ratio_c}"
@@ -205,7 +211,7 @@ def linear_policy_loss(
             metrics["dual_clip_fraction"] = (dual.to(acc) * v).sum() / n
         if ref.numel():
             diff = torch.where(valid, ref - logp, torch.zeros_like(ref))
-            kl = torch.exp(diff) - diff - 1.0
+            kl = kl_k3(diff)  # exp(d) - d - 1 without its cancellation
             if kl_importance_weight:
                 kl = kl * ratio
             metrics["kl"] = (kl * v).sum() / n

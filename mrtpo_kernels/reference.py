@@ -25,6 +25,7 @@ __all__ = [
     "js_distance_ref",
     "linear_js_distance_ref",
     "policy_loss_ref",
+    "kl_k3_ref",
     "linear_policy_loss_ref",
     "gdpo_advantages_ref",
     "mrtpo_token_advantages_ref",
@@ -166,10 +167,32 @@ def _aggregate_ref(per_token, mask, aggregation, seq_ids, num_seqs, norm_len):
     if aggregation == "seq-mean-token-mean":
         per_seq = torch.where(present, sums / counts.clamp(min=1), torch.zeros_like(sums))
     elif aggregation == "seq-mean-token-sum-norm":
-        per_seq = sums / norm_len
+        # default: the most valid tokens of one sequence (the op's rule)
+        per_seq = sums / (counts.max().clamp(min=1) if norm_len is None else norm_len)
     else:
         raise ValueError(f"aggregation: unknown {aggregation!r}")
     return per_seq.sum() / present.sum().clamp(min=1)
+
+
+K3_SERIES = 0.5  # |d| below this: the k3 KL from its Taylor series (see kl_k3_ref)
+K3_TERMS = tuple(1.0 / math.factorial(n) for n in range(2, 17))  # 1/2!, ..., 1/16!
+
+
+def kl_k3_ref(d: torch.Tensor) -> torch.Tensor:
+    """The k3 KL estimator exp(d) - d - 1 of d = ref - logp, without its cancellation.
+
+    exp(d) - d - 1 written as such loses every digit for small |d| (float32 gives 0 or
+    noise for |d| ~ 1e-5, float64 for |d| ~ 1e-8). Here: sum_{n >= 2} d^n / n! through
+    1/16! for |d| < 1/2 (truncation below 2e-19 relative, every term of one sign or
+    alternating with a shrinking magnitude), expm1(d) - d beyond (at most a few ulps).
+    NaN stays NaN; d = +inf gives NaN (inf - inf) and d = -inf gives +inf, as the plain
+    form does."""
+    small = d.abs() < K3_SERIES
+    ds = torch.where(small, d, torch.zeros_like(d))
+    poly = torch.full_like(d, K3_TERMS[-1])
+    for c in reversed(K3_TERMS[:-1]):
+        poly = poly * ds + c
+    return torch.where(small, ds * ds * poly, torch.expm1(d) - d)
 
 
 def policy_loss_ref(
@@ -185,14 +208,15 @@ def policy_loss_ref(
     aggregation: str = "token-mean",
     seq_ids: torch.Tensor | None = None,
     num_seqs: int = 1,
-    norm_len: float = 1.0,
+    norm_len: float | None = None,
     clip_ratio_c: float | None = None,
     kl_importance_weight: bool = False,
 ):
     """Token-level clipped surrogate (METHOD.md section 6) from per-token log-probs.
 
     All per-token tensors are (N,); seq_ids (N,) names each token's sequence for the
-    sequence-level aggregations. Returns (loss, metrics) with metrics clip_fraction and
+    sequence-level aggregations; norm_len (seq-mean-token-sum-norm) defaults to the most
+    valid tokens of one sequence. Returns (loss, metrics) with metrics clip_fraction and
     mean_ratio over the valid tokens (and kl when beta != 0).
 
     Two options outside METHOD.md: ``clip_ratio_c`` (> 1), the dual clip: a token with
@@ -216,8 +240,7 @@ def policy_loss_ref(
         per_token = torch.where(dual, cap, per_token)
     kl = None
     if ref_logprobs is not None and beta != 0.0:
-        diff = ref_logprobs - logprobs
-        kl = torch.exp(diff) - diff - 1.0
+        kl = kl_k3_ref(ref_logprobs - logprobs)
         if kl_importance_weight:
             kl = kl * ratio
         per_token = per_token + beta * kl
@@ -255,7 +278,7 @@ def linear_policy_loss_ref(
     aggregation="token-mean",
     seq_ids=None,
     num_seqs=1,
-    norm_len=1.0,
+    norm_len=None,
     clip_ratio_c=None,
     kl_importance_weight=False,
 ):
@@ -391,7 +414,7 @@ def mrtpo_token_advantages_ref(
             if bool(has_info[i, j]):
                 dg = rel[j].to(rewards.dtype).clamp(min=0.0) ** gamma
                 mean = dg.mean()
-                if mean >= delta:
+                if mean >= delta and mean > 0:  # all-zero d: uniform, even at delta = 0
                     w_hat = dg / mean
                     if clip is not None:
                         w_hat = w_hat.clamp(clip[0], clip[1])

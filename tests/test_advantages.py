@@ -190,6 +190,67 @@ def test_uniform_when_relevance_below_delta():
     assert torch.equal(out.allocation, torch.ones_like(rel))
 
 
+def _all_zero_relevance_case():
+    """Two groups; reward 1 (with spans) has an all-zero relevance on responses 0 and 3,
+    and reward 0 on response 2; the rest is random."""
+    rewards, gid, rel, cu, has_info = _batch(n_groups=2, g=3, k=2, seed=11)
+    has_info[:] = True
+    for k, i in ((1, 0), (1, 3), (0, 2)):
+        rel[k, cu[i] : cu[i + 1]] = 0.0
+    return rewards, gid, rel, cu, has_info
+
+
+@pytest.mark.parametrize("delta", [0.0, 1e-8])
+@pytest.mark.parametrize("clip", [None, (0.2, 3.0)])
+def test_all_zero_relevance_is_uniform_whatever_delta(delta, clip):
+    """METHOD.md section 4: an all-zero relevance falls back to uniform weights; delta = 0
+    must not turn its mean of 0 into 0 / 0 (NaN token advantages)."""
+    rewards, gid, rel, cu, has_info = _all_zero_relevance_case()
+    out = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu,
+                                    delta=delta, clip=clip, backend="torch")  # fmt: skip
+    assert bool(out.token.isfinite().all()), out.token
+    for k, i in ((1, 0), (1, 3), (0, 2)):
+        assert torch.equal(out.allocation[k, cu[i] : cu[i + 1]],
+                           torch.ones(int(cu[i + 1] - cu[i]), dtype=rel.dtype))  # fmt: skip
+    ref_tok, _ = R.mrtpo_token_advantages_ref(rewards, gid, _split(rel, cu), has_info=has_info,
+                                              delta=delta, clip=clip)  # fmt: skip
+    assert bool(torch.cat(ref_tok).isfinite().all())
+    assert torch.allclose(out.token, torch.cat(ref_tok), atol=1e-10)
+    # mass: every response still sums to T_i x its GDPO advantage
+    sums = torch.stack([t.sum() for t in _split(out.token, cu)])
+    assert torch.allclose(sums, (cu[1:] - cu[:-1]).double() * out.sequence, atol=1e-9)
+
+
+_TRITON_ZERO_REL = """
+import torch
+import mrtpo_kernels as mk
+import test_advantages as A
+rewards, gid, rel, cu, has_info = A._all_zero_relevance_case()
+fails = 0
+for delta in (0.0, 1e-8):
+    for clip in (None, (0.2, 3.0)):
+        for dtype in (torch.float32, torch.float64):
+            kw = dict(has_info=has_info, cu_seqlens=cu, delta=delta, clip=clip)
+            r = rewards.to(dtype)
+            ours = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="triton", **kw)
+            want = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="torch", **kw)
+            ok = bool(ours.token.isfinite().all()) and torch.allclose(
+                ours.token, want.token, atol=1e-5) and torch.equal(
+                ours.allocation == 1, want.allocation == 1)
+            if not ok:
+                fails += 1
+                print("FAIL", delta, clip, dtype, ours.token)
+print(f"{fails} failures")
+"""
+
+
+def test_all_zero_relevance_is_uniform_on_triton_under_interpreter():
+    pytest.importorskip("triton")
+    from triton_cases._harness import run_interpreted
+
+    run_interpreted("-c", _TRITON_ZERO_REL)
+
+
 def test_padded_layout_equals_packed():
     rewards, gid, rel, cu, has_info = _batch(seed=7)
     n, k = rewards.shape

@@ -379,17 +379,18 @@ def _policy_body(data):
     lens = cu[1:] - cu[:-1]
     seq_ids = torch.repeat_interleave(torch.arange(len(lens)), lens)
     br = None if bias is None else bias.double()
-    max_len = float(lens.max())
+    # seq-mean-token-sum-norm's default normalizer: the most valid tokens of one sequence
+    valid_counts = torch.zeros(len(lens)).index_add_(0, seq_ids, (~ignored).float())
+    max_len = max(1.0, float(valid_counts.max()))
     rloss, rmet = R.linear_policy_loss_ref(
         h.double(), w.double(), labels, old.double(), adv.double(), bias=br, temperature=temp,
         ref_logprobs=None if ref is None else ref.double(), beta=beta, aggregation=agg,
-        seq_ids=seq_ids, num_seqs=len(lens), norm_len=norm_len or max_len,
+        seq_ids=seq_ids, num_seqs=len(lens), norm_len=norm_len,
     )  # fmt: skip
     bl = None if bias is None else _low(bias)
     ploss, pmet = R.linear_policy_loss_ref(
         _low(h), _low(w), labels, old, adv, bias=bl, temperature=temp, ref_logprobs=ref,
-        beta=beta, aggregation=agg, seq_ids=seq_ids, num_seqs=len(lens),
-        norm_len=norm_len or max_len,
+        beta=beta, aggregation=agg, seq_ids=seq_ids, num_seqs=len(lens), norm_len=norm_len,
     )  # fmt: skip
     what = f"linear_policy_loss[{backend}, {h.dtype}, {agg}, beta={beta}]"
     # L_t = -min(r A, ...), r = exp(logp - old): an error e in logp moves L_t by ~ r |A| e

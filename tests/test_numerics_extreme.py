@@ -426,3 +426,106 @@ def test_triton_row_kernels_scale_sweep_under_interpreter():
     log-probs, entropy and their gradient, JS (js_many), the policy loss and its gradient
     (through linear_policy_loss with an identity head, so the logits are exactly z)."""
     run_interpreted("-c", _TRITON_SWEEP, env={"MRTPO_TRITON_VARIANT": None})
+
+
+# --------------------------------------------------------------------------- the k3 KL term
+
+# d = ref - logp: from far below float32's resolution of exp(d) - 1 to well past the series
+KL_DIFFS = [1e-12, -1e-12, 1e-7, -1e-7, 3e-6, -3e-6, 1e-5, -1e-5, 1e-3, -1e-3, 0.1, -0.1,
+            0.49, -0.49, 0.5, -0.5, 0.7, -0.7, 3.0, -3.0, 20.0, -20.0]  # fmt: skip
+
+
+def _k3_exact(d: float) -> float:
+    """exp(d) - d - 1 at 60 significant digits (decimal), rounded to float64."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        x = decimal.Decimal(d)
+        return float(x.exp() - x - 1)
+
+
+def test_kl_k3_reference_and_torch_form_keep_their_digits():
+    d = torch.tensor(KL_DIFFS, dtype=torch.float64)
+    exact = torch.tensor([_k3_exact(v) for v in KL_DIFFS], dtype=torch.float64)
+    assert bool(((R.kl_k3_ref(d) - exact).abs() <= 4e-16 * exact).all()), R.kl_k3_ref(d) / exact
+    from mrtpo_kernels.backends.torch_backend import kl_k3
+
+    d32 = d.float()
+    exact32 = torch.tensor([_k3_exact(float(v)) for v in d32], dtype=torch.float64)
+    got = kl_k3(d32).double()
+    assert bool(((got - exact32).abs() <= 4e-7 * exact32).all()), got / exact32
+    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0])
+    out = kl_k3(special)
+    assert out[0].isnan() and out[1].isnan() and out[2] == math.inf and out[3] == 0.0
+    assert torch.equal(R.kl_k3_ref(special.double()).isnan(), out.isnan())
+
+
+def _kl_loss_case(d: float, backend: str):
+    """A one-entry vocabulary: logp = 0 exactly on every backend, so ref - logp is d itself;
+    adv = 0: the loss is beta times the mean k3 term, as is metrics["kl"]."""
+    n = 6
+    h = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(1, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.zeros(n, dtype=torch.long)
+    ref = torch.full((n,), d, dtype=torch.float32)
+    loss, m = mk.linear_policy_loss(h, w, y, torch.zeros(n), torch.zeros(n), ref_logprobs=ref,
+                                    beta=1.0, backend=backend)  # fmt: skip
+    return loss, m["kl"], _k3_exact(float(ref[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_term_keeps_its_digits_in_loss_and_metric(backend):
+    """The k3 KL exp(d) - d - 1 for ref and policy log-probs a hair apart (d ~ 1e-12 ..
+    1e-5): the plain form cancels to 0 or noise in float32 (and in double at 1e-7); every
+    backend's loss and the kl metric hold it to float32 precision."""
+    for d in KL_DIFFS:
+        loss, kl, want = _kl_loss_case(d, backend)
+        for what, got in (("loss", loss), ("kl metric", kl)):
+            assert abs(got.item() - want) <= 2e-6 * want, f"d={d}: {what} {got.item()!r} {want!r}"
+
+
+_TRITON_KL = textwrap.dedent(
+    """
+    import os
+    import test_numerics_extreme as T
+
+    fails = 0
+    for variant in ("rows", "fused"):
+        os.environ["MRTPO_TRITON_VARIANT"] = variant
+        for d in T.KL_DIFFS:
+            loss, kl, want = T._kl_loss_case(d, "triton")
+            for what, got in (("loss", loss), ("kl", kl)):
+                if not abs(got.item() - want) <= 2e-6 * want:
+                    fails += 1
+                    print(f"FAIL {variant} d={d} {what}: {got.item()!r} want {want!r}")
+    print(f"{fails} failures")
+    """
+)
+
+
+@needs_triton
+def test_triton_kl_term_keeps_its_digits_under_interpreter():
+    """The Triton policy kernels (both variants) under TRITON_INTERPRET=1, as above."""
+    run_interpreted("-c", _TRITON_KL, env={"MRTPO_TRITON_VARIANT": None})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smallest_temperature_against_float64(backend):
+    """At the smallest temperature taken (2^-126; below it a ValueError names temperature)
+    log-probs, entropy and JS are float64's: a one-hot softmax on each row's max (1/2 on a
+    tied pair), JS 1 between rows with different maxima and 0 between equal ones."""
+    temp = 2.0**-126
+    z, zq = _logits(1.0, 1.0, seed=40)
+    zq[1::3] = z[1::3].flip(-1)  # other maxima: disjoint supports
+    y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+    y[::4] = z[::4].argmax(-1)
+    lp, en = mk.logprobs_from_logits(z, y, temperature=temp, return_entropy=True,
+                                     backend=backend)  # fmt: skip
+    rlp, ren = R.logprobs_from_logits_ref(z.double(), y, temperature=temp, return_entropy=True)
+    _close(lp, rlp, 1e-6, 1e-6, "logp")
+    _close(en, ren, 1e-6, 1e-6, "entropy")
+    d = mk.js_distance(z, zq, temperature=temp, backend=backend)
+    rd = R.js_distance_ref(z.double(), zq.double(), temperature=temp)
+    _close(d, rd, 1e-6, 1e-6, "JS")
+    assert bool((rd[1::3] > 0.7).all()) and bool((rd == 1).any()) and bool((rd[0::3] == 0).all())

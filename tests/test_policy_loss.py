@@ -357,3 +357,83 @@ def test_policy_loss_clip_ratio_c_validation(bad):
     h, w, bias, lab, old, adv, _ = _case(1, 3, 10, 4, seed=16)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         mk.linear_policy_loss(h, w, lab, old, adv, clip_ratio_c=bad)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["recompile", "dynamic"])
+def test_compile_fullgraph_with_float_arguments_that_change(dynamic):
+    """torch.compile(fullgraph=True) of the public ops while their float arguments change
+    between calls (dynamo then traces them as symbolic floats) or under dynamic=True: the
+    argument checks must trace (no math.isfinite on a symbolic float) and the results
+    equal eager ones."""
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(2, 3, 4, generator=g), torch.randn(50, 4, generator=g)
+    y = torch.randint(0, 50, (2, 3), generator=g)
+    rewards, gid = torch.randn(4, 2, generator=g), torch.tensor([0, 0, 1, 1])
+    rel, cu = torch.rand(2, 9, generator=g), torch.tensor([0, 2, 5, 6, 9])
+    info = torch.ones(4, 2, dtype=torch.bool)
+
+    def step(h, w, t, c, beta, n, alpha, gamma):
+        lp, ent = mk.linear_logprobs(h, w, y, temperature=t, return_entropy=True, backend="torch")
+        d = mk.linear_js_distance(h, (h + 0.1)[None], w, temperature=t, backend="torch")
+        d2 = mk.js_distance(h @ w.t(), h @ w.t() + 0.2, temperature=t, backend="torch")
+        lp2 = mk.logprobs_from_logits(h @ w.t(), y, temperature=t, backend="torch")
+        loss, m = mk.linear_policy_loss(
+            h, w, y, lp.detach() - 0.1, torch.ones(2, 3), temperature=t, clip_low=c,
+            clip_high=c, beta=beta, ref_logprobs=lp.detach(), norm_len=n,
+            aggregation="seq-mean-token-sum-norm", clip_ratio_c=3.0 + c, backend="torch",
+        )  # fmt: skip
+        adv = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=info, cu_seqlens=cu,
+                                        alpha=alpha, gamma=gamma, eps=c * 1e-5, delta=c * 1e-8,
+                                        backend="torch")  # fmt: skip
+        return (lp.sum() + ent.sum() + d.sum() + d2.sum() + lp2.sum() + loss + m["kl"]
+                + adv.token.sum())  # fmt: skip
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager", dynamic=dynamic)
+    for t, c, beta, n, alpha, gamma in [(1.0, 0.2, 0.1, 4.0, 1.0, 1.0),
+                                        (0.7, 0.3, 0.05, 5.5, 0.5, 2.0),
+                                        (1.3, 0.25, 0.2, 3.0, 0.8, 0.5)]:  # fmt: skip
+        args = (h, w, t, c, beta, n, alpha, gamma)
+        torch.testing.assert_close(compiled(*args), step(*args))
+
+
+def test_sum_norm_default_is_the_most_valid_tokens_of_a_sequence(backend):
+    """seq-mean-token-sum-norm without norm_len: the same tokens give the same loss padded
+    (any padded width, ignored prompt tokens included) and packed; the normalizer is the
+    most valid tokens of one sequence (7 here), as in the reference."""
+    h, w, bias, lab, old, adv, ref = _case(3, 9, 300, 16, seed=7)
+    lab[1, :2] = -100  # prompt tokens of row 1 (ignored), padding of row 0 as in _case
+    lab[2, -2:] = -100
+    kw = dict(bias=bias, aggregation="seq-mean-token-sum-norm", backend=backend)
+    padded, _ = mk.linear_policy_loss(h, w, lab, old, adv, **kw)
+
+    def widen(t, fill):  # 4 more padding columns: a padded width of 13
+        return torch.cat([t, torch.full((3, 4, *t.shape[2:]), fill, dtype=t.dtype)], 1)
+
+    wide = (widen(h, 0.0), widen(lab, -100), widen(old, 0.0), widen(adv, 0.0))
+    padded_wide, _ = mk.linear_policy_loss(wide[0], w, *wide[1:], **kw)
+    keep = lab.reshape(-1) != -100
+    lengths = (lab != -100).sum(1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    packed, _ = mk.linear_policy_loss(
+        h.reshape(27, 16)[keep], w, lab.reshape(-1)[keep], old.reshape(-1)[keep],
+        adv.reshape(-1)[keep], cu_seqlens=cu, **kw,
+    )  # fmt: skip
+    # packed with the ignored tokens kept inside each sequence's span
+    packed_spans, _ = mk.linear_policy_loss(
+        h.reshape(27, 16), w, lab.reshape(-1), old.reshape(-1), adv.reshape(-1),
+        cu_seqlens=torch.tensor([0, 9, 18, 27]), **kw,
+    )  # fmt: skip
+    want, _ = R.linear_policy_loss_ref(
+        h.reshape(27, 16).double(), w.double(), lab.reshape(-1), old.reshape(-1),
+        adv.reshape(-1), bias=bias.double(), aggregation="seq-mean-token-sum-norm",
+        seq_ids=torch.arange(3).repeat_interleave(9), num_seqs=3,
+    )  # fmt: skip
+    explicit, _ = R.linear_policy_loss_ref(
+        h.reshape(27, 16).double(), w.double(), lab.reshape(-1), old.reshape(-1),
+        adv.reshape(-1), bias=bias.double(), aggregation="seq-mean-token-sum-norm",
+        seq_ids=torch.arange(3).repeat_interleave(9), num_seqs=3, norm_len=7.0,
+    )  # fmt: skip
+    assert int(lengths.max()) == 7 and want.item() == explicit.item()
+    for name, got in (("padded", padded), ("padded wide", padded_wide), ("packed", packed),
+                      ("packed spans", packed_spans)):  # fmt: skip
+        assert abs(got.item() - want.item()) < 1e-5, (name, got.item(), want.item())

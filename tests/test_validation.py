@@ -330,3 +330,55 @@ def test_bad_chunk_bytes_variable_named(monkeypatch):
     h, w, y = _lp_args()
     with pytest.raises(ValueError, match="MRTPO_CHUNK_BYTES"):
         mk.linear_logprobs(h, w, y, backend="torch")
+
+
+def _every_temperature_call(temperature):
+    """Each public op that takes a temperature, called with it (a thunk per op)."""
+    h, w, y = _lp_args()
+    z = torch.randn(4, 10)
+    return {
+        "linear_logprobs": lambda: mk.linear_logprobs(h, w, y, temperature=temperature),
+        "logprobs_from_logits": lambda: mk.logprobs_from_logits(z, y, temperature=temperature),
+        "linear_js_distance": lambda: mk.linear_js_distance(h, h + 1, w, temperature=temperature),
+        "js_distance": lambda: mk.js_distance(z, z + 1, temperature=temperature),
+        "linear_policy_loss": lambda: mk.linear_policy_loss(
+            h, w, y, torch.zeros(4), torch.ones(4), temperature=temperature
+        ),
+    }
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 5.8e-39, 2.0**-127, 1e-300, 5e-324])
+def test_temperature_below_the_float32_scale_is_refused(temperature):
+    """Below 2^-126 (the smallest normal float32) 2 / temperature is not finite in float32
+    and the kernels would give NaN log-probs and NaN / 0 JS: a ValueError naming it."""
+    for call in _every_temperature_call(temperature).values():
+        with pytest.raises(ValueError, match=r"^temperature: expected a number >= 2\^-126"):
+            call()
+
+
+def test_smallest_temperature_is_accepted():
+    for call in _every_temperature_call(2.0**-126).values():
+        call()
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, -(2**63) - 1, 2**70, -(2**100)])
+def test_ignore_index_outside_int64_is_named(ignore_index):
+    h, w, y = _lp_args()
+    z = torch.randn(4, 10)
+    calls = [
+        lambda: mk.linear_logprobs(h, w, y, ignore_index=ignore_index),
+        lambda: mk.logprobs_from_logits(z, y, ignore_index=ignore_index),
+        lambda: mk.linear_policy_loss(
+            h, w, y, torch.zeros(4), torch.ones(4), ignore_index=ignore_index
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^ignore_index: expected an integer in .*int64"):
+            call()
+
+
+def test_ignore_index_at_the_int64_ends_is_accepted():
+    h, w, y = _lp_args()
+    for ii in (2**63 - 1, -(2**63)):
+        lp = mk.linear_logprobs(h, w, y, ignore_index=ii)
+        assert bool(lp.isfinite().all())

@@ -27,11 +27,12 @@ def _shift(z, inv_t):
     m = z.amax(-1)  # propagates NaN
     ok = torch.isfinite(m)
     m_safe = torch.where(ok, m, torch.zeros_like(m))
-    x = _scaled_diff(z, m_safe, inv_t)
+    x = scaled_diff(z, m_safe, inv_t)
     return x, torch.logsumexp(x, -1), m_safe, ok
 
 
-def _scaled_diff(z, m, inv_t):
+def scaled_diff(z, m, inv_t):
+    """(z - m) / tau for rows z (R, V) and row values m (R,), as (z/2 - m/2) (2/tau)."""
     return (z * 0.5 - (m * 0.5)[:, None]) * (2.0 * inv_t)
 
 
@@ -84,11 +85,12 @@ def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, b
 
     L = -min(r A, clamp(r, 1 - clip_low, 1 + clip_high) A), capped at -A clip_ratio_c for
     A < 0 (the dual clip; inf: none; gradient 0 where the cap binds), plus beta k3 with
-    k3 = exp(ref - logp) - (ref - logp) - 1, times r when kl_iw (its derivative is then
-    r k3 + r (1 - exp(ref - logp)) = r (logp - ref)). Clipped: r A > clamp(r) A, strictly
-    as in the reference (a tie, i.e. any r inside the range or A = 0, or a NaN is not
-    clipped); dL/dlogp = -A r unless clipped, as the reference's autograd: a tie passes the
-    whole gradient and a NaN passes NaN (never 0); L is NaN where r A or clamp(r) A is."""
+    k3 = exp(ref - logp) - (ref - logp) - 1 (kl_k3: no cancellation), times r when kl_iw
+    (its derivative is then r k3 + r (1 - exp(ref - logp)) = r (logp - ref)). Clipped:
+    r A > clamp(r) A, strictly as in the reference (a tie, i.e. any r inside the range or
+    A = 0, or a NaN is not clipped); dL/dlogp = -A r unless clipped, as the reference's
+    autograd: a tie passes the whole gradient and a NaN passes NaN (never 0); L is NaN where
+    r A or clamp(r) A is."""
     ratio = torch.exp(logp - old)
     cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     clipped = ratio * adv > cr * adv
@@ -101,14 +103,31 @@ def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, b
         dlogp = torch.where(dual, torch.zeros_like(dlogp), dlogp)
     if ref is not None and beta != 0.0:
         diff = ref - logp
-        k3 = torch.exp(diff) - diff - 1.0
+        k3 = kl_k3(diff)
         if kl_iw:
             per_tok = per_tok + beta * ratio * k3
             dlogp = dlogp - beta * ratio * diff
         else:
             per_tok = per_tok + beta * k3
-            dlogp = dlogp + beta * (1.0 - torch.exp(diff))
+            dlogp = dlogp - beta * (diff + k3)  # 1 - exp(d) = -(d + k3), no cancellation
     return per_tok, dlogp, clipped
+
+
+# k3 = exp(d) - d - 1 = sum_{n >= 2} d^n / n! for |d| < K3_SERIES (through 1/16!), else
+# expm1(d) - d: the reference's form (reference.kl_k3_ref), used by every backend.
+K3_SERIES = 0.5
+_K3_TERMS = tuple(1.0 / math.factorial(n) for n in range(2, 17))
+
+
+def kl_k3(d):
+    """The k3 KL term exp(d) - d - 1 of d = ref - logp, computed without cancellation
+    (the plain form reads 0 in float32 for |d| ~ 1e-5); NaN stays NaN."""
+    small = d.abs() < K3_SERIES
+    ds = torch.where(small, d, torch.zeros_like(d))
+    poly = torch.full_like(d, _K3_TERMS[-1])
+    for c in reversed(_K3_TERMS[:-1]):
+        poly = poly * ds + c
+    return torch.where(small, ds * ds * poly, torch.expm1(d) - d)
 
 
 class _TorchChunkKernel:
@@ -158,7 +177,7 @@ class _TorchChunkKernel:
             _, lsp, mp, okp = _shift(zp, inv_t)
             lse_p = (mp, lsp, okp)
         mp, lsp, okp = lse_p
-        a = _scaled_diff(zp, mp, inv_t) - lsp[:, None]
+        a = scaled_diff(zp, mp, inv_t) - lsp[:, None]
         xq, lsq, _, okq = _shift(zq, inv_t)
         jsd = js_terms(a, xq - lsq[:, None])
         jsd = torch.where(okp & okq, jsd, _nan_like(jsd))  # a NaN / +inf row: NaN, never 0
@@ -237,7 +256,9 @@ def reallocate_packed(
     seg_sum = torch.zeros((k, n), dtype=rel.dtype, device=rel.device)
     seg_sum.index_add_(1, seg_ids, dg)
     seg_mean = seg_sum / lengths.clamp(min=1.0)  # (K, n)
-    use = has_info.t() & (seg_mean >= delta)  # (K, n): reallocate this reward here
+    # (K, n): reallocate this reward here; an all-zero relevance (mean 0) is uniform
+    # whatever delta (delta = 0 included: no 0 / 0), METHOD.md section 4
+    use = has_info.t() & (seg_mean >= delta) & (seg_mean > 0)
     w_hat = dg / seg_mean.clamp(min=delta)[:, seg_ids]
     if clip_min > 0.0 or math.isfinite(clip_max):
         w_hat = w_hat.clamp(clip_min, clip_max)

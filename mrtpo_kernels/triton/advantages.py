@@ -3,7 +3,7 @@
 Math, for response i (tokens t in [cu[i], cu[i+1]), T_i of them) and reward k:
     g_k[t]    = max(d_k[t], 0)^gamma
     mean_k    = sum_t g_k[t] / T_i
-    use_k     = has_info[i, k] and mean_k >= delta          (else w_k = 1: plain GDPO)
+    use_k     = has_info[i, k] and mean_k >= delta and mean_k > 0   (else w_k = 1: GDPO)
     w_hat_k   = g_k / max(mean_k, delta)                   (mean 1 over the response)
       with a clip: w_hat_k = c / max(mean_t c, 1e-30),  c = clamp(w_hat_k, w_min, w_max)
     w_k[t]    = (1 - alpha) + alpha w_hat_k[t]  where use_k, else 1
@@ -88,7 +88,7 @@ def _reallocate_kernel(
             g = tl.exp(gamma * tl.log(g))  # g = 0 -> exp(-inf) = 0 (gamma > 0)
         acc += tl.where(mask, g, 0.0)
     mean = tl.sum(acc, axis=1) / length
-    use = info & (mean >= delta)
+    use = info & (mean >= delta) & (mean > 0.0)  # all-zero d: uniform, even at delta = 0
     mean_c = tl.maximum(mean, delta)
 
     # Pass 2 (clip only): the clipped weights' mean, to renormalize them to mean 1.

@@ -250,13 +250,31 @@ def _policy_terms(
         dlogp = tl.where(dual, 0.0, dlogp)
     if HAS_REF:
         diff = ref - logp
-        k3 = tl.exp(diff) - diff - 1.0
+        # k3 = exp(d) - d - 1 without its cancellation: sum_{n >= 2} d^n / n! through
+        # 1/16! for |d| < 1/2, else the plain form (reference.kl_k3_ref)
+        small = tl.abs(diff) < 0.5
+        ds = tl.where(small, diff, 0.0)
+        poly = ds * 4.779477332387385e-14 + 7.647163731819816e-13
+        poly = poly * ds + 1.1470745597729725e-11
+        poly = poly * ds + 1.6059043836821613e-10
+        poly = poly * ds + 2.08767569878681e-09
+        poly = poly * ds + 2.505210838544172e-08
+        poly = poly * ds + 2.755731922398589e-07
+        poly = poly * ds + 2.7557319223985893e-06
+        poly = poly * ds + 2.48015873015873e-05
+        poly = poly * ds + 0.0001984126984126984
+        poly = poly * ds + 0.001388888888888889
+        poly = poly * ds + 0.008333333333333333
+        poly = poly * ds + 0.041666666666666664
+        poly = poly * ds + 0.16666666666666666
+        poly = poly * ds + 0.5
+        k3 = tl.where(small, ds * ds * poly, tl.exp(diff) - diff - 1.0)
         if KL_IW:
             loss += beta * ratio * k3
             dlogp -= beta * ratio * diff
         else:
             loss += beta * k3
-            dlogp += beta * (1.0 - tl.exp(diff))
+            dlogp -= beta * (diff + k3)  # 1 - exp(d) = -(d + k3), no cancellation
     loss = tl.where(valid, loss, 0.0)
     clipped = tl.where(valid & is_clipped, 1.0, 0.0)
     g = tl.where(use, dlogp * tw, 0.0)
