@@ -171,14 +171,13 @@ class RunDir:
         return isinstance(saved, dict) and _RUN_CONFIG_KEYS <= saved.keys()
 
     def holds_run(self) -> bool:
-        """True if ``out`` holds a run of the trainer (its mark, or an older trainer's
-        config.json); a ValueError if it holds a run's file names without being one."""
-        if (self.out / MARK).is_file():
-            return True
+        """True if ``out`` holds files of a run of the trainer (a folder with its mark, or an
+        older trainer's config.json); a ValueError if it holds files of a run's names
+        without being such a folder."""
         present = self._run_files()
         if not present:
             return False
-        if self._made_by_older_trainer():
+        if (self.out / MARK).is_file() or self._made_by_older_trainer():
             return True
         raise ValueError(
             f"out: {str(self.out)!r} holds {', '.join(present)} but is not a folder the trainer "
@@ -227,7 +226,7 @@ class RunDir:
         self.holds_run()  # refuses a foreign folder before the lock file is written there
         self.lock()
         try:
-            ours = self.holds_run()  # again, under the lock
+            ours = self.holds_run()  # again, under the lock (a run that left no file: False)
             if not resume:
                 if ours and not overwrite:
                     raise ValueError(

@@ -82,12 +82,6 @@ _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def _special_token(value) -> bool:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return isinstance(value, str) and value != ""
-
-
 def _safetensors_problem(path: Path) -> str | None:
     """None if ``path`` starts like a whole safetensors file (header length, JSON header,
     data as long as the header says), else what is wrong."""
@@ -112,7 +106,7 @@ def check_model_folder(path) -> str | None:
     """None if ``path`` looks like a saved Hugging Face causal LM that the trainer can load
     (a folder with a JSON config.json naming its model_type, whole weights, a tokenizer
     with a pad or an end-of-sequence token), else one line saying what is wrong. Reads
-    only small files; builds nothing."""
+    small files and loads the tokenizer; builds no model."""
     p = Path(path)
     where = repr(str(path))
     if not p.is_dir():
@@ -158,20 +152,30 @@ def check_model_folder(path) -> str | None:
             return f"{where}: {shard.name} is empty"
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
         return f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)})"
-    special = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         try:
-            data = json.loads((p / name).read_text())
+            json.loads((p / name).read_text())
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as err:
             return f"{where}: {name} is not valid JSON ({err})"
-        if isinstance(data, dict):
-            special.update({k: v for k, v in data.items() if _special_token(v)})
-    if "pad_token" not in special and "eos_token" not in special:
+    # the special tokens may come from the tokenizer class's defaults: ask the tokenizer
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(p)
+    except Exception as err:  # noqa: BLE001 -- tokenizers raises bare Exceptions on bad files
+        why = " ".join(str(err).split())[:200] or type(err).__name__
+        return f"{where}: its tokenizer does not load ({why})"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if tok.pad_token_id is None and tok.eos_token_id is None:
         return (
-            f"{where}: its tokenizer has neither a pad nor an eos token (tokenizer_config.json); "
-            "the trainer pads with the pad token, else the eos token"
+            f"{where}: its tokenizer has neither a pad nor an eos token; the trainer pads with "
+            "the pad token, else the eos token"
         )
     return None
 

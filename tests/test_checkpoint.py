@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_trainer import standin_task, tiny_config
 
-from mrtpo.checkpoint import KILL_ENV, KILL_POINTS, META, RunDir
+from mrtpo.checkpoint import KILL_ENV, KILL_POINTS, MARK, META, RunDir
 from mrtpo.config import TrainConfig
 from mrtpo.trainer import Trainer, train
 
@@ -247,3 +247,10 @@ def test_one_trainer_per_folder(tmp_path, reference):
     assert [r["step"] for r in _rows_of(Path(cfg.out) / "metrics.jsonl")] == [1]
     resumed = Trainer(dataclasses.replace(cfg, resume=True, steps=1), task=standin_task())
     assert resumed.step == 1  # the lock went with the first run's end
+
+
+def test_a_run_that_left_only_its_mark_does_not_block_the_next(tmp_path, reference):
+    cfg = tiny_config(tmp_path, steps=1, cache_dir=str(reference[0] / "cache"))
+    Path(cfg.out).mkdir()
+    (Path(cfg.out) / MARK).write_text("{}")  # a run that failed before writing any file
+    Trainer(cfg, task=standin_task()).run_dir.unlock()

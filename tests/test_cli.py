@@ -248,6 +248,17 @@ def _hf_folder(path: Path, *, config=None, weights=True, tokenizer=None) -> Path
     return path
 
 
+def _without_pad_and_eos(path: Path) -> Path:
+    """A loadable tokenizer that has neither a pad nor an end-of-sequence token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
+
+
 def _broken_models(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -255,6 +266,7 @@ def _broken_models(tmp_path):
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
     (no_shard / "model.safetensors.index.json").write_text(json.dumps(index))
     truncated = _hf_folder(tmp_path / "truncated")
+    llama = {"model_type": "llama"}  # its tokenizer class adds no pad or eos of its own
     _safetensors(truncated / "model.safetensors", truncate=3)
     return [
         (empty, "is empty"),
@@ -263,16 +275,18 @@ def _broken_models(tmp_path):
         (_hf_folder(tmp_path / "no_weights", weights=False), "has no weights"),
         (no_shard, "names model-00001-of-00002.safetensors, which is missing"),
         (truncated, "model.safetensors is truncated"),
-        (_hf_folder(tmp_path / "no_pad_eos", tokenizer={"bos_token": "<s>"}), "neither a pad nor"),
+        (_hf_folder(tmp_path / "bad_tokenizer"), "its tokenizer does not load"),
+        (_without_pad_and_eos(_hf_folder(tmp_path / "no_pad_eos", config=llama)), "neither a pad"),
     ]
 
 
 def test_broken_model_folders_give_one_line_naming_the_problem(tmp_path, capsys):
     for folder, needle in _broken_models(tmp_path):
-        code, _, err = _run(_train_argv(tmp_path, "--model", str(folder)), capsys)
+        argv = _train_argv(tmp_path, "--model", str(folder), "--out", str(tmp_path / "run"))
+        code, _, err = _run(argv, capsys)
         assert code == 2 and "--model: " in err and needle in err, (folder.name, err)
         assert len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
 def test_a_folder_the_trainer_did_not_make_is_never_overwritten(tmp_path, capsys):
