@@ -6,8 +6,9 @@ with weights lambda_k to S, then S is normalized over the batch.
 
 MRTPO: reward k's advantage is spread over response i's tokens by allocation weights
 w_k[t] = (1 - alpha) + alpha d_k[t]^gamma / mean_t d_k^gamma (uniform where reward k has no
-verifier spans, the mean is below delta, or the relevance is all zero: uniform whatever
-delta, delta = 0 included), so that sum_t A[i, t] = T_i x GDPO advantage.
+verifier spans, the mean is below delta, or below MEAN_FLOOR = 2^-126 whatever delta: an
+all-zero relevance is uniform at delta = 0 too), so that sum_t A[i, t] = T_i x GDPO
+advantage.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def _pow2_scale(m: torch.Tensor) -> torch.Tensor:
 # may differ in their last bits (sums in another order), and S that differ only by rounding
 # are no signal. The reference applies the same rule.
 FLAT_REL = 2.0**-40
+
+# A response's mean relevance d^gamma below MEAN_FLOOR (2^-126, float32's smallest normal)
+# counts as zero, whatever delta (delta = 0 included): uniform weights. Below it the mean is
+# subnormal in float32 and d / mean is no longer a ratio of exactly rounded numbers (the
+# weights' mean is then not 1: mass is lost); the same floor for every dtype keeps float32
+# and float64 inputs, and the reference, to one decision.
+MEAN_FLOOR = 2.0**-126
 
 
 def _stat_dtype(rewards: torch.Tensor) -> torch.dtype:
@@ -203,7 +211,8 @@ def mrtpo_token_advantages(
         alpha: share of each reward's advantage that is reallocated, in [0, 1].
         gamma: sharpening exponent on d, > 0.
         delta: below this mean d^gamma, a response keeps uniform weights for that reward;
-            so does an all-zero relevance (mean 0) whatever delta, 0 included.
+            so does a mean below MEAN_FLOOR (2^-126; an all-zero relevance included)
+            whatever delta, 0 included.
         clip: optional (w_min, w_max) for the normalized weights, then renormalized.
         eps, eps_batch, batch_norm, nan: as in ``gdpo_advantages``.
 
@@ -286,7 +295,7 @@ def mrtpo_token_advantages(
         alpha=alpha,
         gamma=gamma,
         eps_batch=eps_batch,
-        delta=delta,
+        delta=max(delta, MEAN_FLOOR),
         clip_min=clip_min,
         clip_max=clip_max,
         backend=be,

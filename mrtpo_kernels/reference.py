@@ -317,6 +317,7 @@ def _standardize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 FLAT_REL = 2.0**-40  # the batch's S count as all equal within FLAT_REL * max sum |lambda A|
+MEAN_FLOOR = 2.0**-126  # a mean d^gamma below it counts as zero (uniform), whatever delta
 
 
 def gdpo_advantages_ref(
@@ -414,7 +415,7 @@ def mrtpo_token_advantages_ref(
             if bool(has_info[i, j]):
                 dg = rel[j].to(rewards.dtype).clamp(min=0.0) ** gamma
                 mean = dg.mean()
-                if mean >= delta and mean > 0:  # all-zero d: uniform, even at delta = 0
+                if mean >= delta and mean >= MEAN_FLOOR:  # all-zero d: uniform at delta 0
                     w_hat = dg / mean
                     if clip is not None:
                         w_hat = w_hat.clamp(clip[0], clip[1])

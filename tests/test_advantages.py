@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mrtpo_kernels as mk
+from mrtpo_kernels import advantages
 from mrtpo_kernels import reference as R
 
 
@@ -221,6 +222,35 @@ def test_all_zero_relevance_is_uniform_whatever_delta(delta, clip):
     assert torch.allclose(sums, (cu[1:] - cu[:-1]).double() * out.sequence, atol=1e-9)
 
 
+def _tiny_relevance_case(scale):
+    """One group of 2 responses of 3 tokens, one reward with spans, relevance of a few
+    units of ``scale`` (float32 subnormals at 1.4e-45)."""
+    rel = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, 3.0]]) * scale
+    return (torch.tensor([[1.0], [0.0]]), torch.tensor([0, 0]), rel,
+            torch.tensor([0, 3, 6]), torch.ones(2, 1, dtype=torch.bool))  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [1.401298464324817e-45, 2.0**-140, 2.0**-124, 1e-30])
+def test_tiny_relevance_keeps_the_mass_at_delta_zero(scale):
+    """A mean relevance below 2^-126 (float32 subnormal: d / mean is no exact ratio there,
+    the weights' mean drifts from 1 and mass is lost) counts as zero: uniform. Above it the
+    relevance is reallocated with the mass kept. Float32 and float64 inputs and the
+    reference decide alike."""
+    assert advantages.MEAN_FLOOR == R.MEAN_FLOOR == 2.0**-126
+    rewards, gid, rel, cu, info = _tiny_relevance_case(scale)
+    for dtype in (torch.float32, torch.float64):
+        out = mk.mrtpo_token_advantages(rewards.to(dtype), gid, rel.to(dtype), has_info=info,
+                                        cu_seqlens=cu, delta=0.0, backend="torch")  # fmt: skip
+        sums = torch.stack([t.sum() for t in _split(out.token, cu)])
+        assert torch.allclose(sums, 3 * out.sequence, rtol=1e-6), (dtype, out.token)
+        ref, _ = R.mrtpo_token_advantages_ref(rewards.double(), gid,
+                                              _split(rel.to(dtype).double(), cu),
+                                              has_info=info, delta=0.0)  # fmt: skip
+        assert torch.allclose(out.token.double(), torch.cat(ref), rtol=1e-6), (dtype, out.token)
+        moved = bool((out.allocation != 1).any())
+        assert moved == (scale * 4 / 3 >= 2.0**-126), (scale, out.allocation)
+
+
 _TRITON_ZERO_REL = """
 import torch
 import mrtpo_kernels as mk
@@ -240,6 +270,14 @@ for delta in (0.0, 1e-8):
             if not ok:
                 fails += 1
                 print("FAIL", delta, clip, dtype, ours.token)
+for scale in (1.401298464324817e-45, 2.0**-124):
+    rewards, gid, rel, cu, has_info = A._tiny_relevance_case(scale)
+    kw = dict(has_info=has_info, cu_seqlens=cu, delta=0.0)
+    ours = mk.mrtpo_token_advantages(rewards, gid, rel, backend="triton", **kw)
+    want = mk.mrtpo_token_advantages(rewards, gid, rel, backend="torch", **kw)
+    if not torch.allclose(ours.token, want.token, rtol=1e-6):
+        fails += 1
+        print("FAIL tiny", scale, ours.token, want.token)
 print(f"{fails} failures")
 """
 
