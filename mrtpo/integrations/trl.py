@@ -505,12 +505,26 @@ def _trainer_mixin():
 
             # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
             # the head then runs in the weight's dtype
-            with self.accelerator.autocast():
-                out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False)  # fmt: skip
-            hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
-            weight = model.get_output_embeddings().weight
-            return hidden.to(weight.dtype)
+            inner = self.accelerator.unwrap_model(model)
+            weight = inner.get_output_embeddings().weight
+            if inner is model:
+                with self.accelerator.autocast():
+                    out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+                                         use_cache=False)  # fmt: skip
+                hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
+                return hidden.to(weight.dtype)
+            # Wrapped for several processes (DDP): the forward must go through the wrapper,
+            # which synchronizes the gradients; with the head swapped for the identity its
+            # "logits" are the last hidden states, and the fused head reads the weight.
+            head = inner.get_output_embeddings()
+            inner.set_output_embeddings(torch.nn.Identity())
+            try:
+                with self.accelerator.autocast():
+                    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                                use_cache=False, logits_to_keep=logits_to_keep + 1)  # fmt: skip
+            finally:
+                inner.set_output_embeddings(head)
+            return out.logits[:, :-1].to(weight.dtype)
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                                logits_to_keep, batch_size=None,
@@ -524,7 +538,7 @@ def _trainer_mixin():
                                  "fused LM head (it runs the text decoder only)")  # fmt: skip
             from mrtpo.model import lm_head
 
-            weight, bias = lm_head(model)
+            weight, bias = lm_head(self.accelerator.unwrap_model(model))
             batch_size = batch_size or input_ids.size(0)
             logps, ents = [], []
             for s in range(0, input_ids.size(0), batch_size):
@@ -568,7 +582,7 @@ def _trainer_mixin():
                 model, torch.cat([prompt_ids, completion_ids], dim=1),
                 torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
             )  # fmt: skip
-            weight, bias = lm_head(model)
+            weight, bias = lm_head(self.accelerator.unwrap_model(model))
             mode = "train" if self.model.training else "eval"
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
             token_normalizer = None

@@ -1,0 +1,126 @@
+"""MRTPOGRPOTrainer under two processes (gloo, CPU): each replays its own rows, the group
+statistics use the rewards gathered over both, and the token advantages equal those of one
+process on the same batch (a group spans the two processes here); the fused loss runs through
+the DDP wrapper, so both ranks take the same step."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+WORLD, G, PER_DEVICE = 2, 4, 6  # 12 completions per step: groups 0-3, 4-7 (split), 8-11
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out: str):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), ACCELERATE_USE_CPU="yes", OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    import copy
+
+    from test_integrations_trl_replay import (
+        PROMPTS,
+        WORDS,
+        ends_bye,
+        length,
+        says_word,
+        tiny_model,
+        word_spans,
+    )
+
+    from mrtpo.integrations import trl as mtrl
+
+    records = []
+
+    class Recording(mtrl.MRTPOGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            state = copy.deepcopy(self.accelerator.unwrap_model(self.model).state_dict())
+            o = super()._generate_and_score_completions(inputs)
+            records.append(dict(
+                state=state, prompts=[x["prompt"] for x in inputs],
+                rewards=self._mrtpo_rewards_per_func.cpu(),
+                completion_ids=o["completion_ids"].cpu(), mask=o["completion_mask"].cpu(),
+                advantages=o["advantages"].cpu(), relevance=self.last_replay["replay"].relevance,
+            ))  # fmt: skip
+            return o
+
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    ds = datasets.Dataset.from_dict({"prompt": prompts * 3, "topic": WORDS * 3})
+    config = trl.GRPOConfig(
+        output_dir=os.path.join(out, "run"), per_device_train_batch_size=PER_DEVICE,
+        num_generations=G, max_completion_length=6, max_steps=1, learning_rate=1e-2,
+        beta=0.0, mask_truncated_completions=True, temperature=1.3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+    )  # fmt: skip
+    trainer = Recording(
+        model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
+        processing_class=tok, reward_spans=[word_spans, None, None],
+    )  # fmt: skip
+    assert trainer.accelerator.num_processes == WORLD
+    trainer.train()
+    final = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+    torch.save(dict(records[0], final=final), os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_advantages_of_one(tmp_path):
+    from test_integrations_trl_replay import tiny_model, user_text
+
+    from mrtpo.integrations.trl import mrtpo_advantages_for_grpo
+    from mrtpo.replay import replay_relevance
+
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    rewards = recs[0]["rewards"]
+    assert rewards.shape == (WORLD * PER_DEVICE, 3)
+    torch.testing.assert_close(recs[1]["rewards"], rewards, rtol=0, atol=0)
+    for key, val in recs[0]["state"].items():  # the same policy on both ranks
+        torch.testing.assert_close(recs[1]["state"][key], val, rtol=0, atol=0)
+    # one process, the same batch: both ranks' rows, padded to one width
+    t = max(r["mask"].shape[1] for r in recs)
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, t - x.shape[-1]))
+
+    ids = torch.cat([pad(r["completion_ids"]) for r in recs])
+    mask = torch.cat([pad(r["mask"]) for r in recs])
+    prompts = [p for r in recs for p in r["prompts"]]
+    spans = []
+    for p in prompts:
+        text = user_text(p)
+        q = [i for i, ch in enumerate(text) if ch == '"']
+        spans.append([[(q[0] + 1, q[1])], [(q[2] + 1, q[3])], []])
+    model, tok = tiny_model()
+    model.load_state_dict(recs[0]["state"])
+    rep = replay_relevance(model.eval(), prompts, ids, spans, response_mask=mask,
+                           tokenizer=tok, temperature=1.3)  # fmt: skip
+    one = mrtpo_advantages_for_grpo(rewards, G, mask, rep.relevance, rep.has_info)
+    two = torch.cat([pad(r["advantages"]) for r in recs])
+    assert bool((two != 0).any())
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
+    rel_two = torch.cat([pad(r["relevance"]) for r in recs], dim=1)
+    torch.testing.assert_close(rel_two, rep.relevance, rtol=1e-5, atol=1e-6)
+    # the fused loss ran through the DDP wrapper: the gradients were averaged, so the two
+    # ranks (different rows) took the same step, and it moved the weights
+    moved = False
+    for key, val in recs[0]["final"].items():
+        torch.testing.assert_close(recs[1]["final"][key], val, rtol=1e-6, atol=1e-7)
+        moved = moved or not torch.equal(val, recs[0]["state"][key])
+    assert moved
