@@ -11,6 +11,8 @@ benchmark):
 - ``linear_policy_loss``: clipped surrogate with the gradient computed in the forward pass.
 - ``gdpo_advantages``, ``mrtpo_token_advantages``: GDPO and MRTPO advantages.
 - ``specific_relevance``: the sharper relevance of METHOD.md section 3b (specific, control).
+- ``ADVANTAGE_DEFAULTS`` (an ``AdvantageSettings``, frozen): the advantage ops'
+  hyper-parameter defaults, defined once (the ops, their references, the adapters).
 
 Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
 Validation helper: ``check_tensor`` (ValueError naming the argument).
@@ -26,12 +28,14 @@ from .advantages import gdpo_advantages, mrtpo_token_advantages, specific_releva
 from .js import js_distance, linear_js_distance
 from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import linear_policy_loss
-from .types import GDPOAdvantages, TokenAdvantages
+from .types import ADVANTAGE_DEFAULTS, AdvantageSettings, GDPOAdvantages, TokenAdvantages
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ADVANTAGE_DEFAULTS",
     "OPS",
+    "AdvantageSettings",
     "GDPOAdvantages",
     "Op",
     "TokenAdvantages",

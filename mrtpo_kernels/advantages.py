@@ -19,7 +19,7 @@ import torch
 
 from . import _dispatch, _ops
 from . import _validation as check
-from .types import GDPOAdvantages, TokenAdvantages, acc_dtype
+from .types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages, acc_dtype
 
 BATCH_NORMS = ("sequence", "token")
 NAN_POLICIES = ("error", "zero")
@@ -139,11 +139,11 @@ def gdpo_advantages(
     group_ids: torch.Tensor,
     *,
     weights: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
     lengths: torch.Tensor | None = None,
-    nan: str = "error",
+    nan: str = ADVANTAGE_DEFAULTS.nan,
 ) -> GDPOAdvantages:
     """GDPO advantages.
 
@@ -188,14 +188,14 @@ def mrtpo_token_advantages(
     response_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
-    nan: str = "error",
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
     backend: str | None = None,
 ) -> TokenAdvantages:
     """MRTPO token advantages: GDPO per-reward advantages, each reallocated to the tokens

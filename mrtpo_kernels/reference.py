@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .types import GDPOAdvantages, TokenAdvantages
+from .types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages
 
 __all__ = [
     "GDPOAdvantages",
@@ -325,9 +325,9 @@ def gdpo_advantages_ref(
     group_ids: torch.Tensor,
     *,
     weights: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
     lengths: torch.Tensor | None = None,
 ) -> GDPOAdvantages:
     """GDPO (METHOD.md section 1), written as loops over groups for readability.
@@ -378,13 +378,13 @@ def mrtpo_token_advantages_ref(
     *,
     has_info: torch.Tensor,
     weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
 ):
     """MRTPO token advantages (METHOD.md sections 4-5), one response at a time.
 

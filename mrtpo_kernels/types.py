@@ -1,4 +1,5 @@
-"""Result types of the advantage ops and the one rule for the dtype of computed outputs.
+"""Result types of the advantage ops, their hyper-parameters' defaults, and the one rule
+for the dtype of computed outputs.
 
 A leaf module: it imports nothing from the package, so the public ops, the references
 and the backends can all import it.
@@ -6,6 +7,7 @@ and the backends can all import it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -39,6 +41,35 @@ class TokenAdvantages(NamedTuple):
     sequence: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """The advantage ops' hyper-parameters (docs/METHOD.md sections 1, 4, 5), defined once:
+    ``gdpo_advantages``, ``mrtpo_token_advantages``, their float64 references and the
+    framework adapters take their keyword defaults from ``ADVANTAGE_DEFAULTS``.
+
+    alpha: share of each reward's advantage reallocated by relevance, in [0, 1].
+    gamma: sharpening exponent on the relevance d, > 0.
+    eps: added to each group's reward std (eps_group); eps_batch: to the batch std of S
+        (None: eps).
+    batch_norm: "sequence" (one entry per response) or "token" (T_i entries).
+    delta: a mean d^gamma below it keeps uniform weights.
+    clip: optional (w_min, w_max) for the normalized weights.
+    nan: "error" or "zero" for non-finite rewards.
+    """
+
+    alpha: float = 1.0
+    gamma: float = 1.0
+    eps: float = 1e-6
+    eps_batch: float | None = None
+    batch_norm: str = "sequence"
+    delta: float = 1e-8
+    clip: tuple[float, float] | None = None
+    nan: str = "error"
+
+
+ADVANTAGE_DEFAULTS = AdvantageSettings()
 
 
 def acc_dtype(t: torch.Tensor | torch.dtype) -> torch.dtype:

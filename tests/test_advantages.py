@@ -324,3 +324,36 @@ def test_nan_policy():
     fixed = rewards.clone()
     fixed[2, 1] = 0.0
     assert torch.equal(out.per_reward, mk.gdpo_advantages(fixed, gid).per_reward)
+
+
+def test_hyper_parameter_defaults_are_defined_once():
+    """Every advantage op and its reference take their defaults from ADVANTAGE_DEFAULTS (a
+    frozen AdvantageSettings): a keyword's default is the dataclass field's, nowhere
+    restated."""
+    import dataclasses
+    import inspect
+
+    d = mk.ADVANTAGE_DEFAULTS
+    assert isinstance(d, mk.AdvantageSettings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.alpha = 0.5
+    fields = {f.name for f in dataclasses.fields(d)}
+    fns = (mk.gdpo_advantages, mk.mrtpo_token_advantages, R.gdpo_advantages_ref,
+           R.mrtpo_token_advantages_ref)  # fmt: skip
+    seen = set()
+    for fn in fns:
+        for name, p in inspect.signature(fn).parameters.items():
+            if name in fields:
+                assert p.default == getattr(d, name), (fn, name)
+                seen.add(name)
+    assert seen == fields
+    assert (d.alpha, d.gamma, d.eps, d.eps_batch, d.batch_norm, d.delta, d.clip, d.nan) == (
+        1.0,
+        1.0,
+        1e-6,
+        None,
+        "sequence",
+        1e-8,
+        None,
+        "error",
+    )  # METHOD.md's defaults
