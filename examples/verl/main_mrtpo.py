@@ -76,13 +76,13 @@ def check() -> None:
     )
 
 
-def main() -> None:
-    import hydra
+def task_runner_class():
+    """verl's v0 task runner that installs MRTPO in the process that computes advantages and,
+    with the replay on, gives the actor role the worker class that replays (the plain
+    class; ``ray.remote`` of it is what ``run_ppo`` takes)."""
     import ray
-    from verl.trainer import main_ppo
     from verl.trainer.main_ppo_v0 import TaskRunner
 
-    @ray.remote
     class MRTPOTaskRunner(TaskRunner.__ray_actor_class__):
         def add_actor_rollout_worker(self, config):
             out = super().add_actor_rollout_worker(config)
@@ -103,6 +103,16 @@ def main() -> None:
                 install_replay_hook()
             return super().run(config)
 
+    return MRTPOTaskRunner
+
+
+def main() -> None:
+    import hydra
+    import ray
+    from verl.trainer import main_ppo
+
+    runner = ray.remote(task_runner_class())
+
     @hydra.main(config_path=HERE, config_name="mrtpo_trainer", version_base=None)
     def run(config):
         if config.trainer.use_v1:
@@ -115,7 +125,7 @@ def main() -> None:
             config=config, use_reference_policy=main_ppo.need_reference_policy(config),
             use_critic=main_ppo.need_critic(config),
         )  # fmt: skip
-        main_ppo.run_ppo(config, task_runner_class=MRTPOTaskRunner)
+        main_ppo.run_ppo(config, task_runner_class=runner)
 
     run()
 

@@ -599,15 +599,21 @@ def _check_version(feature: str, allow_unknown_version: bool):
 
 def replay_options(config) -> dict | None:
     """The ``mrtpo.replay`` section of a verl config (None when absent or disabled):
-    ``enable``, ``spans_key``, ``prompt_key``, ``micro_batch``, ``check_prompt_ids``."""
+    ``enable``, ``spans_key``, ``prompt_key``, ``micro_batch``, ``check_prompt_ids`` and
+    ``chat_template_kwargs`` (as verl's ``data.apply_chat_template_kwargs``)."""
     section = _config_value(config, "mrtpo", None)
     replay = _config_value(section, "replay", None)
     if replay is None or not bool(_config_value(replay, "enable", False)):
         return None
     out = {}
-    for key in ("spans_key", "prompt_key", "micro_batch", "check_prompt_ids"):
+    for key in ("spans_key", "prompt_key", "micro_batch", "check_prompt_ids",
+                "chat_template_kwargs"):  # fmt: skip
         value = _config_value(replay, key, None)
         if value is not None:
+            if key == "chat_template_kwargs" and not isinstance(value, dict):
+                from omegaconf import OmegaConf
+
+                value = OmegaConf.to_container(value, resolve=True)
             out[key] = value
     return out
 
@@ -623,15 +629,13 @@ def worker_compute_relevance(worker, data):
     module = actor.engine.module
     tokenizer = actor.model_config.tokenizer
     temperature = _temperature(data, worker)
-    kw = _config_value(_config_value(worker.config, "model", None), "chat_template_kwargs", None)
     inner = getattr(module, "module", module)  # FSDP1 / DDP keep the model under .module
     ctx = _full_params(module)
     was_training = inner.training
     inner.eval()
     try:
         with ctx:
-            fill_mrtpo_relevance(data, inner, tokenizer, temperature=temperature,
-                                 chat_template_kwargs=kw, **options)  # fmt: skip
+            fill_mrtpo_relevance(data, inner, tokenizer, temperature=temperature, **options)
     finally:
         inner.train(was_training)
     from tensordict import TensorDict

@@ -152,3 +152,25 @@ def test_version_check(monkeypatch):
     monkeypatch.setattr(verl_pkg, "__version__", "0.0.1")
     with pytest.raises(RuntimeError, match="verl 0.0.1"):
         verl.install_replay_hook()
+
+
+def test_example_config_switches_the_replay_on():
+    """examples/verl: its config turns the replay on, and its task runner gives the actor role
+    the worker class that replays."""
+    import importlib.util
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    here = Path(__file__).resolve().parents[2] / "examples" / "verl"
+    spec = importlib.util.spec_from_file_location("main_mrtpo", here / "main_mrtpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with initialize_config_dir(config_dir=str(here), version_base=None):
+        config = compose("mrtpo_trainer")
+    opts = verl.replay_options(config.actor_rollout_ref)
+    assert opts == {"spans_key": "mrtpo_spans", "prompt_key": "raw_prompt", "micro_batch": 16}
+    runner = example.task_runner_class()()
+    runner.add_actor_rollout_worker(config)
+    (worker,) = runner.role_worker_mapping.values()
+    assert issubclass(worker.__ray_metadata__.modified_class, verl.mrtpo_actor_worker_class())
