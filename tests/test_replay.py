@@ -390,3 +390,33 @@ def test_replay_relevance_errors():
         replay_relevance(model, [3], [[5]], [[[]]], **ok)
     none = replay_relevance(model, [], [], [], num_rewards=2, **ok)
     assert none.relevance.shape == (2, 0, 0) and none.has_info.shape == (0, 2)
+
+
+def test_span_convention():
+    """mrtpo.spans: what a reward function may return, and span checks."""
+    import numpy as np
+
+    from mrtpo.spans import normalize_spans, prompt_without_spans, score_and_spans
+    from mrtpo.verifiers.base import Verdict
+
+    assert score_and_spans(0.5) == (0.5, None)
+    assert score_and_spans((1.0, [(0, 3)])) == (1.0, [(0, 3)])
+    assert score_and_spans((1.0, None)) == (1.0, None)
+    assert score_and_spans(Verdict(0.0, ((2, 4),))) == (0.0, [(2, 4)])
+    with pytest.raises(ValueError, match="must be \\(score, spans\\)"):
+        score_and_spans((1.0, [], "x"))
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello world"},
+            {"role": "assistant", "content": "hi"}]  # fmt: skip
+    assert normalize_spans(msgs, [(0, 5), (-2, 3, 8), (1, np.int64(4), 6)]) == {1: [(0, 8)]}
+    assert normalize_spans("abcdef", [(1, 1), (2, 4), (3, 6)]) == {None: [(2, 6)]}
+    assert normalize_spans("abc", []) == {} and normalize_spans("abc", None) == {}
+    out = prompt_without_spans(msgs, normalize_spans(msgs, [(1, 0, 11)]))
+    assert out[1]["content"] == "" and msgs[1]["content"] == "hello world"  # copied
+    with pytest.raises(ValueError, match="no user message"):
+        normalize_spans([{"role": "system", "content": "x"}], [(0, 1)])
+    with pytest.raises(ValueError, match="not a string"):
+        normalize_spans([{"role": "user", "content": [{"type": "text"}]}], [(0, 0, 1)])
+    with pytest.raises(ValueError, match="non-integer"):
+        normalize_spans("abc", [(True, 2)])
+    with pytest.raises(ValueError, match="0 <= start <= end"):
+        normalize_spans("abc", [(2, 1)])
