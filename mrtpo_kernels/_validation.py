@@ -123,20 +123,23 @@ def int64(name: str, x) -> int:
     return x
 
 
-# The smallest temperature the kernels take: 2^-126, the smallest normal float32, so that
-# 1 / temperature and the kernels' 2 / temperature are finite in float32 (below about
-# 5.9e-39, 2 / temperature is inf and the scaled logits of a row's max entry 0 * inf = NaN).
+# The temperatures the kernels take: [2^-126, 2^126], so that 1 / temperature and the
+# kernels' 2 / temperature are finite, normal float32 numbers. Below about 5.9e-39,
+# 2 / temperature is inf and a row's max entry scales to 0 * inf = NaN; above about 1.4e45 it
+# is 0 and a -inf (masked) entry scales to -inf * 0 = NaN.
 MIN_TEMPERATURE = 2.0**-126
+MAX_TEMPERATURE = 2.0**126
 
 
 def temperature(x) -> float:
-    """A sampling temperature: a finite number >= MIN_TEMPERATURE (2^-126), else a
-    ValueError naming ``temperature``."""
+    """A sampling temperature: a number in [MIN_TEMPERATURE, MAX_TEMPERATURE] = [2^-126,
+    2^126], else a ValueError naming ``temperature``."""
     t = positive_finite("temperature", x)
-    if t < MIN_TEMPERATURE:
+    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
         raise ValueError(
-            f"temperature: expected a number >= 2^-126 = {MIN_TEMPERATURE:.9g} (the smallest "
-            f"normal float32: 1 / temperature must be finite in float32), got {t:.9g}"
+            f"temperature: expected a number in [2^-126, 2^126] = [{MIN_TEMPERATURE:.9g}, "
+            f"{MAX_TEMPERATURE:.9g}] (1 / temperature must be a finite normal float32), "
+            f"got {t:.9g}"
         )
     return t
 

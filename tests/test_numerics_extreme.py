@@ -281,7 +281,7 @@ _TRITON_SCRIPT = textwrap.dedent(
         fails += 0 if ok else 1
     z = torch.randn(N, V)
     y = torch.tensor([3, V, -7, -100, 10**12])  # in range, V, negative, ignored, huge
-    lp, ent, lse = TL.logits_logprobs_fwd(z, y, 1.3, -100, True)
+    lp, ent, lse, _ = TL.logits_logprobs_fwd(z, y, 1.3, -100, True)
     ref = R.logprobs_from_logits_ref(z.double(), y, temperature=1.3)
     check("logp in range", abs(lp[0].item() - ref[0].item()) < 1e-5)
     check("logp NaN for out-of-range labels", bool(lp[[1, 2, 4]].isnan().all()))
@@ -294,7 +294,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     check("grad of the in-range row", torch.allclose(dz[0].double(), zr.grad[0], atol=1e-5))
     check("zero grad for out-of-range / ignored labels", bool((dz[1:] == 0).all()))
     h, w = torch.randn(N, D), torch.randn(V, D)
-    lp2, _, lse2 = TL.linear_logprobs_fwd(h, w, None, y, 0.7, -100, False)
+    lp2, _, lse2, _ = TL.linear_logprobs_fwd(h, w, None, y, 0.7, -100, False)
     check("linear logp NaN for out-of-range labels", bool(lp2[[1, 2, 4]].isnan().all()))
     dh, dw, db = TL.linear_logprobs_bwd(
         h, w, None, y, lse2, torch.empty(0), g, torch.empty(0), 0.7, -100)
@@ -529,3 +529,24 @@ def test_smallest_temperature_against_float64(backend):
     rd = R.js_distance_ref(z.double(), zq.double(), temperature=temp)
     _close(d, rd, 1e-6, 1e-6, "JS")
     assert bool((rd[1::3] > 0.7).all()) and bool((rd == 1).any()) and bool((rd[0::3] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_largest_temperature_with_masked_entries(backend):
+    """At the largest temperature taken (2^126) the distribution is uniform over the finite
+    entries and a -inf entry stays masked (p = 0), as in float64; above it 2 / T would be 0
+    in float32 and -inf * 0 = NaN (refused: tests/test_validation.py)."""
+    temp = 2.0**126
+    z, zq = _logits(1.0, 1.0, seed=41)
+    z[:, 5] = -math.inf
+    y = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+    y[0] = 5
+    lp, en = mk.logprobs_from_logits(z, y, temperature=temp, return_entropy=True,
+                                     backend=backend)  # fmt: skip
+    rlp, ren = R.logprobs_from_logits_ref(z.double(), y, temperature=temp, return_entropy=True)
+    _close(lp, rlp, 1e-6, 1e-6, "logp")
+    _close(en, ren, 1e-6, 1e-6, "entropy")
+    assert lp[0].item() == -math.inf and abs(lp[1].item() + math.log(V - 1)) < 1e-6
+    d = mk.js_distance(z, zq, temperature=temp, backend=backend)
+    rd = R.js_distance_ref(z.double(), zq.double(), temperature=temp)
+    _close(d, rd, 1e-6, 1e-6, "JS")
