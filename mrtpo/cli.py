@@ -5,9 +5,9 @@ mrtpo compare --task constraints-full --algos grpo,gdpo,mrtpo --seeds 3
 mrtpo demo            # a small table of JS relevance and token advantages
 
 The flags of ``train`` and ``compare`` are built from the fields of `TrainConfig` and
-`CompareConfig` (mrtpo/config.py). Every bad argument ends the command with one line that
-names it and exit status 2, before any model is built. (The benchmark suite runs from a
-checkout with ``python -m bench``.)
+`CompareConfig` (mrtpo/config.py) by mrtpo/cli_args.py. Every bad argument ends the command
+with one line that names it and exit status 2, before any model is built. (The benchmark
+suite runs from a checkout with ``python -m bench``.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import COMPARE_FIXED, CompareConfig, TrainConfig, add_flags, flag_for_error
-from .config import from_namespace as config_from_namespace
+from .cli_args import add_flags, flag_for_error
+from .cli_args import from_namespace as config_from_namespace
+from .config import COMPARE_FIXED, CompareConfig, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):

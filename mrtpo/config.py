@@ -2,14 +2,13 @@
 
 Each field of `TrainConfig`, `TinyConfig` and `CompareConfig` carries its help text, its
 choices or range and its command-line group in its metadata (`setting`). The same metadata
-builds the ``mrtpo`` flags (`add_flags`), checks values typed on the command line (exit 2
-with the flag's name) and checks a config built in code (`TrainConfig.validate`, a
-`ValueError` naming the field). Nothing here imports torch or transformers.
+checks a config built in code (`TrainConfig.validate`, a `ValueError` naming the field) and,
+through `mrtpo.cli_args` (which builds the ``mrtpo`` flags from it), values typed on the
+command line. Nothing here imports torch or transformers at import time.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -17,6 +16,8 @@ import os
 import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+
+from .model_folder import check_model_folder
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
 RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
@@ -78,108 +79,6 @@ def check_device(name) -> str | None:
     return None
 
 
-_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """None if ``path`` starts like a whole safetensors file (header length, JSON header,
-    data as long as the header says), else what is wrong."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or n > 100_000_000:
-                return f"{path.name} is not a safetensors file"
-            header = json.loads(f.read(n))
-        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
-                  default=0)  # fmt: skip
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-        return f"{path.name} is not a readable safetensors file ({type(err).__name__})"
-    if path.stat().st_size < 8 + n + end:
-        size = path.stat().st_size
-        return f"{path.name} is truncated ({size} bytes, its header needs {8 + n + end})"
-    return None
-
-
-def check_model_folder(path) -> str | None:
-    """None if ``path`` looks like a saved Hugging Face causal LM that the trainer can load
-    (a folder with a JSON config.json naming its model_type, whole weights, a tokenizer
-    with a pad or an end-of-sequence token), else one line saying what is wrong. Reads
-    small files and loads the tokenizer; builds no model."""
-    p = Path(path)
-    where = repr(str(path))
-    if not p.is_dir():
-        return f"{where} is not a folder with a saved Hugging Face causal LM"
-    if not (p / "config.json").is_file():
-        what = "is empty" if not any(p.iterdir()) else "has no config.json"
-        return (
-            f"{where} {what}: expected a saved Hugging Face causal LM (config.json, weights, "
-            "tokenizer)"
-        )
-    try:
-        config = json.loads((p / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        return f"{where}: config.json is not valid JSON ({err})"
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        return f"{where}: config.json names no model_type (not a Hugging Face model config)"
-    shards = []
-    for weights in _WEIGHTS:
-        index = p / (weights + ".index.json")
-        if (p / weights).is_file():
-            shards = [p / weights]
-        elif index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-                return f"{where}: {index.name} is not a valid weight index ({err})"
-            missing = [n for n in names if not (p / n).is_file()]
-            if not names:
-                return f"{where}: {index.name} names no weight files"
-            if missing:
-                return f"{where}: {index.name} names {missing[0]}, which is missing"
-            shards = [p / n for n in names]
-        if shards:
-            break
-    if not shards:
-        return f"{where} has no weights ({' or '.join(_WEIGHTS)}, or a sharded index of them)"
-    for shard in shards:
-        if shard.suffix == ".safetensors":
-            msg = _safetensors_problem(shard)
-            if msg:
-                return f"{where}: {msg}"
-        elif shard.stat().st_size == 0:
-            return f"{where}: {shard.name} is empty"
-    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
-        return f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)})"
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        try:
-            json.loads((p / name).read_text())
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as err:
-            return f"{where}: {name} is not valid JSON ({err})"
-    # the special tokens may come from the tokenizer class's defaults: ask the tokenizer
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        tok = AutoTokenizer.from_pretrained(p)
-    except Exception as err:  # noqa: BLE001 -- tokenizers raises bare Exceptions on bad files
-        why = " ".join(str(err).split())[:200] or type(err).__name__
-        return f"{where}: its tokenizer does not load ({why})"
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if tok.pad_token_id is None and tok.eos_token_id is None:
-        return (
-            f"{where}: its tokenizer has neither a pad nor an eos token; the trainer pads with "
-            "the pad token, else the eos token"
-        )
-    return None
-
-
 def parse_variant(label: str) -> tuple[str, dict]:
     """``mrtpo:specific:gamma=2`` -> ("mrtpo", {"relevance": "specific", "gamma": 2.0}).
 
@@ -237,7 +136,7 @@ def check_algos(names) -> str | None:
     return None
 
 
-def _kind(f) -> str:
+def value_kind(f) -> str:
     kind = f.metadata.get("kind")
     if kind is not None:
         return kind
@@ -246,7 +145,7 @@ def _kind(f) -> str:
 
 def check_value(f, value) -> str | None:
     """None if ``value`` suits field ``f`` (type, choices, range, check), else the problem."""
-    md, kind = f.metadata, _kind(f)
+    md, kind = f.metadata, value_kind(f)
     if value is None:
         return None if f.default is None else "expected a value, got None"
     if kind in ("int", "float"):
@@ -270,10 +169,6 @@ def check_value(f, value) -> str | None:
     if md.get("check") is not None:
         return md["check"](value)
     return None
-
-
-def flag_of(f) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _check_writable_dir(path: str) -> str | None:
@@ -630,111 +525,3 @@ class CompareConfig:
             overwrite=True,
             **over,
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Flags from the metadata
-
-
-def _arg_type(f):
-    kind = _kind(f)
-
-    def parse(text: str):
-        if kind == "int":
-            try:
-                value = int(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        elif kind == "float":
-            try:
-                value = float(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        elif kind == "algos":
-            value = tuple(a.strip() for a in text.split(",") if a.strip())
-        else:
-            value = text
-        msg = check_value(f, value)
-        if msg:
-            raise argparse.ArgumentTypeError(msg)
-        return value
-
-    return parse
-
-
-def add_flags(parser, default, *, skip=(), prefix: str = "", groups=None):
-    """Add a flag for every field of the dataclass instance ``default`` (its values are the
-    flags' defaults); a field's value lands in ``prefix + name`` of the namespace."""
-    groups = {} if groups is None else groups
-    for f in fields(default):
-        md = f.metadata
-        if f.name in skip or md.get("cli") is False:
-            continue
-        value = getattr(default, f.name)
-        dest = prefix + f.name
-        title = md.get("group")
-        target = parser
-        if title is not None:
-            if title not in groups:
-                groups[title] = parser.add_argument_group(title)
-            target = groups[title]
-        if hasattr(value, "__dataclass_fields__"):
-            keep = md.get("nested")
-            inner_skip = [g.name for g in fields(value) if keep is not None and g.name not in keep]
-            add_flags(target, value, skip=inner_skip, prefix=dest + ".", groups=groups)
-            continue
-        help_text = md["help"]
-        if _kind(f) == "bool":
-            action = "store_false" if value else "store_true"
-            target.add_argument(flag_of(f), dest=dest, action=action, default=value, help=help_text)
-            continue
-        if value is not None and "(default" not in help_text:
-            shown = ",".join(value) if _kind(f) == "algos" else value
-            help_text += f" (default: {shown})"
-        choices = md.get("choices")
-        metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
-        target.add_argument(
-            flag_of(f),
-            dest=dest,
-            type=_arg_type(f),
-            default=value,
-            metavar=md.get("metavar") or metavar,
-            help=help_text,
-        )
-    return parser
-
-
-def from_namespace(default, ns: argparse.Namespace, *, prefix: str = ""):
-    """The dataclass ``default`` with every field that has a flag taken from ``ns``."""
-    values = vars(ns)
-    changes = {}
-    for f in fields(default):
-        dest = prefix + f.name
-        value = getattr(default, f.name)
-        if hasattr(value, "__dataclass_fields__"):
-            changes[f.name] = from_namespace(value, ns, prefix=dest + ".")
-        elif dest in values:
-            v = values[dest]
-            if _kind(f) == "algos" and isinstance(v, str):
-                v = _arg_type(f)(v)
-            changes[f.name] = v
-    return replace(default, **changes)
-
-
-def flag_for_error(message: str, default) -> str:
-    """Rewrite a ``field: ...`` (or ``outer.field: ...``) ValueError message from validate()
-    as ``argument --flag: ...`` when that field has a flag on the dataclass ``default``."""
-    head, sep, rest = message.partition(": ")
-    if not sep:
-        return message
-    obj, f = default, None
-    for part in head.split("."):
-        if not hasattr(obj, "__dataclass_fields__"):
-            return message
-        f = {g.name: g for g in fields(obj)}.get(part)
-        if f is None:
-            return message
-        obj = getattr(obj, part)
-    if f is None or f.metadata.get("cli") is False or hasattr(obj, "__dataclass_fields__"):
-        return message
-    return f"argument {flag_of(f)}: {rest}"

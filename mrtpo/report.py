@@ -1,10 +1,15 @@
-"""Report outputs of a training run: per-reward curves (PNG, matplotlib Agg) and an HTML page
-of sampled responses with each token shaded by each reward's allocation weight."""
+"""Report outputs: of a training run, per-reward curves (PNG, matplotlib Agg) and an HTML page
+of sampled responses with each token shaded by each reward's allocation weight; of a
+comparison (`mrtpo compare`), its Markdown table with the claim's verdict and its plot."""
 
 from __future__ import annotations
 
 import html
+import json
+import statistics
 from pathlib import Path
+
+from .stats import CLAIM_RATIO, compare_to_gdpo, mean_std, moving_average, steps_or_budget
 
 
 def pyplot():
@@ -147,3 +152,206 @@ def _highlight(prompt: str, spans) -> str:
         out.append(f"<span class='span'>{piece}</span>" if marks[c] else piece)
         c = e
     return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison's table and plot
+
+
+ALGO_COLORS = {"grpo": "tab:blue", "gdpo": "tab:orange", "mrtpo": "tab:green"}
+
+
+# the other variants (mrtpo:specific, ...) in order, none repeating a colour above
+_MORE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+                "tab:gray", "black", "gold", "navy")  # fmt: skip
+
+
+def algo_colors(algos) -> dict[str, str]:
+    """A distinct colour for each algorithm (the three base ones keep theirs)."""
+    out, spare = {}, iter(_MORE_COLORS)
+    for a in algos:
+        out[a] = ALGO_COLORS.get(a) or next(spare, None)
+    return out
+
+
+def fmt(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def claim_verdict(summary, steps: int) -> list[str]:
+    lines = []
+    comp = compare_to_gdpo(summary, steps)
+    for algo, c in comp.items():
+        lines.append(
+            f"- {algo} / GDPO steps to target: **{c['ratio']:.2f}** (95% CI {c['ci'][0]:.2f}-"
+            f"{c['ci'][1]:.2f}); AUC difference {c['auc_diff']:+.3f} (95% CI "
+            f"{c['auc_ci'][0]:+.3f} to {c['auc_ci'][1]:+.3f}): claim (<= {CLAIM_RATIO}, upper "
+            f"end < 1, larger AUC) **{'holds' if c['holds'] else 'does not hold'}**"
+            + (
+                " (runs that never reached the target count as the step budget)"
+                if c["censored"]
+                else ""
+            )
+        )
+    for algo, rs in summary["runs"].items():
+        if not algo.startswith("mrtpo"):
+            continue
+        p, _ = mean_std([r["credit_precision"] for r in rs])
+        u, _ = mean_std([r["uniform_share"] for r in rs])
+        if p is not None and u:
+            lines.append(
+                f"- {algo} credit precision {p:.2f} vs uniform share {u:.2f} ({p / u:.1f}x uniform)"
+            )
+    return lines
+
+
+def _start(args) -> str:
+    if args.train.model is not None:
+        return f"the model in `{args.train.model}`"
+    if args.init_seed is not None:
+        return (
+            f"the same warm-started tiny model ({args.train.tiny.for_task(args.task).warm_steps} "
+            "supervised steps, "
+            + (
+                f"references' swappable constraints wrong with probability "
+                f"{args.train.tiny.warm_noise:g} each, "
+                if args.train.tiny.warm_noise
+                else ""
+            )
+            + f"task data and init of seed {args.init_seed}); the seed varies sampling and "
+            "data order"
+        )
+    return "the warm-started tiny model of that seed (all algorithms of a seed share it)"
+
+
+def write_markdown(summary, path: Path, args) -> Path:
+    runs, names = summary["runs"], summary["reward_names"] or []
+    st = summary["settings"]
+    all_runs = [r for rs in runs.values() for r in rs]
+    start = {n: mean_std([r["start_pass"][n] for r in all_runs])[0] for n in names}
+    start_all = mean_std([r["start_all_pass"] for r in all_runs])[0]
+    lines = [
+        f"# MRTPO vs GDPO on the built-in {args.task} task",
+        "",
+        f"Command: `{summary['command']}` -- {summary['wall_s'] / 60:.1f} min wall "
+        f"({summary['train_s'] / 60:.1f} min of training summed over runs, "
+        f"{summary['jobs']} job(s), CPU). Rewards: {', '.join(names)}. "
+        f"Each (algorithm, seed) trains {args.steps} steps from {_start(args)}; "
+        f"{st.get('prompts_per_step')} prompts x "
+        f"{st.get('group_size')} responses per step. Target: all-pass rate "
+        f">= {args.target} (moving average over {args.window} training steps).",
+        "",
+        "Starting pass rates (step 1, mean over all runs): "
+        + ", ".join(f"{n} {fmt(start[n])}" for n in names)
+        + f"; all pass {fmt(start_all)}.",
+        "",
+        "## The claim",
+        "",
+        *claim_verdict(summary, args.steps),
+        "",
+        "## Results (mean +- std over seeds)",
+        "",
+        "| algo | steps to target (per seed) | AUC | final all-pass | "
+        + " | ".join(f"final {n}" for n in names)
+        + " | credit precision | uniform share | relevance precision | s/step | replay s/step |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
+    ]
+    for algo, rs in runs.items():
+        per_seed = ", ".join(
+            str(r["steps_to_target"]) if r["steps_to_target"] else f">{args.steps}" for r in rs
+        )
+        mean_steps = statistics.fmean(steps_or_budget(rs, args.steps))
+        cells = [algo, f"{mean_steps:.1f} ({per_seed})"]
+        for key in ("auc", "final_all_pass"):
+            m, s = mean_std([r[key] for r in rs])
+            cells.append(f"{fmt(m, 3)} +- {fmt(s, 3)}")
+        for n in names:
+            m, s = mean_std([r["final_pass"][n] for r in rs])
+            cells.append(f"{fmt(m)} +- {fmt(s)}")
+        for key in ("credit_precision", "uniform_share", "relevance_precision"):
+            cells.append(fmt(mean_std([r[key] for r in rs])[0]))
+        for key in ("step_time", "replay_time"):
+            cells.append(fmt(mean_std([r.get(key) for r in rs])[0]))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Credit precision per reward (allocation mass on the response tokens the reward "
+        "concerns / uniform share):",
+        "",
+        "| algo | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for algo, rs in runs.items():
+        cells = [algo]
+        for n in names:
+            p, _ = mean_std([r["precision"][n] for r in rs])
+            u, _ = mean_std([r["uniform"][n] for r in rs])
+            cells.append(f"{fmt(p)} / {fmt(u)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Definitions: steps to target = first step where the trailing mean of the batch "
+        "all-pass rate reaches the target (never reached: counted as the budget, shown as "
+        "`>N`); ratio interval = percentile bootstrap (4000 draws) resampling each "
+        "algorithm's seeds; AUC = mean batch all-pass rate over all steps; final = mean of "
+        "the last window of steps; credit precision = share of a reward's allocation-weight "
+        "mass on the response tokens it concerns (constraints: the verifier's "
+        "`relevant_chars`; SQL: identifiers of the schema / gold tables and, for sql_match, "
+        "literals; tools: the called name, the argument keys, the argument values; "
+        "responses where those tokens are a proper non-empty subset), uniform share = the "
+        "same for uniform weights, relevance precision = the same share of the JS-distance "
+        "mass; s/step = rollout + replay + update seconds per step.",
+        "",
+        "![curves](compare.png)",
+        "",
+        "Settings: `" + json.dumps(st) + "`",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_compare(summary, path: Path, args) -> Path:
+    plt = pyplot()
+    runs, names = summary["runs"], summary["reward_names"] or []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = algo_colors(runs)
+    ax = axes[0]
+    for algo, rs in runs.items():
+        curves = [moving_average(r["curve"], args.window) for r in rs]
+        n = min(len(c) for c in curves)
+        steps = list(range(1, n + 1))
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+        lo = [min(c[i] for c in curves) for i in range(n)]
+        hi = [max(c[i] for c in curves) for i in range(n)]
+        (line,) = ax.plot(steps, mean, label=algo, lw=2, color=colors[algo])
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.axhline(args.target, color="k", ls=":", lw=1, label=f"target {args.target}")
+    ax.set(
+        xlabel="step",
+        ylabel=f"all-pass rate ({args.window}-step mean)",
+        title="learning curves (mean over seeds, band = min-max)",
+        ylim=(0, 1),
+    )
+    ax.legend()
+    ax = axes[1]
+    width = 0.8 / (len(runs) + 1)
+    xs = range(len(names))
+    for a_i, (algo, rs) in enumerate(runs.items()):
+        vals = [mean_std([r["precision"][n] for r in rs])[0] or 0 for n in names]
+        ax.bar(
+            [x + a_i * width for x in xs],
+            vals,
+            width,
+            label=f"{algo} allocation",
+            color=colors[algo],
+        )
+    uni = [mean_std([r["uniform"][n] for rs in runs.values() for r in rs])[0] or 0 for n in names]
+    ax.bar([x + len(runs) * width for x in xs], uni, width, color="grey", label="uniform")
+    ax.set_xticks([x + width * len(runs) / 2 for x in xs], names, fontsize=8)
+    ax.set(ylabel="share of weight mass on relevant tokens", title="credit precision", ylim=(0, 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -38,9 +38,10 @@ from mrtpo_kernels import (
 )
 
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
-from .config import TrainConfig, check_model_folder
+from .config import TrainConfig
 from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
+from .model_folder import check_model_folder
 from .prompting import ChatPrompter
 from .replay import (
     contrastive_replay,

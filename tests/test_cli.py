@@ -110,8 +110,8 @@ def test_demo_forwards_its_arguments(monkeypatch):
 
 
 def test_every_config_field_has_a_flag_and_round_trips():
+    from mrtpo.cli_args import from_namespace as config_from_namespace
     from mrtpo.config import CompareConfig, TrainConfig
-    from mrtpo.config import from_namespace as config_from_namespace
 
     argv = ["train", "--lr", "0.001", "--no-baseline-replay", "--warm-steps", "3"]
     args = build_parser().parse_args([*argv, "--task", "constraints:title,no_commas"])
@@ -179,7 +179,7 @@ def test_train_on_the_builtin_constraints_task(tmp_path, capsys):
 
 
 def test_steps_to_target_needs_a_full_window():
-    from mrtpo.compare import steps_to_target
+    from mrtpo.stats import steps_to_target
 
     rows = [{"step": i + 1, "all_pass": v} for i, v in enumerate([0.9, 0.1, 0.5, 0.7, 0.8])]
     assert steps_to_target(rows, 0.6, 1) == 1
@@ -341,7 +341,7 @@ def test_resume_without_the_checkpoint_model_blames_the_checkpoint(tmp_path, cap
     small = ["--warm-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--out",
              str(out), "--max-new-tokens", "4", "--algo", "gdpo"]  # fmt: skip
     assert main([*_train_argv(tmp_path), *small]) == 0
-    from mrtpo.config import check_model_folder
+    from mrtpo.model_folder import check_model_folder
 
     (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert check_model_folder(cached) is None  # a model the trainer saved passes the checks

@@ -11,10 +11,11 @@ import pytest
 import torch
 from test_trainer import TINY, standin_task
 
-from mrtpo.compare import bootstrap_ratio, plan_run, run_compare, run_key
+from mrtpo.compare import plan_run, run_compare, run_key
 from mrtpo.config import CompareConfig, TrainConfig, check_algos, parse_variant
 from mrtpo.metrics import analogue_chars
 from mrtpo.replay import control_span
+from mrtpo.stats import bootstrap_ratio
 from mrtpo.tasks import load_task
 
 
