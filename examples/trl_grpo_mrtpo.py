@@ -114,6 +114,9 @@ def show_top_tokens(trainer, tok, samples: int = 3, top: int = 3) -> list[str]:
             best = rel.topk(min(top, rel.numel())).indices.tolist()
             toks = [f"{tok.decode([ids[t]])!r}:{rel[t].item():.3f}" for t in best]
             lines.append(f"  {name}: names {named}; top tokens {', '.join(toks)}")
+    if not shown:
+        lines.append("(every completion of the last batch was truncated, hence masked: "
+                     "raise --max-completion)")  # fmt: skip
     return lines
 
 
