@@ -69,13 +69,33 @@ def analogue_chars(verifier, ex, text: str):
     return None
 
 
+# Constraint kinds checked at the end of the answer: in a response cut at the token cap the
+# characters such a check looked at are not where the answer failed (it never reached its
+# end), so credit metrics leave those (response, reward) pairs out.
+END_ANCHORED = frozenset({"end_phrase"})
+
+
+def _checked_kind(verifier, ex) -> str | None:
+    kind = getattr(verifier, "kind", None)
+    if kind is None and getattr(verifier, "slot", None) is not None:
+        entries = ex.fields.get("constraints") or []
+        slot = verifier.slot
+        kind = entries[slot].get("kind") if slot < len(entries) else None
+    return kind
+
+
 def relevant_token_masks(task, rollouts: Rollouts) -> list[list[torch.Tensor | None]]:
     """(n, K): response tokens each reward concerns (the verifier's ``relevant_chars``, or
-    `analogue_chars` for SQL and tool calls), or None where neither says."""
+    `analogue_chars` for SQL and tool calls), or None where neither says, and for an
+    end-anchored check (`END_ANCHORED`) of a response cut at the token cap."""
     out = []
-    for ex, text, off in zip(rollouts.examples, rollouts.texts, rollouts.offsets):
+    truncated = rollouts.truncated or [False] * len(rollouts.texts)
+    for ex, text, off, cut in zip(rollouts.examples, rollouts.texts, rollouts.offsets, truncated):
         row = []
         for v in task.verifiers:
+            if cut and _checked_kind(v, ex) in END_ANCHORED:
+                row.append(None)
+                continue
             fn = getattr(v, "relevant_chars", None)
             try:
                 chars = fn(ex, text) if fn is not None else analogue_chars(v, ex, text)
@@ -115,6 +135,44 @@ def credit_precision(alloc, masks, has_info, lengths):
     return [mean(p) for p in prec], [mean(u) for u in unif], [len(p) for p in prec]
 
 
+def relevance_diagnostics(relevance, masks, has_info, lengths):
+    """Per reward, how well the relevance ranks the tokens the verifier names, over the
+    responses where the reward has spans and those tokens are a proper, non-empty subset:
+
+    - ``hit``: share of responses whose highest-relevance token is a named one (ties shared
+      out, so a constant relevance scores its chance), against ``hit_chance`` = mean
+      |named| / T;
+    - ``auc``: mean over responses of the rank AUC (Mann-Whitney, ties 1/2) of named vs
+      other tokens; chance 0.5.
+    Returns (hit, hit_chance, auc), lists of K floats or None."""
+    k = relevance.shape[0]
+    starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    starts[1:] = torch.cumsum(lengths, 0)
+    hit, chance, auc = ([[] for _ in range(k)] for _ in range(3))
+    for i in range(len(lengths)):
+        a, b = int(starts[i]), int(starts[i + 1])
+        for j in range(k):
+            m = masks[i][j]
+            if m is None or not bool(has_info[i, j]):
+                continue
+            m = m[: b - a]
+            cnt = int(m.sum())
+            if cnt == 0 or cnt == b - a or m.numel() != b - a:
+                continue
+            r = relevance[j, a:b].double()
+            if not bool(torch.isfinite(r).all()):
+                continue
+            top = r == r.max()
+            hit[j].append(float(top[m].sum()) / float(top.sum()))
+            chance[j].append(cnt / (b - a))
+            pos, neg = r[m], r[~m]
+            greater = (pos[:, None] > neg[None, :]).double().sum()
+            ties = (pos[:, None] == neg[None, :]).double().sum()
+            auc[j].append(float(greater + 0.5 * ties) / (pos.numel() * neg.numel()))
+    mean = lambda xs: (sum(xs) / len(xs)) if xs else None
+    return [mean(x) for x in hit], [mean(x) for x in chance], [mean(x) for x in auc]
+
+
 def step_metrics(
     task, cfg: TrainConfig, step: int, ro: Rollouts, relevance, has_info, alloc, lengths
 ) -> dict:
@@ -130,8 +188,10 @@ def step_metrics(
     masks = relevant_token_masks(task, ro)
     prec, unif, counts = credit_precision(alloc, masks, has_info, lengths)
     rel_prec = [None] * len(task.verifiers)
+    hit = hit_chance = auc = [None] * len(task.verifiers)
     if relevance is not None:
         rel_prec, _, _ = credit_precision(relevance, masks, has_info, lengths)
+        hit, hit_chance, auc = relevance_diagnostics(relevance, masks, has_info, lengths)
     for j, name in enumerate(v.name for v in task.verifiers):
         row[f"pass/{name}"] = float(passed[:, j].float().mean())
         row[f"score/{name}"] = float(r[:, j].mean())
@@ -141,6 +201,9 @@ def step_metrics(
         row[f"precision/{name}"] = prec[j]
         row[f"relevance_precision/{name}"] = rel_prec[j]
         row[f"uniform/{name}"] = unif[j]
+        row[f"top_hit/{name}"] = hit[j]
+        row[f"top_hit_chance/{name}"] = hit_chance[j]
+        row[f"rank_auc/{name}"] = auc[j]
     pairs = [(p, u, c) for p, u, c in zip(prec, unif, counts) if p is not None]
     rel_pairs = [(p, c) for p, c in zip(rel_prec, counts) if p is not None]
     rel_tot = sum(c for _, c in rel_pairs)
@@ -148,6 +211,7 @@ def step_metrics(
     tot = sum(c for _, _, c in pairs)
     row["credit_precision"] = sum(p * c for p, _, c in pairs) / tot if tot else None
     row["uniform_share"] = sum(u * c for _, u, c in pairs) / tot if tot else None
+    row["truncated"] = sum(ro.truncated) / len(ro.truncated) if ro.truncated else None
     return row
 
 

@@ -52,6 +52,9 @@ class Rollouts:
     rewards: torch.Tensor  # (n, K) float32
     spans: list[list[tuple]]  # (n, K) prompt spans per verdict
     reasons: list[list[str | None]]
+    # (n,) True where generation stopped at the token cap, not at a stop token: the answer
+    # was cut, so where an end-anchored check (an end phrase) looked is not where it failed
+    truncated: list[bool] | None = None
 
 
 def stop_ids(tokenizer, model) -> set[int]:
@@ -93,7 +96,7 @@ def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device)
     gen = out[:, width:].tolist()
     n = len(gen)
     rep_examples, prompt_ids, responses, texts, offs = [], [], [], [], []
-    rewards, spans, reasons = [], [], []
+    rewards, spans, reasons, truncated = [], [], [], []
     for r in range(n):
         ex_i = r // cfg.group_size
         row = gen[r]
@@ -103,6 +106,7 @@ def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device)
                 cut = t + 1
                 break
         resp = row[:cut]
+        truncated.append(cut == len(row) and not (row and row[-1] in stop))
         if not resp:
             resp = [next(iter(stop))] if stop else [tok.pad_token_id]
         text, off = response_offsets(tok, resp)
@@ -132,6 +136,7 @@ def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device)
         torch.tensor(rewards, dtype=torch.float32),
         spans,
         reasons,
+        truncated,
     )
 
 

@@ -14,6 +14,10 @@ the same seed. Names:
   count keeps every reward live in every group: with 2-4 per prompt an absent slot scored
   1, which inflated the pass rates of slots 3-4 (0.67 / 0.91 against 0.39 / 0.51 on the
   prompts that have them, 150 warm steps) and gave those groups no signal for the slot.
+- ``"constraints-real"`` (and ``"constraints-real:KIND,..."``): the constraints task for a
+  pretrained instruct model (``--model smollm2-135m-instruct``): the base request asks for
+  one sentence (``REAL_INSTRUCTION``), so that answers finish inside a 32-48 token cap; the
+  same constraint sentences, verifiers and gold references.
 - ``"sql"``: text-to-SQL on the built-in shop database; rewards ``sql_match``,
   ``sql_runs``, ``sql_schema``.
 - ``"tools"``: one JSON tool call per request; rewards ``tool_format``, ``tool_name``,
@@ -32,7 +36,7 @@ from mrtpo.verifiers.sql import sql_verifiers
 from mrtpo.verifiers.sql_sandbox import run_readonly
 from mrtpo.verifiers.tools import tool_verifiers
 
-TASKS = ("constraints", "sql", "tools")
+TASKS = ("constraints", "constraints-real", "sql", "tools")
 
 N_CONSTRAINT_EXAMPLES = 400
 N_TOOL_EXAMPLES = 400
@@ -53,8 +57,14 @@ def _split(examples: list[Example], rng: random.Random) -> tuple[list[Example], 
     return unique[n_eval:], unique[:n_eval]
 
 
-def _constraints_task(name: str, kinds: tuple[str, ...] | None, seed: int) -> Task:
+REAL_INSTRUCTION = "Write one sentence about {topic}."
+
+
+def _constraints_task(
+    name: str, kinds: tuple[str, ...] | None, seed: int, *, instruction: str | None = None
+) -> Task:
     rng = random.Random(1_000_003 * seed + 11)
+    extra = {} if instruction is None else {"instruction": instruction}
     examples = instructions.make_examples(
         rng,
         N_CONSTRAINT_EXAMPLES,
@@ -62,6 +72,7 @@ def _constraints_task(name: str, kinds: tuple[str, ...] | None, seed: int) -> Ta
         shuffle_constraints=kinds is None,
         id_prefix=name,
         n_kinds=(FULL_CONSTRAINTS, FULL_CONSTRAINTS),
+        **extra,
     )
     if kinds is None:
         verifiers = [ConstraintVerifier(slot=i) for i in range(FULL_CONSTRAINTS)]
@@ -156,7 +167,7 @@ WARM_STEPS = {"constraints": 350, "constraints-full": 150, "sql": 350, "tools": 
 
 def default_warm_steps(name: str) -> int:
     """The warm-start steps of task ``name`` (``constraints:KIND,...`` as ``constraints``)."""
-    if isinstance(name, str) and name.startswith("constraints:"):
+    if isinstance(name, str) and name.startswith(("constraints:", "constraints-real")):
         name = "constraints"
     if name not in WARM_STEPS:
         raise ValueError(f"task: no warm-start default for {name!r}")
@@ -171,16 +182,21 @@ def load_task(name: str, *, seed: int = 0) -> Task:
         return _constraints_task(name, instructions.DEFAULT_KINDS, seed)
     if name == "constraints-full":
         return _constraints_task(name, None, seed)
-    if isinstance(name, str) and name.startswith("constraints:"):
+    if name == "constraints-real":
+        return _constraints_task(
+            name, instructions.DEFAULT_KINDS, seed, instruction=REAL_INSTRUCTION
+        )
+    if isinstance(name, str) and name.startswith(("constraints:", "constraints-real:")):
         kinds = tuple(k.strip() for k in name.split(":", 1)[1].split(",") if k.strip())
         if not kinds:
             raise ValueError(f"name: {name!r} lists no constraint kinds")
-        return _constraints_task(name, kinds, seed)
+        real = name.startswith("constraints-real:")
+        return _constraints_task(name, kinds, seed, instruction=REAL_INSTRUCTION if real else None)
     if name == "sql":
         return _sql_task(seed)
     if name == "tools":
         return _tools_task(seed)
     raise ValueError(
-        f"name: unknown task {name!r}; expected one of {TASKS}, 'constraints-full' "
-        "or 'constraints:KIND,...'"
+        f"name: unknown task {name!r}; expected one of {TASKS}, 'constraints-full', "
+        "'constraints:KIND,...' or 'constraints-real:KIND,...'"
     )

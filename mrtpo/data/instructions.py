@@ -174,10 +174,12 @@ def make_examples(
     id_prefix: str = "constraints",
     max_tries: int = 100,
     n_kinds: tuple[int, int] = (2, 4),
+    instruction: str = "Write a short note about {topic}.",
 ) -> list[Example]:
     """``n`` examples. With ``kinds``, every example has exactly those constraints, in that
     order unless ``shuffle_constraints``; with ``kinds=None`` each draws between
-    ``n_kinds[0]`` and ``n_kinds[1]`` compatible kinds (inclusive).
+    ``n_kinds[0]`` and ``n_kinds[1]`` compatible kinds (inclusive). ``instruction`` is the
+    base request before the constraint sentences (``{topic}`` filled in).
 
     ``fields["constraints"]`` lists ``{"kind", "params", "span"}`` in prompt order.
     """
@@ -204,7 +206,7 @@ def make_examples(
                 break
         else:
             raise RuntimeError(f"could not compose a gold response for {chosen}")
-        prompt = f"Write a short note about {topic}."
+        prompt = instruction.format(topic=topic)
         entries = []
         for k in chosen:
             sentence = describe(k, params[k])

