@@ -174,3 +174,40 @@ def test_example_config_switches_the_replay_on():
     runner.add_actor_rollout_worker(config)
     (worker,) = runner.role_worker_mapping.values()
     assert issubclass(worker.__ray_metadata__.modified_class, verl.mrtpo_actor_worker_class())
+
+
+def test_worker_method_on_an_fsdp_module():
+    """The actor's module as verl holds it, wrapped by FSDP (one gloo rank on the CPU): the
+    worker replays under summon_full_params and gives the same relevance."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group("gloo")
+    try:
+        tok, model = _setup()
+        data, raw, spans, responses = _batch(tok)
+        want = _want(model, tok, raw, spans, responses)
+        fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
+        td = left_right_2_no_padding(data.to_tensordict())
+        out = verl.worker_compute_relevance(_worker(fsdp, tok), td)
+        rel = out[verl.RELEVANCE_KEY].transpose(0, 1)
+        torch.testing.assert_close(rel, want.relevance, rtol=1e-5, atol=1e-6)
+        assert torch.equal(out[verl.HAS_INFO_KEY], want.has_info)
+    finally:
+        dist.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
