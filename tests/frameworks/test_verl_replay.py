@@ -211,3 +211,39 @@ def test_worker_method_on_an_fsdp_module():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_driver_hook_around_verls_own_old_log_prob_step(monkeypatch):
+    """verl's own RayPPOTrainer._compute_old_log_prob (its TensorDict round trip; the worker
+    group stood in for, the actor's log-probs being zeros), with the hook: the old log-probs
+    come back as verl makes them and the batch gets the replay's keys."""
+    from verl.utils import tensordict_utils as tu
+
+    tok, model = _setup()
+    data, raw, spans, responses = _batch(tok)
+    data.meta_info["temperature"] = TAU
+    want = _want(model, tok, raw, spans, responses)
+    worker = _worker(model, tok)
+    method = getattr(verl.mrtpo_actor_worker_class(), verl.REPLAY_METHOD)
+
+    def compute_log_prob(td):
+        ids = td["input_ids"]
+        zeros = torch.nested.nested_tensor_from_jagged(torch.zeros(ids.values().shape[0]),
+                                                       offsets=ids.offsets())  # fmt: skip
+        return tu.get_tensordict({"log_probs": zeros, "entropy": zeros},
+                                 non_tensor_dict={"metrics": {"mfu": 0.0}})  # fmt: skip
+
+    wg = NS(compute_log_prob=compute_log_prob,
+            **{verl.REPLAY_METHOD: lambda td: method(worker, td)})  # fmt: skip
+    original = ray_trainer.RayPPOTrainer._compute_old_log_prob
+    monkeypatch.setattr(ray_trainer.RayPPOTrainer, "_compute_old_log_prob",
+                        getattr(original, "original", original))  # fmt: skip
+    verl.install_replay_hook()
+    cfg = OmegaConf.create({"actor_rollout_ref": OmegaConf.merge(
+        worker.config, {"actor": {"calculate_sum_pi_squared": False}})})  # fmt: skip
+    trainer = NS(config=cfg, actor_rollout_wg=wg)
+    old, mfu = ray_trainer.RayPPOTrainer._compute_old_log_prob(trainer, data)
+    assert tuple(old.batch["old_log_probs"].shape) == (4, 5) and mfu == 0.0
+    rel = data.batch[verl.RELEVANCE_KEY]
+    torch.testing.assert_close(rel.transpose(0, 1), want.relevance, rtol=1e-5, atol=1e-6)
+    assert torch.equal(data.batch[verl.HAS_INFO_KEY], want.has_info)
