@@ -22,6 +22,7 @@ from .checkpoint import write_atomic
 from .cli_args import command_line
 from .config import CompareConfig, task_slug
 from .model import default_model
+from .pretrained import initial_folder, is_builtin
 from .report import fmt, plot_compare, write_markdown
 from .stats import summarize_run
 from .tasks import load_task
@@ -135,11 +136,24 @@ def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
 def _prepare_models(cfg: CompareConfig, task, log):
     """Warm-start (or find in the cache) every initial model before any run starts, so
     parallel runs never build the same cache entry at once."""
-    if cfg.train.model is not None:
+    builtin = is_builtin(cfg.train.model)
+    if cfg.train.model is not None and not builtin:
         return
     seeds = {cfg.init_seed} if cfg.init_seed is not None else set(range(cfg.seeds))
     for s in sorted(seeds):
         t = task if task is not None else load_task(cfg.task, seed=s)
+        if builtin:
+            initial_folder(
+                cfg.train.model,
+                t,
+                seed=s,
+                cache_dir=cfg.train.cache_dir,
+                warm_steps=cfg.train.tiny.warm_steps,
+                warm_noise=cfg.train.tiny.warm_noise,
+                dtype="bfloat16" if cfg.train.dtype == "bfloat16" else "float32",
+                log=log,
+            )
+            continue
         default_model(t, seed=s, cache_dir=cfg.train.cache_dir, cfg=cfg.train.tiny, log=log)
 
 

@@ -18,6 +18,7 @@ One step:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -42,6 +43,7 @@ from .config import TrainConfig
 from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .model_folder import check_model_folder
+from .pretrained import initial_folder, is_builtin
 from .prompting import ChatPrompter
 from .replay import (
     contrastive_replay,
@@ -181,7 +183,18 @@ class Trainer:
 
         if cfg.model is not None:
             self.init_path = Path(cfg.model)
-            model, tok = load_model(cfg.model, dtype=dtype, device=self.device)
+            if is_builtin(cfg.model):  # converted once; warm-started where --warm-steps asks
+                self.init_path = initial_folder(
+                    cfg.model,
+                    task,
+                    seed=cfg.seed if cfg.init_seed is None else cfg.init_seed,
+                    cache_dir=cfg.cache_dir,
+                    warm_steps=cfg.tiny.warm_steps,
+                    warm_noise=cfg.tiny.warm_noise,
+                    dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                    log=self.log,
+                )
+            model, tok = load_model(self.init_path, dtype=dtype, device=self.device)
         else:
             init_seed = cfg.seed if cfg.init_seed is None else cfg.init_seed
             model, tok = default_model(
@@ -254,29 +267,39 @@ class Trainer:
         self.log(f"resumed from {self.ckpt_dir} at step {self.step}")
 
     # -- one step -----------------------------------------------------------------------------
+    def _amp(self):
+        """The model's forwards under ``--autocast`` (a no-op context when it is "none"). The
+        decoder's residual stream stays in the weights' dtype, so the hidden states that
+        reach the fused LM-head ops (and their fp32 accumulation) keep it too."""
+        if self.cfg.autocast == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.cfg.autocast))
+
     def train_step(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         examples = [self.task.train[i] for i in self.sampler.take(cfg.prompts_per_step)]
         self.model.eval()
-        ro = generate_rollouts(self.model, self.prompter, self.task, examples, cfg, self.device)
+        with self._amp():
+            ro = generate_rollouts(self.model, self.prompter, self.task, examples, cfg, self.device)
         t1 = time.perf_counter()
         want_replay = cfg.algo == "mrtpo" or cfg.replay_for_baselines
         control = None
         if want_replay and cfg.algo == "mrtpo" and cfg.relevance == "control":
             control = [control_span(ex.prompt, sp) for ex, sp in zip(ro.examples, ro.spans)]
-        rep = contrastive_replay(
-            self.model,
-            self.prompter,
-            [ex.prompt for ex in ro.examples],
-            ro.prompt_ids,
-            ro.responses,
-            ro.spans,
-            temperature=cfg.temperature,
-            micro_batch=cfg.micro_batch * 2,
-            replay=want_replay,
-            control=control,
-            pointwise=want_replay and cfg.algo == "mrtpo" and cfg.relevance == "logratio",
-        )
+        with self._amp():
+            rep = contrastive_replay(
+                self.model,
+                self.prompter,
+                [ex.prompt for ex in ro.examples],
+                ro.prompt_ids,
+                ro.responses,
+                ro.spans,
+                temperature=cfg.temperature,
+                micro_batch=cfg.micro_batch * 2,
+                replay=want_replay,
+                control=control,
+                pointwise=want_replay and cfg.algo == "mrtpo" and cfg.relevance == "logratio",
+            )
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
@@ -292,14 +315,15 @@ class Trainer:
         )
         ref_logp = None
         if self.ref is not None:
-            h_ref = forward_responses(
-                self.ref,
-                ro.prompt_ids,
-                ro.responses,
-                self.tok.pad_token_id,
-                micro_batch=cfg.micro_batch * 2,
-                device=self.device,
-            )
+            with self._amp():
+                h_ref = forward_responses(
+                    self.ref,
+                    ro.prompt_ids,
+                    ro.responses,
+                    self.tok.pad_token_id,
+                    micro_batch=cfg.micro_batch * 2,
+                    device=self.device,
+                )
             w_ref, b_ref = lm_head(self.ref)
             labels = torch.cat([torch.tensor(r) for r in ro.responses]).to(self.device)
             with torch.no_grad():
@@ -347,7 +371,8 @@ class Trainer:
                         self.device,
                     )
                     idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-                    hidden = response_hidden(self.model, tb)
+                    with self._amp():
+                        hidden = response_hidden(self.model, tb)
                     w, b = weight_bias()
                     loss, met = linear_policy_loss(
                         hidden,
