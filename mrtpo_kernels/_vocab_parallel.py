@@ -115,7 +115,7 @@ def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent):
     m_r, log_s, z_lab = (h.new_empty(n, dtype=acc) for _ in range(3))
     ent = h.new_zeros(n, dtype=acc)
     bad = torch.zeros(n, dtype=torch.bool, device=h.device)
-    rows = _chunked.chunk_rows(w.shape[0], streams=2)
+    rows = _chunked.chunk_rows(w.shape[0], streams=4)  # z, x, p, p log p: 4 [C, V_loc] at most
     for a in range(0, n, rows):
         e = min(n, a + rows)
         z = h[a:e].to(acc) @ w32.t()
