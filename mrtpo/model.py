@@ -178,12 +178,37 @@ def load_model(
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{what}: {str(path)!r} is not a folder with a saved causal LM")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report: what it reports is refused below
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
         why = " ".join(str(err).split())[:300] or type(err).__name__
         raise ValueError(f"{what}: cannot load a causal LM from {str(path)!r} ({why})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # transformers starts missing tensors and tensors of another shape from random values
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(
+            f"{what}: the weights in {str(path)!r} lack {len(missing)} of the model's tensors "
+            f"({missing[0]}{', ...' if len(missing) > 1 else ''})"
+        )
+    other = sorted(info.get("mismatched_keys") or (), key=str)
+    if other:
+        first = other[0]  # (name, shape in the file, shape the config asks for)
+        if isinstance(first, tuple) and len(first) == 3:
+            first = f"{first[0]} is {list(first[1])}, not {list(first[2])}"
+        raise ValueError(
+            f"{what}: {len(other)} tensors in {str(path)!r} have another shape than its "
+            f"config.json asks for ({first}{', ...' if len(other) > 1 else ''})"
+        )
+    model = model.to(device)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(

@@ -78,8 +78,12 @@ def check_model_folder(path) -> str | None:
             msg = _safetensors_problem(shard)
             if msg:
                 return f"{where}: {msg}"
-        elif shard.stat().st_size == 0:
-            return f"{where}: {shard.name} is empty"
+        else:
+            with open(shard, "rb") as f:
+                magic = f.read(4)
+            if magic[:2] != b"PK" and magic[:1] != b"\x80":  # torch's zip, or a bare pickle
+                what = "is empty" if not magic else "is not a PyTorch weight file"
+                return f"{where}: {shard.name} {what}"
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
         return f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)})"
     for name in ("special_tokens_map.json", "tokenizer_config.json"):

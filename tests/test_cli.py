@@ -4,6 +4,7 @@ built), and short real runs."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -351,3 +352,43 @@ def test_resume_without_the_checkpoint_model_blames_the_checkpoint(tmp_path, cap
     assert code == 2 and "checkpoint: " in err and "--model" not in err, err
     assert "checkpoint/model' is not a folder" in err and len(err.strip().splitlines()) == 1
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_weights_that_do_not_fit_the_model_give_one_line(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+    from test_trainer import standin_task
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mrtpo.model import build_tokenizer, save_model, task_texts
+
+    tok = build_tokenizer(task_texts(standin_task()), vocab_size=300)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    whole = save_model(LlamaForCausalLM(config), tok, tmp_path / "whole")
+    name = "model.layers.0.mlp.up_proj.weight"
+    cases = []
+    lacking = f"lack 1 of the model's tensors ({name})"
+    for case, change in (("lacking", None), ("reshaped", torch.zeros(3, 3))):
+        folder = tmp_path / case
+        shutil.copytree(whole, folder)
+        tensors = load_file(folder / "model.safetensors")
+        tensors.pop(name) if change is None else tensors.__setitem__(name, change)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        cases.append((folder, lacking if change is None else name))
+    pickled = tmp_path / "pickled"
+    shutil.copytree(whole, pickled)
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_text("not torch")
+    cases.append((pickled, "pytorch_model.bin is not a PyTorch weight file"))
+    for folder, needle in cases:
+        argv = _train_argv(tmp_path, "--model", str(folder), "--out", str(tmp_path / "run"))
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and "--model: " in err and needle in err, (folder.name, err)
+        assert len(err.strip().splitlines()) == 1, err
