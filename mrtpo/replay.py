@@ -96,8 +96,9 @@ def forward_responses(model, prompts, responses, pad_id, *, micro_batch: int, de
 def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: int, device):
     """What ``forward_responses`` computes, with each distinct prompt run once: its key/value
     cache is shared by every response that follows it (the G responses of a group, and the
-    G replays of one prompt without a reward's spans). About ``micro_batch`` response rows
-    per forward. Returns the (N, d) packed hidden states in the order of the rows."""
+    G replays of one prompt without a reward's spans). At most ``micro_batch`` response rows
+    per forward (more only when one prompt has more). Returns the (N, d) packed hidden
+    states in the order of the rows."""
     if len(prompts) != len(responses):
         raise ValueError(
             f"responses: expected one per prompt ({len(prompts)}), got {len(responses)}"
@@ -108,12 +109,12 @@ def forward_shared_prompts(model, prompts, responses, pad_id, *, micro_batch: in
             rows_of.setdefault(tuple(p), []).append(r)
     keys = list(rows_of)
     chunks, cur, n_rows = [], [], 0
-    for key in keys:
-        cur.append(key)
-        n_rows += len(rows_of[key])
-        if n_rows >= micro_batch:
+    for key in keys:  # at most micro_batch rows a forward, unless one prompt has more
+        if cur and n_rows + len(rows_of[key]) > micro_batch:
             chunks.append(cur)
             cur, n_rows = [], 0
+        cur.append(key)
+        n_rows += len(rows_of[key])
     if cur:
         chunks.append(cur)
     base = decoder(model)
@@ -345,14 +346,20 @@ class _Core:
 
 
 def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
-                 micro_batch, pointwise=False, keep_hidden=False) -> _Core:  # fmt: skip
-    """The replay: rows grouped by prompt, whole groups into chunks of about ``micro_batch``
-    rows; per chunk, the with-information forward (one prompt forward per distinct prompt,
-    its key/value cache shared by the group's responses), the forwards without each
-    stream's spans (shared the same way by rows whose prompt without the spans is the same),
-    then the fused JS of the chunk's tokens. Only the chunk's hidden states are held."""
+                 micro_batch, max_tokens=None, pointwise=False,
+                 keep_hidden=False) -> _Core:  # fmt: skip
+    """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
+    ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
+    forward per distinct prompt, its key/value cache shared by the responses after it), the
+    forwards without each stream's spans (shared the same way by rows whose prompt without
+    the spans is the same), then the fused JS of the chunk's tokens. Only the chunk's hidden
+    states are held."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     weight, bias = _head(model)
     device = weight.device
     pad_id = 0 if pad_id is None else int(pad_id)
@@ -371,18 +378,25 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     for r in range(n):
         if lengths[r]:  # an empty response has no token: nothing to forward
             groups.setdefault(tuple(full_ids[r]), []).append(r)
-    chunks, cur = [], []
-    for rows in groups.values():
-        cur.extend(rows)
-        if len(cur) >= micro_batch:
+    # rows in prompt order, chunks of at most micro_batch rows and (with max_tokens) at most
+    # max_tokens padded prompt + response tokens; a row over the budget alone is its chunk
+    chunks, cur, p_max, r_max = [], [], 0, 0
+    for r in (r for rows in groups.values() for r in rows):
+        p2, r2 = max(p_max, len(full_ids[r])), max(r_max, lengths[r])
+        full = len(cur) >= micro_batch
+        over = max_tokens is not None and (len(cur) + 1) * (p2 + r2) > max_tokens
+        if cur and (full or over):
             chunks.append(cur)
-            cur = []
+            cur, p2, r2 = [], len(full_ids[r]), lengths[r]
+        cur.append(r)
+        p_max, r_max = p2, r2
     if cur:
         chunks.append(cur)
     replayed = 0
     for rows in chunks:
+        per_fwd = len(rows)  # one forward per chunk (and per chunk of its replays)
         hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
-                          pad_id, micro_batch, device)  # fmt: skip
+                          pad_id, per_fwd, device)  # fmt: skip
         idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
         labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
         labels = labels.to(device)
@@ -400,7 +414,7 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         hq = hp.unsqueeze(0).repeat(j_n, 1, 1)  # no spans: hidden_p itself, distance 0
         if jobs:
             h = _rows_hidden(model, [c[2] for c in jobs], [responses[rows[c[0]]] for c in jobs],
-                             pad_id, micro_batch, device)  # fmt: skip
+                             pad_id, per_fwd, device)  # fmt: skip
             pos = 0
             for a, j, _ in jobs:
                 t = local[a + 1] - local[a]
@@ -490,6 +504,7 @@ def replay_relevance(
     chat_template_kwargs: dict | None = None,
     num_rewards: int | None = None,
     micro_batch: int = 16,
+    max_tokens: int | None = None,
     pad_token_id: int | None = None,
 ) -> Replay:
     """Contrastive replay for any trainer: per response token, how much each reward's prompt
@@ -518,11 +533,14 @@ def replay_relevance(
             else a ValueError says which row differs (the replay must render prompts as
             generation did, or the distances would measure the rendering).
         num_rewards: K, needed when B = 0.
-        micro_batch: about this many responses per forward (whole groups of one prompt).
-            Memory: the forwards of ``micro_batch`` rows (their activations without
-            gradient, and one key/value cache per distinct prompt) plus (K + 1) hidden
-            states of d per response token of one chunk, in the model's dtype; the JS op
-            runs in fp32 over chunks of tokens and keeps no (tokens, V) logits.
+        micro_batch, max_tokens: a chunk holds at most ``micro_batch`` responses and, when
+            ``max_tokens`` is given, at most ``max_tokens`` padded prompt + response tokens
+            (rows x (longest prompt + longest response); a single longer row is a chunk of
+            its own). Each chunk is one forward with its prompts, then forwards of as many
+            rows for its replays. Memory: one such forward (activations without gradient,
+            one key/value cache per distinct prompt) plus (K + 1) hidden states of d per
+            response token of the chunk, in the model's dtype; the JS op runs in fp32 over
+            chunks of tokens and keeps no (tokens, V) logits.
 
     Returns:
         ``Replay``: relevance (K, B, T) float32 in [0, 1] (0 at padding and wherever
@@ -584,7 +602,8 @@ def replay_relevance(
     if pad_token_id is None and tokenizer is not None:
         pad_token_id = tokenizer.pad_token_id
     core = _replay_core(model, full, stream_ids, rows, num_streams=k, pad_id=pad_token_id,
-                        temperature=float(temperature), micro_batch=micro_batch)  # fmt: skip
+                        temperature=float(temperature), micro_batch=micro_batch,
+                        max_tokens=max_tokens)  # fmt: skip
     device = weight.device
     if isinstance(responses, torch.Tensor):
         mask = (torch.ones_like(responses, dtype=torch.bool) if response_mask is None

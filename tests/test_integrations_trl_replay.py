@@ -96,7 +96,7 @@ def recording_class(records):
     return Recording
 
 
-def run_trainer(tmp_path, *, conversational, mask_truncated, steps=1):
+def run_trainer(tmp_path, *, conversational, mask_truncated, steps=1, max_tokens=None):
     torch.manual_seed(0)
     model, tok = tiny_model()
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if conversational else PROMPTS
@@ -111,7 +111,7 @@ def run_trainer(tmp_path, *, conversational, mask_truncated, steps=1):
     trainer = recording_class(records)(
         model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
         processing_class=tok, reward_spans=[word_spans, None, None], mrtpo_alpha=1.0,
-        mrtpo_gamma=1.0, mrtpo_micro_batch=3,
+        mrtpo_gamma=1.0, mrtpo_micro_batch=3, mrtpo_max_tokens=max_tokens,
     )  # fmt: skip
     trainer.train()
     return trainer, records, tok
@@ -168,7 +168,9 @@ def test_trl_replay_advantages_equal_mrtpo_train_path(tmp_path):
 
 
 def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
-    _, records, tok = run_trainer(tmp_path, conversational=False, mask_truncated=True)
+    _, records, tok = run_trainer(
+        tmp_path, conversational=False, mask_truncated=True, max_tokens=64
+    )  # the replay in smaller chunks
     rec = records[0]
     out = rec["out"]
     mask, prompt_ids, responses = _rows(out)

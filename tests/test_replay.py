@@ -420,3 +420,32 @@ def test_span_convention():
         normalize_spans("abc", [(True, 2)])
     with pytest.raises(ValueError, match="0 <= start <= end"):
         normalize_spans("abc", [(2, 1)])
+
+
+def test_replay_relevance_token_budget():
+    """max_tokens bounds each chunk's padded prompt + response tokens (groups are split, a
+    row over the budget is a chunk of its own): the same relevance, more forwards."""
+    tok, model = _chat_setup()
+    p0, p1 = PROMPTS
+    prompts = [p0] * 3 + [p1] * 3
+    spans = [[[(0, 5)], [(p0.index("Start"), p0.index("Include"))]]] * 3 + [[[(0, 5)], []]] * 3
+    responses = [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [], [20]]
+    base = replay_relevance(model, prompts, responses, spans, tokenizer=tok, temperature=0.8)
+    shapes = []
+    hook = model.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    try:
+        got = replay_relevance(model, prompts, responses, spans, tokenizer=tok,
+                               temperature=0.8, max_tokens=100)  # fmt: skip
+    finally:
+        hook.remove()
+    torch.testing.assert_close(got.relevance, base.relevance, rtol=1e-5, atol=1e-6)
+    assert got.replayed == base.replayed == 3 * 2 + 2
+    assert len(shapes) > 4  # the budget split the work into more forwards
+    assert all(b * t <= 100 or b == 1 for b, t in shapes), shapes  # each forward in budget
+    assert any(b > 1 for b, _ in shapes)  # and still batched several rows
+    with pytest.raises(ValueError, match="max_tokens"):
+        replay_relevance(model, prompts, responses, spans, tokenizer=tok, temperature=0.8,
+                         max_tokens=0)  # fmt: skip

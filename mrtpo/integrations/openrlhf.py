@@ -191,6 +191,7 @@ def relevance_for_experience(
     prompts=None,
     add_special_tokens: bool = False,
     micro_batch: int = 16,
+    max_tokens: int | None = None,
     check_prompt_ids: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(relevance (K, B, A), has_info (B, K)) of an OpenRLHF ``Experience`` (or its samples)
@@ -211,6 +212,7 @@ def relevance_for_experience(
             dataset's prompt text after OpenRLHF's chat templating: plain strings, tokenized
             with ``add_special_tokens=False`` as OpenRLHF does). Chat messages are rendered
             with the tokenizer's chat template.
+        micro_batch, max_tokens: the replay's chunks (``replay_relevance``).
         check_prompt_ids: each prompt, rendered, must equal the row's prompt tokens.
     """
     seq, att, act = experience.sequences, experience.attention_mask, experience.action_mask
@@ -261,7 +263,7 @@ def relevance_for_experience(
     rep = replay_relevance(
         model, prompts, conts, spans, encode=encode, temperature=temperature,
         prompt_ids=prompt_rows if check_prompt_ids else None, num_rewards=k,
-        micro_batch=micro_batch,
+        micro_batch=micro_batch, max_tokens=max_tokens,
         pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
     )  # fmt: skip
     out = torch.zeros((k, b, a), dtype=torch.float32, device=act.device)

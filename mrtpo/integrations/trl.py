@@ -341,7 +341,8 @@ def _trainer_mixin():
                 with the training model (whatever generated them, vLLM included).
             relevance_fn: override: ``fn(trainer, inputs, output) -> (relevance (K, B, T),
                 has_info (B, K))`` for this process's rows.
-            mrtpo_micro_batch: responses per replay forward (16).
+            mrtpo_micro_batch, mrtpo_max_tokens: the replay's chunk of at most that many
+                responses (16) and padded prompt + response tokens (None: no limit).
             mrtpo_advantages: False keeps TRL's own advantages (only the fused loss).
 
         Logged per step: ``mrtpo/replay_seconds`` and, per reward with spans,
@@ -360,8 +361,8 @@ def _trainer_mixin():
         """
 
         def __init__(self, *args, mrtpo_alpha=1.0, mrtpo_gamma=1.0, relevance_fn=None,
-                     reward_spans=None, mrtpo_micro_batch=16, mrtpo_advantages=True,
-                     **kwargs):  # fmt: skip
+                     reward_spans=None, mrtpo_micro_batch=16, mrtpo_max_tokens=None,
+                     mrtpo_advantages=True, **kwargs):  # fmt: skip
             store: dict = {}
             if "reward_funcs" in kwargs:
                 kwargs["reward_funcs"] = _wrap_reward_funcs(kwargs["reward_funcs"], store)
@@ -373,6 +374,7 @@ def _trainer_mixin():
             self.mrtpo_gamma = float(mrtpo_gamma)
             self.relevance_fn = relevance_fn
             self.mrtpo_micro_batch = mrtpo_micro_batch
+            self.mrtpo_max_tokens = mrtpo_max_tokens
             self.mrtpo_advantages = bool(mrtpo_advantages)
             if getattr(self, "aux_loss_enabled", False):
                 raise ValueError(
@@ -475,6 +477,7 @@ def _trainer_mixin():
                         response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
                         prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
                         temperature=self.temperature, micro_batch=self.mrtpo_micro_batch,
+                        max_tokens=self.mrtpo_max_tokens,
                         pad_token_id=self._tokenizer.pad_token_id,
                     )  # fmt: skip
             finally:

@@ -499,6 +499,7 @@ def fill_mrtpo_relevance(
     encode=None,
     chat_template_kwargs: dict | None = None,
     micro_batch: int = 16,
+    max_tokens: int | None = None,
     check_prompt_ids: bool = True,
 ):
     """Fill ``mrtpo_relevance`` (bs, K, response_length) and ``mrtpo_has_info`` (bs, K) of a
@@ -564,7 +565,7 @@ def fill_mrtpo_relevance(
     rep = replay_relevance(
         model, prompts, ids, spans, response_mask=mask, encode=encode,
         prompt_ids=prompt_rows if check_prompt_ids else None, temperature=temperature,
-        micro_batch=micro_batch, num_rewards=k,
+        micro_batch=micro_batch, max_tokens=max_tokens, num_rewards=k,
         pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
     )  # fmt: skip
     batch[RELEVANCE_KEY] = rep.relevance.transpose(0, 1).contiguous().cpu()
@@ -599,14 +600,15 @@ def _check_version(feature: str, allow_unknown_version: bool):
 
 def replay_options(config) -> dict | None:
     """The ``mrtpo.replay`` section of a verl config (None when absent or disabled):
-    ``enable``, ``spans_key``, ``prompt_key``, ``micro_batch``, ``check_prompt_ids`` and
+    ``enable``, ``spans_key``, ``prompt_key``, ``micro_batch``, ``max_tokens``,
+    ``check_prompt_ids`` and
     ``chat_template_kwargs`` (as verl's ``data.apply_chat_template_kwargs``)."""
     section = _config_value(config, "mrtpo", None)
     replay = _config_value(section, "replay", None)
     if replay is None or not bool(_config_value(replay, "enable", False)):
         return None
     out = {}
-    for key in ("spans_key", "prompt_key", "micro_batch", "check_prompt_ids",
+    for key in ("spans_key", "prompt_key", "micro_batch", "max_tokens", "check_prompt_ids",
                 "chat_template_kwargs"):  # fmt: skip
         value = _config_value(replay, key, None)
         if value is not None:
