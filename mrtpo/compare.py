@@ -6,13 +6,15 @@ that seeds vary only sampling and data order, as when runs start from one pretra
 What is measured, and the claim, are in `mrtpo.stats`; the Markdown table and the plot
 in `mrtpo.report`. Results go to ``<results>/<task>/``. Each run lives in
 ``<out>/<task>/<variant>-seed<s>``; a finished run there with the same key (`run_key`: every
-trajectory setting, the number of steps, the device and CPU threads) is reused, one of the
-same key that stopped before the end (killed, or made with fewer ``--steps``) is resumed
-from its checkpoint, anything else is trained again (``--rerun`` retrains every run).
+trajectory setting, the number of steps, the device and CPU threads, the code and the
+versions of torch and transformers) is reused, one of the same key that stopped before the
+end (killed, or made with fewer ``--steps``) is resumed from its checkpoint, anything else is
+trained again (``--rerun`` retrains every run).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import replace
@@ -32,11 +34,41 @@ def _done_path(run_cfg) -> Path:
     return Path(run_cfg.out) / "compare_run.json"
 
 
+# the modules that only run comparisons or the command line: editing them changes no run
+_NOT_IN_RUNS = {"compare.py", "report.py", "stats.py", "cli.py", "cli_args.py", "demo.py",
+                "__main__.py", "integrations"}  # fmt: skip
+
+
+def code_fingerprint() -> str:
+    """A hash of the code a run executes: the sources of mrtpo (less `_NOT_IN_RUNS`) and
+    mrtpo_kernels, mrtpo's data files, and the C++/CUDA sources where the checkout has
+    them. An edited verifier, task or kernel makes earlier runs stale."""
+    import mrtpo_kernels
+
+    here = Path(__file__).resolve().parent
+    roots = [here, Path(mrtpo_kernels.__file__).resolve().parent, here.parent / "csrc"]
+    digest = hashlib.sha1()
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for path in sorted(root.rglob("*")):
+            rel = path.relative_to(root)
+            if root == here and rel.parts[0] in _NOT_IN_RUNS:
+                continue
+            built = "__pycache__" in rel.parts or path.suffix in (".pyc", ".so", ".o")
+            if path.is_file() and not built:
+                digest.update(f"{root.name}/{rel.as_posix()}\0".encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def run_key(run_cfg) -> dict:
     """Every setting that changes what a run computes, as JSON: the trajectory settings,
-    the number of steps, and the device and CPU threads it computes with (they change the
-    order of floating-point sums). A run is reused only under the same key."""
+    the number of steps, the device and CPU threads it computes with (they change the
+    order of floating-point sums), the code it runs (`code_fingerprint`) and the versions
+    of torch and transformers. A run is reused only under the same key."""
     import torch
+    import transformers
 
     from .trainer import resolve_device
 
@@ -44,6 +76,8 @@ def run_key(run_cfg) -> dict:
     key["steps"] = run_cfg.steps
     key["device"] = str(resolve_device(run_cfg.device))
     key["threads"] = run_cfg.threads or torch.get_num_threads()
+    key["code"] = code_fingerprint()
+    key["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     return key
 
 
@@ -208,8 +242,8 @@ def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
     }
     results.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (results / "summary.json").write_text(json.dumps(_without_curves(summary), indent=1))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    write_atomic(results / "summary.json", json.dumps(_without_curves(summary), indent=1))
     md = write_markdown(summary, results / "compare.md", cfg)
     png = plot_compare(summary, results / "compare.png", cfg)
     log(f"\nwrote {md} and {png} ({total / 60:.1f} min)")

@@ -11,12 +11,22 @@ import pytest
 import torch
 from test_trainer import TINY, standin_task
 
+import mrtpo.compare as compare
 from mrtpo.compare import plan_run, run_compare, run_key
 from mrtpo.config import CompareConfig, TrainConfig, check_algos, parse_variant
 from mrtpo.metrics import analogue_chars
 from mrtpo.replay import control_span
 from mrtpo.stats import bootstrap_ratio
 from mrtpo.tasks import load_task
+
+_REAL_FINGERPRINT = compare.code_fingerprint
+
+
+@pytest.fixture(autouse=True)
+def _fixed_code(monkeypatch):
+    """The code fingerprint of these runs, fixed: the working tree may change while a test
+    runs (`test_an_edit_of_the_code_retrains` changes it on purpose)."""
+    monkeypatch.setattr(compare, "code_fingerprint", lambda: "code-under-test")
 
 
 def _cfg(tmp_path, task="constraints", algos=("gdpo", "mrtpo"), seeds=1, steps=2, **train):
@@ -210,6 +220,7 @@ def test_reuse_is_keyed_by_every_setting_of_a_run_and_partial_runs_resume(tmp_pa
     run = cfg.run_config("gdpo", 0)
     key = run_key(run)
     assert key["steps"] == 4 and key["device"] == "cpu" and key["threads"] == 1
+    assert key["code"] == "code-under-test" and set(key["versions"]) == {"torch", "transformers"}
     cases = [  # (the record's key, metrics rows, checkpoint step, finished) -> plan
         (key, 4, 4, True, ("reuse", None)),
         ({**key, "steps": 2}, 2, 2, True, ("resume", 2)),  # made with fewer --steps
@@ -220,6 +231,8 @@ def test_reuse_is_keyed_by_every_setting_of_a_run_and_partial_runs_resume(tmp_pa
         ({**key, "lr": 1.0}, 4, 4, True, ("fresh", "made with other settings")),
         ({**key, "threads": 2}, 4, 4, True, ("fresh", "made with other settings")),
         ({**key, "device": "cuda:0"}, 4, 4, True, ("fresh", "made with other settings")),
+        ({**key, "code": "edited"}, 4, 4, True, ("fresh", "made with other settings")),
+        ({**key, "versions": {}}, 4, 4, True, ("fresh", "made with other settings")),
     ]
     for i, (saved, rows, step, complete, want) in enumerate(cases):
         r = replace(run, out=str(tmp_path / f"case{i}"))
@@ -257,3 +270,20 @@ def test_every_variant_is_checked_before_any_run_trains(tmp_path):
         with pytest.raises(ValueError, match=f"algos: .*{needle}"):
             run_compare(cfg, task=standin_task(), log=lambda _: None)
         assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_an_edit_of_the_code_retrains(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, algos=("gdpo",), steps=1)
+    run_compare(cfg, task=standin_task(), log=lambda _: None)
+    logs = []
+    run_compare(cfg, task=standin_task(), log=logs.append)
+    assert sum("(reused)" in line for line in logs) == 1
+    monkeypatch.setattr(compare, "code_fingerprint", lambda: "a verifier was edited")
+    logs = []
+    run_compare(cfg, task=standin_task(), log=logs.append)
+    assert sum("replaced a run made with other settings" in line for line in logs) == 1, logs
+
+
+def test_code_fingerprint_reads_the_sources():
+    first = _REAL_FINGERPRINT()
+    assert len(first) == 16 and int(first, 16) >= 0
