@@ -14,8 +14,9 @@ export OMP_NUM_THREADS ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements.txt pyproject.toml | $(PY)
+$(DEPS): requirements.txt requirements-real.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-real.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -331,6 +331,13 @@ class TrainConfig:
         0.2, "ratio clipped above at 1 + clip_high", lo=0.0, group="optimization"
     )
     max_grad_norm: float = setting(1.0, "gradient-norm clip, 0 = off", lo=0.0, group="optimization")
+    freeze_embeddings: bool = setting(
+        False,
+        "keep the token embeddings (and a tied LM head) fixed: the LM head gives every "
+        "vocabulary row a small gradient, and Adam moves each row by about the learning rate "
+        "per step, which degrades a pretrained model's whole vocabulary",
+        group="optimization",
+    )
     kl_beta: float = setting(
         0.0, "weight of the k3 KL to the initial model, 0 = off", lo=0.0, group="optimization"
     )

@@ -211,8 +211,16 @@ class Trainer:
         self.step = 0
         self.sampler = PromptSampler(len(task.train), cfg.seed)
         seed_everything(cfg.seed)
+        if cfg.freeze_embeddings:
+            model.get_input_embeddings().weight.requires_grad_(False)
+            head = model.get_output_embeddings()
+            if head is not None:
+                head.weight.requires_grad_(False)
         self.opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99)
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.99),
         )
         self.samples: list[dict] = []
         if meta is not None:

@@ -123,7 +123,8 @@ def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
         algo="mrtpo",
         model=NAME,
         cache_dir=str(cache_dir),
-        dtype="bfloat16",
+        autocast="bfloat16",
+        freeze_embeddings=True,
         prompts_per_step=1,
         group_size=2,
         max_new_tokens=8,
@@ -141,3 +142,13 @@ def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
     assert [r["step"] for r in res2.metrics] == [1, 2]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    # --freeze-embeddings: the tied embedding is exactly the initial one, the layers moved
+    from mrtpo.model import load_model
+
+    init, _ = load_model(pretrained.cached_folder(NAME, cache_dir))
+    after, _ = load_model(tmp_path / "run" / "checkpoint" / "model")
+    emb = lambda m: m.get_input_embeddings().weight
+    assert torch.equal(emb(init), emb(after))
+    state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=True)
+    optimized = sum(len(g["params"]) for g in state["optimizer"]["param_groups"])
+    assert optimized == len(list(init.parameters())) - 1  # all but the tied embedding
