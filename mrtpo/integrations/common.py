@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mrtpo_kernels import (
+    ADVANTAGE_DEFAULTS,
     TokenAdvantages,
     check_tensor,
     linear_js_distance,
@@ -269,14 +270,14 @@ def padded_token_advantages(
     *,
     mask_name: str = "response_mask",
     weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
-    nan: str = "error",
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
 ) -> TokenAdvantages:
     """``mrtpo_token_advantages`` on padded (B, T) responses, tolerating empty rows.
 

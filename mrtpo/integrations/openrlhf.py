@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from mrtpo_kernels import ADVANTAGE_DEFAULTS
+
 from .common import (
     check_shape,
     check_tensor,
@@ -69,14 +71,14 @@ def mrtpo_token_advantages_from_experience(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-    eps_batch: float | None = None,
-    batch_norm: str = "sequence",
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
-    nan: str = "error",
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
     index=None,
 ) -> torch.Tensor:
     """(B, T) MRTPO token advantages for OpenRLHF experiences.

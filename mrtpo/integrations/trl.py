@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from mrtpo_kernels import linear_logprobs, linear_policy_loss
+from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, linear_policy_loss
 
 from ..spans import score_and_spans
 from .common import (
@@ -56,13 +56,13 @@ def mrtpo_advantages_for_grpo(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
     scale_rewards: bool | str = "group",
     eps: float = 1e-4,
-    eps_batch: float | None = None,
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
+    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
     nan: str = "zero",
     process_slice: slice | None = None,
 ) -> torch.Tensor:
@@ -360,7 +360,8 @@ def _trainer_mixin():
         router aux loss, multimodal inputs and logit scaling/softcapping are refused.
         """
 
-        def __init__(self, *args, mrtpo_alpha=1.0, mrtpo_gamma=1.0, relevance_fn=None,
+        def __init__(self, *args, mrtpo_alpha=ADVANTAGE_DEFAULTS.alpha,
+                     mrtpo_gamma=ADVANTAGE_DEFAULTS.gamma, relevance_fn=None,
                      reward_spans=None, mrtpo_micro_batch=16, mrtpo_max_tokens=None,
                      mrtpo_advantages=True, **kwargs):  # fmt: skip
             store: dict = {}

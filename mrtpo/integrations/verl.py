@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo_kernels import linear_logprobs, linear_policy_loss
+from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, linear_policy_loss
 
 from .common import check_tensor, group_ids_from_index, padded_token_advantages, require
 
@@ -67,14 +67,14 @@ def compute_mrtpo_outcome_advantage(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = 1.0,
-    gamma: float = 1.0,
-    epsilon: float = 1e-6,
-    epsilon_batch: float | None = None,
+    alpha: float = ADVANTAGE_DEFAULTS.alpha,
+    gamma: float = ADVANTAGE_DEFAULTS.gamma,
+    epsilon: float = ADVANTAGE_DEFAULTS.eps,
+    epsilon_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
     batch_norm: str = "token",
-    delta: float = 1e-8,
-    clip: tuple[float, float] | None = None,
-    nan: str = "error",
+    delta: float = ADVANTAGE_DEFAULTS.delta,
+    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
     config=None,
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
