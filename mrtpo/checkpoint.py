@@ -282,9 +282,11 @@ class RunDir:
         """The step in ``path``'s commit mark, or None if it has no readable one."""
         try:
             meta = json.loads((path / META).read_text())
-            return int(meta["step"]) if meta.get("format") == FORMAT else None
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        except (OSError, ValueError):
             return None
+        ok = isinstance(meta, dict) and meta.get("format") == FORMAT
+        step = meta.get("step") if ok else None
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
     def recover(self) -> list[str]:
         """Bring the folder back to one committed checkpoint (or none) after a kill: the
@@ -336,6 +338,11 @@ class RunDir:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             got = meta.get("format") if isinstance(meta, dict) else meta
             raise ValueError(f"checkpoint: {path} has format {got!r}, not {FORMAT}")
+        step, config = meta.get("step"), meta.get("config")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint: {path} has no valid step (got {step!r})")
+        if not isinstance(config, dict):
+            raise ValueError(f"checkpoint: {path} holds no run config")
         return meta
 
     def committed_step(self) -> int | None:
@@ -351,9 +358,12 @@ class RunDir:
             return meta["config"]
         if self.config_path.exists():
             try:
-                return json.loads(self.config_path.read_text())
+                saved = json.loads(self.config_path.read_text())
             except ValueError as err:
                 raise ValueError(f"out: {self.config_path} is unreadable ({err})") from None
+            if not isinstance(saved, dict):
+                raise ValueError(f"out: {self.config_path} holds no run config")
+            return saved
         return None
 
     # -- checkpoints --------------------------------------------------------------------------

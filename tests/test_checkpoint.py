@@ -254,3 +254,27 @@ def test_a_run_that_left_only_its_mark_does_not_block_the_next(tmp_path, referen
     Path(cfg.out).mkdir()
     (Path(cfg.out) / MARK).write_text("{}")  # a run that failed before writing any file
     Trainer(cfg, task=standin_task()).run_dir.unlock()
+
+
+@pytest.mark.parametrize(
+    "meta, needle",
+    [
+        ({"format": 1, "step": "2", "config": {}}, "has no valid step"),
+        ({"format": 1, "step": 2}, "holds no run config"),
+        ([1, 2], "has format"),
+    ],
+)
+def test_a_tampered_checkpoint_mark_is_named(tmp_path, meta, needle):
+    _fake_checkpoint(tmp_path / "checkpoint", 2)
+    (tmp_path / "checkpoint" / META).write_text(json.dumps(meta))
+    (tmp_path / MARK).write_text("{}")
+    with pytest.raises(ValueError, match=f"checkpoint: .*{needle}"):
+        RunDir(tmp_path).prepare(resume=True, overwrite=False)
+    assert (tmp_path / "checkpoint" / META).exists()  # nothing removed
+
+
+def test_a_config_json_that_is_not_a_config_is_named(tmp_path):
+    (tmp_path / MARK).write_text("{}")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="out: .*config.json holds no run config"):
+        RunDir(tmp_path).prepare(resume=True, overwrite=False, check_config=lambda saved: None)
