@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from . import envinfo, formulas, providers  # noqa: E402
+from . import cost_model, envinfo, formulas, providers  # noqa: E402
 from .measure import measure  # noqa: E402
 from .ops import make_inputs  # noqa: E402
 
@@ -42,7 +42,36 @@ def base_row(spec: dict) -> dict:
         status="",
         note=providers.note(spec["provider"], spec["op"]),
     )
+    row.update(_model_columns(spec))
     return row
+
+
+_DRIVER_BACKENDS = ("cpu", "torch", "triton")
+
+
+def _model_columns(spec: dict) -> dict:
+    """The cost model's prediction (bench/cost_model.py: the H200 model for CUDA rows, none
+    on the CPU, whose rates ``python -m bench.cost_model cpu-check`` measures) and, for the
+    chunk driver's providers, the GEMM path the driver takes (16-bit GEMMs with fp32 output
+    or the fp32 fallback), so a slow path shows in every row."""
+    out = {"pred_ms": None, "gemm_path": ""}
+    prov, op = spec["provider"], spec["op"]
+    if prov in providers.OURS or prov == providers.FLOOR:
+        try:
+            out["pred_ms"] = cost_model.predicted_ms(
+                op, spec["n"], spec["d"], spec["v"], spec["k"],
+                torch.device(spec["device"]).type, spec["dtype"],
+            )  # fmt: skip
+        except ValueError:
+            pass
+    backend = providers.backend_of(prov) if prov in providers.OURS else None
+    if prov == providers.FLOOR:
+        backend = "triton" if spec["device"].startswith("cuda") else "cpu"
+    if backend in _DRIVER_BACKENDS and providers.availability(f"mrtpo-{backend}") is None:
+        from mrtpo_kernels import stages
+
+        out["gemm_path"] = stages.gemm_path(backend, spec["device"], DTYPES[spec["dtype"]])
+    return out
 
 
 def _join(*parts: str) -> str:

@@ -1,50 +1,203 @@
-"""Micro-benchmark for the first GPU window (<= 90 s): what each stage of the chunk driver
-costs at the target shape, before the full benchmark runs.
+"""Micro-benchmarks of the chunk driver for a GPU window, one part per process.
 
-    python -m bench.gpu_micro --out micro.json [--n 16384 --d 4096 --v 151936] [--dry-run]
+    python -m bench.gpu_micro --part PART --out figures.jsonl [--n 16384 --d 4096
+        --v 151936] [--grad-buffer-mib M] [--chunk-mib M] [--variant rows|fused] [--dry-run]
 
-1. correctness first: 512 rows at the target V and d, bf16, ``linear_logprobs`` (with
-   entropy and the backward) and ``linear_policy_loss`` on backend "triton" against the
-   float64 references (on the GPU); a failure is printed and saved, nothing is timed.
-2. cuBLAS at the exact chunk shapes of the driver (C = rows per chunk from
-   MRTPO_CHUNK_BYTES, as mrtpo_kernels.stages plans them): logits h_c W^T (fp32 out),
-   dh_c = G W, dW += G^T h_c (fp32 accumulator), and the plain bf16 GEMM of the whole op
-   (N x d x V) for the ceiling.
-3. each Triton row kernel alone on one fp32 chunk (``stages.row_kernel("triton")``):
-   stats, grad_, policy_, js_many (K = 4).
-Prints one line per figure and writes them all to the JSON file.
+Every figure is appended to ``--out`` (JSON lines) the moment it exists, so a part that is
+killed keeps what it measured. Timing is by CUDA events (median of several calls after a
+warm-up) and never waits on a correctness check: the ``correctness`` part reports errors
+against float64 beside the timings, in its own line. Each timed figure carries the cost
+model's prediction (bench/cost_model.py, H200 figures) and the GEMM path the driver takes
+(``stages.gemm_path``: "16-bit, fp32 out" or the "fp32 fallback").
+
+Parts:
+    cublas       the GEMMs of the plan at their exact shapes (logits h W^T fp32 out, dh = G W,
+                 dW = / += G^T h with K = the gradient buffer's rows), and the plain bf16
+                 GEMM of the whole op (N x d x V) for the ceiling
+    rows         each Triton row kernel alone on one fp32 logits chunk: stats, grad_ (into a
+                 separate 16-bit buffer), policy_, js_many (K = 4)
+    ops          linear_policy_loss fwd+bwd, linear_logprobs fwd+bwd and JS one-vs-4 at the
+                 target shape with the plan given by --grad-buffer-mib / --chunk-mib and
+                 --variant (rows: the chunk driver; fused: the fused-GEMM kernels)
+    correctness  512 rows at the target V and d, bf16, both ops on backend "triton" against
+                 the float64 references
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+PARTS = ("cublas", "rows", "ops", "correctness")
 
-def _timer(torch, fn, repeats=5):
+
+def _emit(path: str, record: dict) -> None:
+    record = {"t": round(time.time(), 1), **record}
+    line = json.dumps(record)
+    print(f"[micro] {line}", flush=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _time_ms(torch, fn, repeats=5):
+    """Median of ``repeats`` calls timed by CUDA events, after one warm-up call."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
 
 
-def correctness(torch, mk, ref, v, d, rows=512):
-    """Max errors against float64 (policy loss, log-probs, entropy, gradients)."""
+def _context(stages, args) -> dict:
+    import torch
+
+    return {
+        "N": args.n, "d": args.d, "V": args.v, "variant": args.variant,
+        "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
+        "gemm_path": stages.gemm_path("triton", "cuda", torch.bfloat16),
+    }  # fmt: skip
+
+
+def part_cublas(torch, stages, cm, args, emit):
+    dev, bf = "cuda", torch.bfloat16
+    n, d, v = args.n, args.d, args.v
+    plan = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    r = max(g.m for g in plan.gemms if g.stage == "logits")
+    b = plan.grad_rows
+    h = torch.randn(b, d, device=dev, dtype=bf)
+    w = torch.randn(v, d, device=dev, dtype=bf) * d**-0.5
+    z = torch.empty(r, v, device=dev)
+    g16 = torch.randn(b, v, device=dev, dtype=bf) * 1e-3
+    dh = torch.empty(b, d, device=dev, dtype=bf)
+    dw = torch.zeros(v, d, device=dev)
+    f32 = stages.f32_out_supported(torch.device(dev), bf)
+    shapes = {
+        "logits": (stages.Gemm("logits", r, v, d, False, 2, 4),
+                   lambda: stages.mm_f32(h[:r], w.t(), z)),
+        "dh": (stages.Gemm("dh", b, d, v, False, 2, 2), lambda: torch.mm(g16, w, out=dh)),
+        "dw_first": (stages.Gemm("dw", v, d, b, False, 2, 4),
+                     lambda: stages.mm_f32(g16.t(), h, dw)),
+        "dw_accumulate": (stages.Gemm("dw", v, d, b, True, 2, 4),
+                          lambda: stages.addmm_f32(dw, g16.t(), h)),
+    }  # fmt: skip
+    for name, (gm, fn) in shapes.items():
+        rec = {"part": "cublas", "name": name, "m": gm.m, "n": gm.n, "k": gm.k}
+        if not f32:
+            emit({**rec, "error": "no 16-bit GEMM with fp32 output on this torch"})
+            continue
+        ms = _time_ms(torch, fn)
+        pred = cm.gemm_time(gm, cm.H200) * 1e3
+        emit({**rec, "ms": ms, "tflops": gm.flops / ms / 1e9, "pred_ms": pred})
+    hb = torch.randn(n, d, device=dev, dtype=bf)
+    ms = _time_ms(torch, lambda: hb @ w.t(), 3)
+    emit({"part": "cublas", "name": "full_bf16_gemm", "m": n, "n": v, "k": d, "ms": ms,
+          "tflops": 2 * n * d * v / ms / 1e9})  # fmt: skip
+
+
+def part_rows(torch, stages, cm, args, emit):
     dev = "cuda"
+    v = args.v
+    c = stages.chunk_rows(v)
+    k = stages.row_kernel("triton")
+    z = torch.randn(c, v, device=dev) * 2
+    lab = torch.randint(0, v, (c,), device=dev)
+    one = torch.ones(c, device=dev)
+    out16 = torch.empty(c, v, device=dev, dtype=torch.bfloat16)
+    _, _, lse = k.stats(z, lab, 1.0, -100, False)
+    cases = {
+        "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
+        "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
+        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
+                                         -100, True, out=out16)),
+    }  # fmt: skip
+    for name, (bytes_per, fn) in cases.items():
+        ms = _time_ms(torch, fn)
+        gb = bytes_per * c * v / 1e9
+        pred = cm.row_time(stages.RowPass(name, c, v, bytes_per), cm.H200) * 1e3
+        emit({"part": "rows", "name": name, "rows": c, "ms": ms, "gb_per_s": gb / ms * 1e3,
+              "pred_ms": pred})  # fmt: skip
+    rows = max(1, c // 5)
+    zs = torch.randn(5, rows, v, device=dev)
+    ms = _time_ms(torch, lambda: k.js_many(zs, 1.0))
+    pred = cm.row_time(stages.RowPass("js", 5 * rows, v, 8), cm.H200) * 1e3
+    emit({"part": "rows", "name": "js_many_k4", "rows": 5 * rows, "ms": ms,
+          "gb_per_s": 8 * 5 * rows * v / 1e6 / ms, "pred_ms": pred})  # fmt: skip
+
+
+def part_ops(torch, stages, cm, args, emit):
+    import mrtpo_kernels as mk
+
+    dev, bf = "cuda", torch.bfloat16
+    n, d, v = args.n, args.d, args.v
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, d, device=dev, generator=g).to(bf).requires_grad_()
+    w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).to(bf).requires_grad_()
+    lab = torch.randint(0, v, (n,), device=dev, generator=g)
+    old = torch.full((n,), -12.0, device=dev)
+    adv = torch.randn(n, device=dev, generator=g)
+    up = torch.randn(n, device=dev, generator=g)
+    ctx = _context(stages, args)
+
+    def policy():
+        loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
+        loss.backward()
+        h.grad = w.grad = None
+
+    def logprobs():
+        lp = mk.linear_logprobs(h, w, lab, backend="triton")
+        lp.backward(up)
+        h.grad = w.grad = None
+
+    def js():
+        with torch.no_grad():
+            hq = h.detach()[None].expand(4, n, d)
+            mk.linear_js_distance(h.detach(), hq, w.detach(), backend="triton")
+
+    for name, fn, k in (
+        ("linear_policy_loss_fwd_bwd", policy, 1),
+        ("linear_logprobs_fwd_bwd", logprobs, 1),
+        ("linear_js_distance", js, 4),
+    ):
+        rec = {"part": "ops", "name": name, **ctx}
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ms = _time_ms(torch, fn, 3)
+            extra = torch.cuda.max_memory_allocated() - base
+        except Exception as exc:  # keep going: the next op may run
+            emit({**rec, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            torch.cuda.empty_cache()
+            continue
+        fl = cm.formulas.flops(name, n, d, v, k)
+        pred = cm.predicted_ms(name, n, d, v, k, "cuda", "bfloat16")
+        emit({**rec, "ms": ms, "tflops": fl / ms / 1e9, "pred_ms": pred,
+              "target_tflops": cm.TARGETS.get(name), "extra_mem_mb": extra / 1e6})  # fmt: skip
+        torch.cuda.empty_cache()
+
+
+def part_correctness(torch, stages, cm, args, emit):
+    import mrtpo_kernels as mk
+    from mrtpo_kernels import reference as ref
+
+    dev, rows, v, d = "cuda", 512, args.v, args.d
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(rows, d, device=dev, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).bfloat16().requires_grad_()
     lab = torch.randint(0, v, (rows,), device=dev, generator=g)
     lab[::7] = -100
-    out = {}
+    out = {"part": "correctness", "name": "bf16_512_rows", **_context(stages, args)}
     lp, ent = mk.linear_logprobs(h, w, lab, return_entropy=True, backend="triton")
     up = torch.randn(rows, device=dev, generator=g)
     gh, gw = torch.autograd.grad((lp * up).sum() + ent.sum(), (h, w))
@@ -71,124 +224,50 @@ def correctness(torch, mk, ref, v, d, rows=512):
         and max(out["dh_rel_err"], out["dw_rel_err"]) < 2e-2
         and max(out["policy_dh_rel_err"], out["policy_dw_rel_err"]) < 2e-2
     )
-    return out
-
-
-def gemms(torch, stages, n, d, v):
-    dev = "cuda"
-    c = stages.chunk_rows(v)
-    bf = torch.bfloat16
-    h = torch.randn(c, d, device=dev, dtype=bf)
-    w = torch.randn(v, d, device=dev, dtype=bf) * d**-0.5
-    z = torch.empty(c, v, device=dev)
-    g16 = z.view(bf)[:, :v]
-    dh = torch.empty(c, d, device=dev, dtype=bf)
-    dw = torch.zeros(v, d, device=dev)
-    fl = 2 * c * d * v
-    f32 = stages.f32_out_supported(torch.device(dev), bf)
-    res = {"chunk_rows": c, "out_dtype_f32": f32}
-    if f32:
-        res["logits_tflops"] = fl / _timer(torch, lambda: stages.mm_f32(h, w.t(), z)) / 1e12
-        res["dh_tflops"] = fl / _timer(torch, lambda: torch.mm(g16, w, out=dh)) / 1e12
-        res["dw_tflops"] = fl / _timer(torch, lambda: stages.addmm_f32(dw, g16.t(), h)) / 1e12
-    hb = torch.randn(n, d, device=dev, dtype=bf)
-    res["full_bf16_gemm_tflops"] = 2 * n * d * v / _timer(torch, lambda: hb @ w.t(), 3) / 1e12
-    return res
-
-
-def row_kernels(torch, stages, v):
-    dev = "cuda"
-    c = stages.chunk_rows(v)
-    k = stages.row_kernel("triton")
-    z = torch.randn(c, v, device=dev) * 2
-    lab = torch.randint(0, v, (c,), device=dev)
-    one = torch.ones(c, device=dev)
-    gb = 4 * c * v / 1e9
-    res = {}
-    t = _timer(torch, lambda: k.stats(z, lab, 1.0, -100, True))
-    res["stats_ms"], res["stats_gbps"] = t * 1e3, gb / t
-    _, _, lse = k.stats(z, lab, 1.0, -100, False)
-    zz = z.clone()
-    t = _timer(torch, lambda: k.grad_(zz, lab, lse, None, one, None, 1.0, -100))
-    res["grad_ms"], res["grad_gbps"] = t * 1e3, 3 * gb / t
-    out16 = zz.view(torch.bfloat16)[:, :v]
-    t = _timer(
-        torch, lambda: k.policy_(zz, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0, -100, True,
-                                 out=out16)
-    )  # fmt: skip
-    res["policy_ms"], res["policy_gbps"] = t * 1e3, 2.5 * gb / t
-    zs_rows = max(1, c // 5)
-    zs = torch.randn(5, zs_rows, v, device=dev)
-    t = _timer(torch, lambda: k.js_many(zs, 1.0))
-    res["js_many_k4_ms"], res["js_many_gbps"] = t * 1e3, 2 * 4 * 5 * zs_rows * v / 1e9 / t
-    return res
-
-
-def plan(stages, n, d, v, k=4):
-    """What the chunk driver will run at this shape (no GPU needed): rows per chunk, kept
-    rows, GEMM count and TFLOP per op, so each measured time has its GEMM work beside it."""
-    out = {}
-    for name, kw in (
-        ("linear_logprobs_fwd_bwd", {"op": "linear_logprobs"}),
-        ("linear_policy_loss_fwd_bwd", {"op": "linear_policy_loss"}),
-        ("linear_js_distance_k4", {"op": "linear_js_distance", "k": k}),
-    ):
-        p = stages.chunk_plan(n=n, v=v, d=d, **kw)
-        out[name] = {
-            "rows_per_chunk": p.rows_per_chunk,
-            "kept_rows": p.kept_rows,
-            "gemms": p.count(),
-            "tflop": round(p.flops / 1e12, 2),
-        }
-    return out
+    emit(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_micro", description=__doc__)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--part", choices=PARTS, required=True)
+    ap.add_argument("--out", required=True, help="JSON-lines file the figures are appended to")
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--v", type=int, default=151936)
+    ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
+    ap.add_argument("--variant", choices=("rows", "fused"), default="rows")
     ap.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     args = ap.parse_args(argv)
+    if args.grad_buffer_mib:
+        os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(args.grad_buffer_mib << 20)
+    if args.chunk_mib:
+        os.environ["MRTPO_CHUNK_BYTES"] = str(args.chunk_mib << 20)
+    os.environ["MRTPO_TRITON_VARIANT"] = args.variant
     import torch
 
-    import mrtpo_kernels as mk
-    from mrtpo_kernels import reference as ref
     from mrtpo_kernels import stages
 
+    from . import cost_model as cm
+
     if args.dry_run:
-        print(f"gpu_micro: would measure N={args.n} d={args.d} V={args.v} into {args.out}")
-        print(f"gpu_micro: plan {json.dumps(plan(stages, args.n, args.d, args.v))}")
+        plan = stages.chunk_plan("linear_policy_loss", args.n, args.v, args.d, grad16=True)
+        print(f"gpu_micro: would measure N={args.n} d={args.d} V={args.v} part {args.part} "
+              f"into {args.out}; plan: {plan.count()} GEMMs, gradient buffers of "
+              f"{plan.grad_rows} rows")  # fmt: skip
         return 0
     if not torch.cuda.is_available():
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
-    result = {"shape": {"N": args.n, "d": args.d, "V": args.v}, "torch": torch.__version__}
-    result["plan"] = plan(stages, args.n, args.d, args.v)
-    print(f"[micro] plan: {json.dumps(result['plan'])}", flush=True)
-
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    for name, fn in (
-        ("correctness_512", lambda: correctness(torch, mk, ref, args.v, args.d)),
-        ("cublas", lambda: gemms(torch, stages, args.n, args.d, args.v)),
-        ("row_kernels", lambda: row_kernels(torch, stages, args.v)),
-    ):
-        t0 = time.time()
-        try:
-            result[name] = fn()
-        except Exception as exc:  # report and keep what was measured
-            result[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        result[name]["seconds"] = round(time.time() - t0, 1)
-        print(f"[micro] {name}: {json.dumps(result[name])}", flush=True)
-        save()
-        if name == "correctness_512" and not result[name].get("ok"):
-            print("[micro] correctness failed: nothing timed", flush=True)
-            return 1
-        torch.cuda.empty_cache()
+    fn = globals()[f"part_{args.part}"]
+    t0 = time.time()
+    try:
+        fn(torch, stages, cm, args, lambda rec: _emit(args.out, rec))
+    except Exception as exc:  # report what broke; the figures already written stay
+        _emit(args.out, {"part": args.part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        return 1
+    finally:
+        print(f"[micro] part {args.part}: {time.time() - t0:.1f} s", flush=True)
     return 0
 
 

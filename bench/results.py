@@ -31,6 +31,8 @@ COLUMNS = (
     "note",
     "cpu_ms_p50",
     "load_avg",
+    "pred_ms",
+    "gemm_path",
 )
 
 # status values: ok (measured), estimated (would not fit: memory columns hold the estimate),

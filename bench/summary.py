@@ -59,14 +59,16 @@ def _join_note(r: dict) -> str:
         extra.append(f"CPU time {_f(cpu)} ms")
     if r.get("load_avg"):
         extra.append(f"load {r['load_avg']}")
+    if r.get("gemm_path"):
+        extra.append(f"GEMMs {r['gemm_path']}")
     return "; ".join([p for p in (r.get("note", ""),) if p] + extra)
 
 
 def results_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| op | d | N | K | provider | ms p50 (p20-p80) | TFLOP/s | peak MiB | extra MiB "
-        "| time / pytorch | extra / pytorch | time / gemm-floor | status | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | d | N | K | provider | ms p50 (p20-p80) | predicted ms | TFLOP/s | peak MiB "
+        "| extra MiB | time / pytorch | extra / pytorch | time / gemm-floor | status | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shapes = _by_shape(rows)
     for _key, provs in shapes.items():
@@ -88,7 +90,8 @@ def results_table(rows: list[dict]) -> list[str]:
             m_ratio = ratio(r, base, "extra_mem_mb") if prov != "pytorch" else None
             f_ratio = ratio(r, floor, "ms_p50") if prov != FLOOR else None
             lines.append(
-                f"| {r['op']} | {r['d']} | {r['N']} | {r['K']} | {prov} | {timing} | {rate_s} "
+                f"| {r['op']} | {r['d']} | {r['N']} | {r['K']} | {prov} | {timing} "
+                f"| {_f(num(r, 'pred_ms'))} | {rate_s} "
                 f"| {_f(num(r, 'peak_mem_mb'), 4)}{est} | {_f(num(r, 'extra_mem_mb'), 4)}{est} "
                 f"| {_f(t_ratio)} | {_f(m_ratio)} | {_f(f_ratio)} | {r['status']} "
                 f"| {_join_note(r)} |"

@@ -117,6 +117,23 @@ def get(name: str, entry_point: str):
     return getattr(backends.load(name), entry_point)
 
 
+def saved_numel(name: str, op: str, n: int, v: int, weight_numel: int) -> int:
+    """Elements of the ``saved`` output of backend ``name``'s log-probs forward for ``op``
+    ("linear_logprobs" or "logprobs_from_logits"): the backend's ``saved_numel`` where it
+    has one, else the chunk driver's rule for its ROW_KERNEL, else 0. The ops' fakes read
+    it, so it must equal what the forward returns."""
+    from .backends import _chunked
+
+    mod = backends.load(name)
+    fn = getattr(mod, "saved_numel", None)
+    if fn is not None:
+        return fn(op, n, v, weight_numel)
+    kern = getattr(mod, "ROW_KERNEL", None)
+    if kern is None or op != "linear_logprobs":
+        return 0
+    return _chunked.saved_numel(kern, n, v, weight_numel)
+
+
 def available(op: str, device_type: str, dtype: torch.dtype) -> list[str]:
     """Installed backends that serve op for device_type and dtype, in preference order."""
     _check_op(op)

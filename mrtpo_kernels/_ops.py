@@ -19,10 +19,38 @@ def _empty_like_rows(t: Tensor, n: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------- linear log-probs
+# The log-probs forwards return a fourth output, ``saved``: what the backend's backward
+# needs from its forward (the chunk driver's kept logits or per-row norms, the fused Triton
+# kernels' norms; empty where nothing), sized by ``_dispatch.saved_numel``. The op saves it
+# for its backward (eager), which passes it back; the Python-level ``linear_logprobs_fwd``
+# and ``logits_logprobs_fwd`` below return the first three outputs. The backward may
+# overwrite ``saved`` (the chunk driver writes the kept rows' gradient over their fp32 logits
+# where its kernel works in place): the backward op declares the mutation, which advances
+# the tensor's version, so a later backward of the same graph (retain_graph, gradcheck)
+# passes none and the backend recomputes. Traced code (torch.compile) passes none either:
+# its backward recomputes what it needs.
+
+
+def _saved_like(t: Tensor, n: int) -> Tensor:
+    return t.new_empty(n, dtype=acc_dtype(t))
+
+
+def _keep_saved(ctx, saved: Tensor) -> None:
+    """Keep the forward's ``saved`` (eager: a plain tensor, not traced) and its version."""
+    eager = type(saved) is torch.Tensor and not torch.compiler.is_compiling()
+    ctx.saved = saved.detach() if eager else None
+    ctx.saved_version = saved._version if eager else None
+
+
+def _saved_state(ctx) -> Tensor | None:
+    """The forward's ``saved`` for this backward, or None (traced, or overwritten by an
+    earlier backward of the same graph)."""
+    s = ctx.saved
+    return s if s is not None and s._version == ctx.saved_version else None
 
 
 @torch.library.custom_op("mrtpo::linear_logprobs_fwd", mutates_args=())
-def linear_logprobs_fwd(
+def linear_logprobs_fwd_op(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -31,22 +59,34 @@ def linear_logprobs_fwd(
     ignore_index: int,
     with_entropy: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_fwd")
     return fn(hidden, weight, bias, labels, temperature, ignore_index, with_entropy)
 
 
-@linear_logprobs_fwd.register_fake
+@linear_logprobs_fwd_op.register_fake
 def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend):
-    n = hidden.shape[0]
+    n, v = hidden.shape[0], weight.shape[0]
+    saved = _dispatch.saved_numel(backend, "linear_logprobs", n, v, weight.numel())
     return (
         _empty_like_rows(hidden, n),
         _empty_like_rows(hidden, n if with_entropy else 0),
         _empty_like_rows(hidden, n),
+        _saved_like(hidden, saved),
     )
 
 
-@torch.library.custom_op("mrtpo::linear_logprobs_bwd", mutates_args=())
+def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
+                        backend):  # fmt: skip
+    """(logp, entropy, lse) of ``mrtpo::linear_logprobs_fwd`` (its ``saved`` goes to the
+    autograd graph only)."""
+    out = linear_logprobs_fwd_op(
+        hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend
+    )
+    return out[0], out[1], out[2]
+
+
+@torch.library.custom_op("mrtpo::linear_logprobs_bwd", mutates_args=("saved",))
 def linear_logprobs_bwd(
     hidden: Tensor,
     weight: Tensor,
@@ -59,16 +99,18 @@ def linear_logprobs_bwd(
     temperature: float,
     ignore_index: int,
     backend: str,
+    saved: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_bwd")
     return fn(
         hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-        ignore_index,
+        ignore_index, saved,
     )  # fmt: skip
 
 
 @linear_logprobs_bwd.register_fake
-def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, t, ii, backend):
+def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, t, ii, backend,
+      saved=None):  # fmt: skip
     return (
         torch.empty_like(hidden),
         weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
@@ -78,13 +120,14 @@ def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, t, ii
 
 def _logprobs_setup(ctx, inputs, output):
     hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend = inputs
-    logp, entropy, lse = output
+    logp, entropy, lse, saved = output
     ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    _keep_saved(ctx, saved)
     ctx.cfg = (temperature, ignore_index, with_entropy, backend, bias is not None)
     ctx.set_materialize_grads(False)  # lse gets no gradient; unused ones stay None
 
 
-def _logprobs_backward(ctx, g_logp, g_entropy, g_lse):
+def _logprobs_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
     hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
     temperature, ignore_index, with_entropy, backend, has_bias = ctx.cfg
     if g_logp is None:
@@ -94,6 +137,7 @@ def _logprobs_backward(ctx, g_logp, g_entropy, g_lse):
     dh, dw, db = linear_logprobs_bwd(
         hidden, weight, bias, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
         g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        _saved_state(ctx),
     )  # fmt: skip
     dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
     db = db.to(bias.dtype) if has_bias and ctx.needs_input_grad[2] else None
@@ -101,36 +145,45 @@ def _logprobs_backward(ctx, g_logp, g_entropy, g_lse):
     return dh, dw, db, None, None, None, None, None
 
 
-linear_logprobs_fwd.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+linear_logprobs_fwd_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
 
 
 # --------------------------------------------------------------------------- logits log-probs
 
 
 @torch.library.custom_op("mrtpo::logits_logprobs_fwd", mutates_args=())
-def logits_logprobs_fwd(
+def logits_logprobs_fwd_op(
     logits: Tensor,
     labels: Tensor,
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "logits_logprobs_fwd")
     return fn(logits, labels, temperature, ignore_index, with_entropy)
 
 
-@logits_logprobs_fwd.register_fake
+@logits_logprobs_fwd_op.register_fake
 def _(logits, labels, temperature, ignore_index, with_entropy, backend):
     n = logits.shape[0]
+    saved = _dispatch.saved_numel(backend, "logprobs_from_logits", n, logits.shape[1], 0)
     return (
         _empty_like_rows(logits, n),
         _empty_like_rows(logits, n if with_entropy else 0),
         _empty_like_rows(logits, n),
+        _saved_like(logits, saved),
     )
 
 
-@torch.library.custom_op("mrtpo::logits_logprobs_bwd", mutates_args=())
+def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy, backend):
+    """(logp, entropy, lse) of ``mrtpo::logits_logprobs_fwd`` (its ``saved`` goes to the
+    autograd graph only)."""
+    out = logits_logprobs_fwd_op(logits, labels, temperature, ignore_index, with_entropy, backend)
+    return out[0], out[1], out[2]
+
+
+@torch.library.custom_op("mrtpo::logits_logprobs_bwd", mutates_args=("saved",))
 def logits_logprobs_bwd(
     logits: Tensor,
     labels: Tensor,
@@ -141,25 +194,30 @@ def logits_logprobs_bwd(
     temperature: float,
     ignore_index: int,
     backend: str,
+    saved: Tensor | None = None,
 ) -> Tensor:
     fn = _dispatch.get(backend, "logits_logprobs_bwd")
-    return fn(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index)
+    return fn(
+        logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, saved
+    )
 
 
 @logits_logprobs_bwd.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend):
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend,
+      saved=None):  # fmt: skip
     return torch.empty_like(logits)
 
 
 def _logits_setup(ctx, inputs, output):
     logits, labels, temperature, ignore_index, with_entropy, backend = inputs
-    logp, entropy, lse = output
+    logp, entropy, lse, saved = output
     ctx.save_for_backward(logits, labels, lse, entropy)
+    _keep_saved(ctx, saved)
     ctx.cfg = (temperature, ignore_index, with_entropy, backend)
     ctx.set_materialize_grads(False)
 
 
-def _logits_backward(ctx, g_logp, g_entropy, g_lse):
+def _logits_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
     logits, labels, lse, entropy = ctx.saved_tensors
     temperature, ignore_index, with_entropy, backend = ctx.cfg
     if g_logp is None:
@@ -169,11 +227,12 @@ def _logits_backward(ctx, g_logp, g_entropy, g_lse):
     dl = logits_logprobs_bwd(
         logits, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
         g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        _saved_state(ctx),
     )  # fmt: skip
     return dl, None, None, None, None, None
 
 
-logits_logprobs_fwd.register_autograd(_logits_backward, setup_context=_logits_setup)
+logits_logprobs_fwd_op.register_autograd(_logits_backward, setup_context=_logits_setup)
 
 
 # --------------------------------------------------------------------------- JS distance

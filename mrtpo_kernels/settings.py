@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_GRAD_BUFFER_BYTES = 608 << 20
 DEFAULT_JS_SCRATCH_BYTES = 768 << 20
-DEFAULT_KEEP_LOGITS_BYTES = 352 << 20
+DEFAULT_KEEP_LOGITS_BYTES = 64 << 20
 DEFAULT_DW_BUDGET_BYTES = 8 << 30
 TRITON_VARIANTS = ("rows", "fused")
 LOW_MEMORY_MODES = ("auto", "0", "1")
@@ -57,8 +58,18 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "MRTPO_CHUNK_BYTES",
             str(DEFAULT_CHUNK_BYTES),
-            "bytes of one fp32 logits (or gradient-of-logits) chunk in the chunked drivers "
-            "and the Triton backward; smaller saves memory, larger saves launches",
+            "bytes of one fp32 logits chunk of the chunk driver (the rows of one row-kernel "
+            "call; where the gradient is written in place, also the gradient buffer) and of "
+            "the fused Triton backward's gradient chunk; smaller saves memory, larger saves "
+            "launches",
+        ),
+        Setting(
+            "MRTPO_GRAD_BUFFER_BYTES",
+            str(DEFAULT_GRAD_BUFFER_BYTES),
+            "bytes of the chunk driver's 16-bit gradient buffer (Triton row kernels, 16-bit "
+            "inputs, 16-bit GEMMs with fp32 output): the logit gradients of several logits "
+            "chunks, so that dh and dW run once per buffer with K = its rows (about 2000 at "
+            "V = 151936); docs/kernels.md has the cost model's table behind the default",
         ),
         Setting(
             "MRTPO_JS_SCRATCH_BYTES",
@@ -103,9 +114,10 @@ SETTINGS: dict[str, Setting] = {
             "MRTPO_KEEP_LOGITS_BYTES",
             str(DEFAULT_KEEP_LOGITS_BYTES),
             "bytes of fp32 logits the chunked log-probs forward keeps for its backward (the "
-            "last rows of the call; those rows then cost 3 GEMMs instead of 4, the rest are "
-            "recomputed); the kept block also serves as the forward's chunk buffer, so the "
-            "extra memory is the larger of this and MRTPO_CHUNK_BYTES; 0: recompute every row",
+            "last rows of the call, returned in the op's saved output; those rows then cost "
+            "3 GEMMs instead of 4, the rest are recomputed); the backward reads them and "
+            "adds its own chunk, so the extra memory is this plus the chunk driver's "
+            "buffers; 0: recompute every row",
         ),
         Setting("MRTPO_SKIP_CUDA_BUILD", "0", "build time: 1 never builds the CUDA extension"),
         Setting("MRTPO_SKIP_CPU_BUILD", "0", "build time: 1 does not build the CPU extension"),
@@ -169,6 +181,10 @@ def value_checks() -> bool:
 
 def chunk_bytes() -> int:
     return positive_int("MRTPO_CHUNK_BYTES")
+
+
+def grad_buffer_bytes() -> int:
+    return positive_int("MRTPO_GRAD_BUFFER_BYTES")
 
 
 def js_scratch_bytes() -> int:

@@ -34,10 +34,15 @@ from .backends import load_error as _load_error
 __all__ = [
     "ChunkPlan",
     "Gemm",
+    "RowPass",
     "addmm_f32",
+    "balanced",
     "chunk_plan",
     "chunk_rows",
     "f32_out_supported",
+    "gemm_path",
+    "grad_rows",
+    "grad_spans",
     "js_chunk_rows",
     "kept_rows",
     "logprobs_spans",
@@ -49,6 +54,9 @@ ROW_KERNEL_BACKENDS = ("cpu", "torch", "triton")
 PLAN_OPS = ("linear_logprobs", "linear_policy_loss", "linear_js_distance")
 
 chunk_rows = _chunked.chunk_rows
+grad_rows = _chunked.grad_rows
+balanced = _chunked.balanced
+grad_spans = _chunked.grad_spans
 kept_rows = _chunked.kept_rows
 logprobs_spans = _chunked.logprobs_spans
 js_chunk_rows = _chunked.js_chunk_rows
@@ -60,30 +68,67 @@ addmm_f32 = _chunked._addmm_f32
 @dataclass(frozen=True)
 class Gemm:
     """One GEMM of the plan: an (m x k) by (k x n) product, ``stage`` one of "logits",
-    "recompute" (the logits again, in a backward), "dh" or "dw"."""
+    "recompute" (the logits again, in a backward), "dh" or "dw"; operands of ``in_bytes``
+    per element, the output of ``out_bytes``, read as well as written when
+    ``accumulate`` (C += A B)."""
 
     stage: str
     m: int
     n: int
     k: int
+    accumulate: bool = False
+    in_bytes: int = 4
+    out_bytes: int = 4
 
     @property
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
 
+    @property
+    def bytes(self) -> int:
+        """Compulsory memory traffic: both operands read once, the output written (and
+        read first when accumulating)."""
+        out = self.m * self.n * self.out_bytes * (2 if self.accumulate else 1)
+        return self.in_bytes * (self.m * self.k + self.k * self.n) + out
+
+
+@dataclass(frozen=True)
+class RowPass:
+    """One row-kernel call: ``rows`` x ``cols`` elements, ``read_bytes`` read and
+    ``write_bytes`` written per element (the kernels' passes over the row: a statistics
+    pass reads each fp32 logit once, a gradient pass reads it twice and writes the
+    gradient; JS reads every stream twice)."""
+
+    stage: str
+    rows: int
+    cols: int
+    read_bytes: int
+    write_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.cols * (self.read_bytes + self.write_bytes)
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
     """What the chunk driver runs for one call: ``rows_per_chunk`` token rows per row-kernel
-    slice (``streams`` stacked rows each for JS), ``kept_rows`` rows whose logits the
-    log-probs forward keeps for its backward, ``low_memory`` whether the backward walks
-    vocabulary chunks, and ``gemms`` in the order they run."""
+    slice (``streams`` stacked rows each for JS), ``grad_rows`` rows of the largest gradient
+    buffer (the K of the dW GEMMs), ``kept_rows`` rows whose logits the log-probs forward
+    keeps for its backward, ``low_memory`` whether the backward walks vocabulary chunks,
+    ``grad16`` whether the gradient goes to a separate 16-bit buffer, ``gemms`` and
+    ``row_passes`` in the order they run, and ``buffer_bytes`` the driver's largest set of
+    buffers alive at once (beyond inputs, outputs and the fp32 dW)."""
 
     op: str
     rows_per_chunk: int
     kept_rows: int
     low_memory: bool
     gemms: tuple[Gemm, ...]
+    row_passes: tuple[RowPass, ...] = ()
+    grad_rows: int = 0
+    grad16: bool = False
+    buffer_bytes: int = 0
 
     @property
     def flops(self) -> int:
@@ -94,7 +139,7 @@ class ChunkPlan:
 
 
 def _token_chunks(n: int, c: int) -> list[int]:
-    return [min(n, s + c) - s for s in range(0, n, c)]
+    return [e - s for s, e in balanced(n, c)]
 
 
 def chunk_plan(
@@ -107,62 +152,124 @@ def chunk_plan(
     k: int = 1,
     low_memory: bool = False,
     js_stacked: bool = True,
+    grad16: bool = False,
 ) -> ChunkPlan:
-    """The GEMMs the chunk driver issues for ``op`` on n tokens, vocabulary v, hidden d.
+    """The GEMMs and row passes the chunk driver issues for ``op`` on n tokens, vocabulary
+    v, hidden d.
 
     op: "linear_logprobs" (forward, and with ``backward`` its backward),
         "linear_policy_loss" (forward with gradient when ``backward``) or
         "linear_js_distance" (one P stream against ``k`` Q streams; forward only):
-        ``js_stacked`` (the Triton row kernels) stacks the 1 + k streams of a chunk into one
-        GEMM; otherwise (cpu, torch) P's logits once and each Q's per chunk, 1 + k GEMMs.
+        ``js_stacked`` (the Triton and C++ row kernels) stacks the 1 + k streams of a chunk
+        into one GEMM; otherwise (torch) P's logits once and each Q's per chunk, 1 + k GEMMs.
     low_memory: the backward by vocabulary chunks (the Triton row kernels in
         ``MRTPO_LOW_MEMORY`` mode; ``settings.low_memory(4 * v * d)`` says whether a call
         takes it).
+    grad16: the 16-bit path (Triton row kernels, 16-bit inputs, a device whose torch has
+        16-bit GEMMs with fp32 output; ``gemm_path`` says): 16-bit GEMM operands, the
+        gradient in a separate 16-bit buffer of ``grad_rows(v)`` rows. Otherwise fp32
+        operands and the gradient in place in the fp32 logits.
     """
     if op not in PLAN_OPS:
         raise ValueError(f"op: expected one of {', '.join(PLAN_OPS)}, got {op!r}")
     for name, value in (("n", n), ("v", v), ("d", d), ("k", k)):
         if not isinstance(value, int) or value < (0 if name == "n" else 1):
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    eb = 2 if grad16 else 4  # GEMM operands (and dh) in bytes per element
+    gb = 2 if grad16 else 4  # the written gradient
     gemms: list[Gemm] = []
+    passes: list[RowPass] = []
+
+    def gemm(stage, m, nn, kk, acc=False, out=4):
+        gemms.append(Gemm(stage, m, nn, kk, acc, eb, out))
+
     if op == "linear_js_distance":
         if js_stacked:
             c = js_chunk_rows(v, k)
-            gemms = [Gemm("logits", (1 + k) * r, v, d) for r in _token_chunks(n, c)]
+            for r in _token_chunks(n, c):
+                gemm("logits", (1 + k) * r, v, d)
+                passes.append(RowPass("js", (1 + k) * r, v, 8))
+            mem = (1 + k) * min(c, n) * (4 * v + eb * d)
         else:
             c = chunk_rows(v, streams=2)
-            gemms = [Gemm("logits", r, v, d) for r in _token_chunks(n, c) for _ in range(1 + k)]
-        return ChunkPlan(op, c, 0, False, tuple(gemms))
+            for r in _token_chunks(n, c):
+                for _ in range(1 + k):
+                    gemm("logits", r, v, d)
+                passes += [RowPass("js", 2 * r, v, 4) for _ in range(k)]
+            mem = 2 * min(c, n) * 4 * v
+        return ChunkPlan(op, c, 0, False, tuple(gemms), tuple(passes), 0, grad16, mem)
     c = chunk_rows(v)
+
+    def stats_passes(rows):
+        for s, e in balanced(rows, c):
+            passes.append(RowPass("stats", e - s, v, 4))
+
     if low_memory and backward:
         if op == "linear_policy_loss":
             rows = _token_chunks(n, c)
         else:
             rows = [e - s for s, e in logprobs_spans(n, v, 0)]
-        gemms = [Gemm("logits", r, v, d) for r in rows]
-        cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
-        for v0 in range(0, v, cols):
-            w = min(v, v0 + cols) - v0
-            gemms += [Gemm("recompute", n, w, d), Gemm("dw", w, d, n), Gemm("dh", n, d, w)]
-        return ChunkPlan(op, c, 0, True, tuple(gemms))
-    if op == "linear_policy_loss":
-        for r in _token_chunks(n, c):
-            gemms.append(Gemm("logits", r, v, d))
-            if backward:
-                gemms += [Gemm("dh", r, d, v), Gemm("dw", v, d, r)]
-        return ChunkPlan(op, c, 0, False, tuple(gemms))
-    kept = 0 if low_memory else kept_rows(n, v)
-    spans = logprobs_spans(n, v, kept)
-    rows = [e - s for s, e in spans]
-    gemms = [Gemm("logits", r, v, d) for r in rows]
-    if kept:
-        gemms.append(Gemm("logits", kept, v, d))
-    if backward:
-        if kept:
-            gemms += [Gemm("dh", kept, d, v), Gemm("dw", v, d, kept)]
         for r in rows:
-            gemms += [Gemm("recompute", r, v, d), Gemm("dh", r, d, v), Gemm("dw", v, d, r)]
-    return ChunkPlan(op, c, kept, False, tuple(gemms))
+            gemm("logits", r, v, d)
+            stats_passes(r)
+        cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
+        for s, e in balanced(v, cols):
+            w = e - s
+            gemm("recompute", n, w, d)
+            passes.append(RowPass("cols", n, w, 4, gb))
+            gemm("dw", w, d, n, out=4 if eb == 4 else eb)
+            gemm("dh", n, d, w, acc=s > 0)
+        mem = n * min(cols, v) * (4 + (gb if grad16 else 0)) + (4 * n * d if eb == 2 else 0)
+        mem = max(mem, min(c, n) * 4 * v)
+        return ChunkPlan(op, c, 0, True, tuple(gemms), tuple(passes), 0, grad16, mem)
+    kept = 0 if op == "linear_policy_loss" else kept_rows(n, v)
+    sep = grad16 and backward
+    mem = 0
+    if op == "linear_logprobs":
+        spans = logprobs_spans(n, v, kept)
+        for s, e in spans:
+            gemm("logits", e - s, v, d)
+            stats_passes(e - s)
+        if kept:
+            gemm("logits", kept, v, d)
+            stats_passes(kept)
+        span_rows = max([0] + [e - s for s, e in spans])
+        mem = (kept + (span_rows if span_rows > kept else 0)) * 4 * v
+        if not backward:
+            return ChunkPlan(op, c, kept, False, tuple(gemms), tuple(passes), 0, grad16, mem)
+    bufs = grad_spans(n, v, kept, sep)
+    first = True
+    for s, e, from_kept in bufs:
+        if from_kept and not sep:
+            passes.append(RowPass("copy kept", e - s, v, 4, 4))
+        if not from_kept and not sep:
+            gemm("recompute" if op == "linear_logprobs" else "logits", e - s, v, d)
+        for a, b in balanced(e - s, c):
+            if not from_kept and sep:
+                gemm("recompute" if op == "linear_logprobs" else "logits", b - a, v, d)
+            if backward:
+                passes.append(RowPass("grad", b - a, v, 8, gb))
+            else:
+                passes.append(RowPass("stats", b - a, v, 4))
+        if backward:
+            gemm("dh", e - s, d, v, out=eb)
+            gemm("dw", v, d, e - s, acc=not first)
+            first = False
+    big = max([e - s for s, e, _ in bufs], default=0)
+    rows = [e - s for s, e, fk in bufs if not (sep and fk)]
+    z = (min(c, max(rows)) if sep else max(rows)) if rows else 0
+    mem = max(mem, (kept + z) * 4 * v + (big * gb * v if sep else 0))
+    return ChunkPlan(op, c, kept, False, tuple(gemms), tuple(passes), big, grad16, mem)
+
+
+def gemm_path(backend: str, device, dtype) -> str:
+    """The GEMMs the chunk driver runs on ``backend`` for ``dtype`` inputs on ``device``:
+    "16-bit, fp32 out", "fp32", or "fp32 fallback" (16-bit inputs on a device where torch
+    has no 16-bit GEMM with fp32 output: an fp32 weight copy and fp32 GEMMs). Benchmarks
+    print it in every row, so the slow path never hides."""
+    import torch
+
+    return _chunked.gemm_path(row_kernel(backend), torch.device(device), dtype)
 
 
 def row_kernel(backend: str):

@@ -5,6 +5,7 @@ the target verdicts, and the dry run of bench/gpu_check.sh (so that it cannot ro
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -275,18 +276,51 @@ def test_gpu_check_dry_run(tmp_path):
     proc = _gpu_check("--dry-run", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    steps = ("env", "wheels", "build", "micro", "bench", "pytest", "pytest_compile")
+    steps = (
+        "env", "wheels", "build", "micro_cublas", "micro_rows", "micro_ops", "micro_ops_buf304",
+        "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
+        "pytest_test_triton_logprobs", "pytest_test_cuda_build", "pytest_compile",
+    )  # fmt: skip
     order = [out.index(f"== {s} ") for s in steps]
     assert order == sorted(order)  # the steps run in this order
-    assert "MRTPO_SKIP_CPU_BUILD=1" in out and "setup.py build_ext --inplace" in out
-    assert "-m pytest -m gpu" in out and "-rA --durations=15 --timeout=" in out
-    assert "-k not compile" in out and out.index("-k not compile") < out.index("-k compile")
-    assert "bench.gpu_micro --out" in out and "would measure N=16384 d=4096 V=151936" in out
+    # the CUDA build starts in the background, before the Triton measurements
+    assert "== build (background" in out and "MRTPO_SKIP_CPU_BUILD=1" in out
+    assert "setup.py build_ext --inplace" in out
+    # each measurement its own process; the ops at three plans and the fused variant
+    assert out.count("-m bench.gpu_micro --out") == 7
+    assert "--grad-buffer-mib 304" in out and "--chunk-mib 128" in out
+    assert "--variant fused" in out and "--part correctness" in out
+    assert "would measure N=16384 d=4096 V=151936" in out and "gradient buffers of 2048" in out
+    # pytest per file, -v with a junit file each, compile tests last
+    assert "-m pytest -m gpu" in out and "-v -rA --durations=15 --timeout=" in out
+    assert out.count("--junitxml=") == 7 and out.count("-k not compile") == 6
+    assert out.index("-k not compile") < out.index("-k compile")
     assert "preset gpu-target:" in out and "N=16384" in out and "d=4096" in out
     # at most 8 files come back from the GPU machine: the dry run leaves at most that many
     assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8
     assert "linear_policy_loss_fwd_bwd   mrtpo-triton" in out
     assert "all steps and files check out" in out
+    script = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    assert "trap finish EXIT" in script and "write_summary" in script
+
+
+def test_figures_table_keeps_every_part_and_skips_a_torn_line(tmp_path):
+    from bench import figures
+
+    path = tmp_path / "figures.jsonl"
+    path.write_text(
+        json.dumps({"part": "ops", "name": "linear_policy_loss_fwd_bwd", "ms": 80.5,
+                    "pred_ms": 89.3, "gemm_path": "16-bit, fp32 out", "variant": "rows"})
+        + "\n" + json.dumps({"part": "correctness", "name": "bf16_512_rows", "ok": False})
+        + "\n" + '{"part": "rows", "na'
+    )  # fmt: skip
+    rows = figures.read(str(path))
+    assert len(rows) == 2
+    text = figures.markdown(rows)
+    assert "**ops**" in text and "| linear_policy_loss_fwd_bwd | rows |" in text
+    assert "| 80.5 | 89.3 |" in text and "16-bit, fp32 out" in text
+    assert "**correctness**" in text and "False" in text
+    assert figures.markdown([]) == "(no figures yet)"
 
 
 def test_gpu_check_rejects_bad_arguments():

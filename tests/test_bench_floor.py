@@ -125,17 +125,20 @@ def test_summary_shows_floor_ratio_and_issue12_verdicts():
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
-    """MRTPO_KEEP_LOGITS_BYTES: the kept rows cost 2 backward GEMMs instead of 3, gradients
-    equal the float64 reference whatever is kept, and nothing stays filed after the
-    backward or after a no-grad call."""
-    import gc
+    """MRTPO_KEEP_LOGITS_BYTES: the kept rows cost no recompute in the backward, gradients
+    equal the float64 reference whatever is kept, the kept logits travel as the forward's
+    ``saved`` output (k x V floats, read and never written by the backward: a second
+    backward gives the same gradient) and are freed with the graph; no module table."""
+    import weakref
 
     import mrtpo_kernels as mk
+    from mrtpo_kernels import _ops
     from mrtpo_kernels import reference as ref
     from mrtpo_kernels.backends import _chunked
 
     if backend not in mk.available_backends("linear_logprobs", torch.device("cpu"), torch.float32):
         pytest.skip(f"backend {backend} not available")
+    assert not [name for name in vars(_chunked) if name in ("_KEPT", "_NORM")]
     monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * V * 7))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(N, D, generator=g, dtype=torch.float64)
@@ -149,25 +152,30 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
     for keep in (0, 13, 100):  # none, the last 13 rows, all 40
         monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * V * keep))
         h32, w32 = h.float().requires_grad_(True), w.float().requires_grad_(True)
+        out = _ops.linear_logprobs_fwd_op(h32, w32, None, y, 1.0, -100, False, backend)
+        assert out[3].shape == (min(keep, N) * V,) and out[3]._base is None
+        ref_saved = weakref.ref(out[3])
+        before = out[3].clone()
+        (gh1,) = torch.autograd.grad((out[0] * gl.float()).sum(), h32, retain_graph=True)
+        assert torch.equal(out[3], before)  # read, not written
+        (gh2,) = torch.autograd.grad((out[0] * gl.float()).sum(), h32)
+        assert torch.equal(gh1, gh2)
+        del out, gh1, gh2
+        assert ref_saved() is None  # released with the graph
 
-        def step(h32=h32, w32=w32, filed=1 if keep else 0):
+        def step(h32=h32, w32=w32):
             lp = mk.linear_logprobs(h32, w32, y, backend=backend)
-            assert len(_chunked._KEPT) == filed
             lp.backward(gl.float())
 
         counts[keep] = _gemms(step)[0]
-        assert not _chunked._KEPT
         torch.testing.assert_close(h32.grad.double(), h64.grad, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(w32.grad.double(), w64.grad, atol=2e-6, rtol=1e-5)
-        with torch.no_grad():
-            mk.linear_logprobs(h32, w32, y, backend=backend)
-        gc.collect()
-        assert not _chunked._KEPT
     assert counts[0] == 4 * 6  # 6 spans of <= 7 rows: forward 1, backward 3 each
-    # 13 kept rows: one GEMM forward, 2 backward; the 27 others in 3 spans of 9 rows (the
-    # kept block, 13 rows, is the span limit), 1 + 3 GEMMs each
-    assert counts[13] == 1 + 2 + 3 * 4
-    assert counts[100] == 1 + 2  # all 40 rows kept: no recompute
+    # 13 kept rows: one GEMM forward and, copied into the 7-row chunk, dh and dW per chunk
+    # (2 chunks); the 27 others: forward in 3 spans of 9 rows (the kept block, 13 rows, is
+    # the span limit), backward in 4 chunks of <= 7 rows, 3 GEMMs each
+    assert counts[13] == (1 + 3) + 2 * 2 + 4 * 3
+    assert counts[100] == 1 + 6 * 2  # all 40 rows kept: no recompute
 
 
 def test_keep_logits_setting_is_read():

@@ -134,9 +134,9 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
     kern = torch_backend.ROW_KERNEL
 
     def logprobs(backward):
-        lp, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+        lp, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
         if backward:
-            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
 
     def policy():
         _chunked.linear_policy_loss(
@@ -151,9 +151,8 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
     assert _gemms_run(lambda: logprobs(True)) == plan("linear_logprobs")
     p = stages.chunk_plan("linear_logprobs", n, v, d)
     assert p.kept_rows == keep_rows and p.rows_per_chunk == 7
-    assert p.count("recompute") == (
-        0 if keep_rows == n else len(stages.logprobs_spans(n, v, keep_rows))
-    )
+    # the backward recomputes the rows it did not keep by chunks of 7 (in place mode)
+    assert p.count("recompute") == len(stages.balanced(n - keep_rows, 7))
     assert _gemms_run(policy) == plan("linear_policy_loss")
     assert stages.chunk_plan("linear_policy_loss", n, v, d).count() == 3 * -(-n // 7)
     js = lambda kern: _chunked.linear_js(kern, h, hq, w, None, 1.0)  # noqa: E731
@@ -164,8 +163,11 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
     low = stages.chunk_plan("linear_logprobs", n, v, d, low_memory=True)
 
     def low_run():
-        lp, ent, lse = _chunked.linear_logprobs_fwd(_NoRowWork, h, w, None, y, 1.0, -100, False)
-        _chunked.linear_logprobs_bwd(_NoRowWork, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+        out = _chunked.linear_logprobs_fwd(_NoRowWork, h, w, None, y, 1.0, -100, False)
+        lp, ent, lse, saved = out
+        _chunked.linear_logprobs_bwd(
+            _NoRowWork, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved
+        )
 
     assert _gemms_run(low_run) == (low.count(), low.flops)
     assert low.low_memory and low.kept_rows == 0 and low.count("recompute") >= 1
@@ -214,36 +216,189 @@ def test_policy_backward_scales_dw_without_a_second_fp32_copy(monkeypatch):
     assert biggest < 4 * v * d, biggest  # the bf16 result (2 V d) and fp32 blocks only
 
 
-@pytest.mark.parametrize("rows", [16, 17, 33])
-def test_16bit_gradient_view_gemms_ignore_the_buffers_other_half(monkeypatch, rows):
-    # The 16-bit path writes each row's gradient into the first V bf16 slots of an fp32
-    # logits row (row stride 2 V); the other V slots hold logit bits. torch's CPU bf16 GEMM
-    # read past V on a row-strided operand (33 rows: NaN rows), so the head's GEMMs must
-    # only ever see the V columns: NaN in the other half must not reach dh or dW.
-    from mrtpo_kernels.backends import _chunked, torch_backend
+class _OutKernel:
+    """A row kernel with ``out=`` (as the Triton row kernels declare by GRAD_OUT) built on an
+    in-place one: the gradient is computed on a copy of the logits and written into out, so
+    the driver's 16-bit path (separate 16-bit gradient buffer) runs with the torch and C++
+    kernels on the CPU. The logits are read only, as the contract has it for ``out=`` (a
+    driver that took the gradient from them would fail the float64 comparison)."""
 
-    monkeypatch.setattr(_chunked, "f32_out_supported", lambda device, dtype: True)
+    GRAD_OUT = True
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def stats(self, *args, **kwargs):
+        return self.inner.stats(*args, **kwargs)
+
+    def grad_(self, z, *args, out=None):
+        self.calls.append(z.shape[0])
+        zz = z.clone()
+        self.inner.grad_(zz, *args)
+        out.copy_(zz)
+
+    def policy_(self, z, *args, out=None, **kwargs):
+        self.calls.append(z.shape[0])
+        zz = z.clone()
+        res = self.inner.policy_(zz, *args, **kwargs)
+        if out is not None:
+            out.copy_(zz)
+        return res
+
+
+def _emulate_f32_out(monkeypatch):
+    """CPU torch has no 16-bit GEMM with fp32 output: emulate it (exact fp32 products of
+    the 16-bit operands) so the driver takes its 16-bit path here."""
+    monkeypatch.setattr(_chunked_mod(), "f32_out_supported", lambda device, dtype: True)
     monkeypatch.setattr(
-        _chunked, "_mm_f32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
+        _chunked_mod(), "_mm_f32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
     )
-    monkeypatch.setattr(_chunked, "_addmm_f32", lambda c, a, b: c.addmm_(a.float(), b.float()))
-    monkeypatch.setattr(torch_backend, "GRAD_OUT", True, raising=False)
-    gen = torch.Generator().manual_seed(rows)
-    v, d = 900, 16
-    h = torch.randn(rows, d, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(v, d, generator=gen) * d**-0.5).to(torch.bfloat16)
-    head = _chunked._Head(torch_backend, h, w, None)
-    assert head.low
-    z = torch.full((rows, v), float("nan"))
-    g = head.grad_view(z)
-    g.copy_(torch.randn(rows, v, generator=gen).to(torch.bfloat16))
-    want_dh = g.double() @ w.double()
-    want_dw = g.double().t() @ h.double()
-    dh = torch.empty_like(h)
-    dw = torch.zeros(v, d)
-    head.backward(g, h, dh, dw, None)
-    torch.testing.assert_close(dh.double(), want_dh, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(dw.double(), want_dw, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(
+        _chunked_mod(), "_addmm_f32", lambda c, a, b: c.addmm_(a.float(), b.float())
+    )
+
+
+def _chunked_mod():
+    from mrtpo_kernels.backends import _chunked
+
+    return _chunked
+
+
+def test_balanced_spans():
+    from mrtpo_kernels import stages
+
+    for n in (0, 1, 7, 40, 41, 16384):
+        for cap in (1, 3, 7, 441, 2048, 10**6):
+            spans = stages.balanced(n, cap, 5)
+            sizes = [e - s for s, e in spans]
+            assert sum(sizes) == n and all(0 < x <= cap for x in sizes)
+            assert len(spans) == -(-n // cap)  # the fewest spans
+            assert not sizes or max(sizes) - min(sizes) <= 1  # no small tail
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert not spans or spans[0][0] == 5
+
+
+def test_plan_sizes_at_the_target_shape():
+    """The default plan at V = 151936, d = 4096, N = 16384 bf16 (16-bit path): 8 gradient
+    buffers of 2048 rows (K of every dW GEMM), each filled by 5 logits chunks of 409-410
+    fp32 rows, dW written by the first GEMM and accumulated by the 7 others; extra memory
+    under 1 GB (log-probs: the 110 kept rows' buffer first, then 8 of 2034-2035 rows); the
+    old plan's 38 chunks of 441 rows (tail 67) are gone."""
+    from mrtpo_kernels import stages
+
+    n, v, d = 16384, 151936, 4096
+    p = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    dws = [g for g in p.gemms if g.stage == "dw"]
+    assert len(dws) == 8 and {g.k for g in dws} == {2048} and p.grad_rows == 2048
+    assert [g.accumulate for g in dws] == [False] + [True] * 7
+    logits = [g.m for g in p.gemms if g.stage == "logits"]
+    assert len(logits) == 40 and set(logits) <= {409, 410}
+    assert [g.m for g in p.gemms if g.stage == "dh"] == [2048] * 8
+    assert p.flops == 6 * n * d * v
+    assert p.buffer_bytes < 10**9
+    lp = stages.chunk_plan("linear_logprobs", n, v, d, grad16=True)
+    assert lp.kept_rows == 110 and lp.buffer_bytes < 10**9  # 64 MiB of fp32 rows kept
+    assert {g.k for g in lp.gemms if g.stage == "dw"} == {110, 2034, 2035}
+    assert lp.count("recompute") == 40  # the 16274 others, by 409-410-row chunks
+    # fp32 in place (cpu, torch): the logits chunk is the gradient buffer
+    p32 = stages.chunk_plan("linear_policy_loss", n, v, 896)
+    assert p32.rows_per_chunk == 441  # 256 MiB of fp32 rows, balanced: 38 of 431-432
+    assert (
+        {g.m for g in p32.gemms if g.stage == "logits"}
+        == {431, 432}
+        == {g.k for g in p32.gemms if g.stage == "dw"}
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("keep", [0, 5, 13])
+def test_16bit_path_against_float64(monkeypatch, backend, keep):
+    """The driver's 16-bit path (separate 16-bit gradient buffer, dh and dW once per
+    buffer, the first dW GEMM written) with the torch and C++ row kernels at odd shapes
+    (N = 37, V = 611, d = 24; logits chunks of 4 rows, gradient buffers of 9 rows, kept
+    rows 0 / 5 / 13) against the float64 references, and its GEMMs (count, FLOPs, the
+    first dW a plain mm) against stages.chunk_plan(..., grad16=True)."""
+    from mrtpo_kernels import reference as ref
+    from mrtpo_kernels import stages
+    from mrtpo_kernels.backends import _chunked
+
+    if backend == "cpu" and not _cpu_available():
+        pytest.skip("C++ extension not built")
+    n, v, d = 37, 611, 24
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * v * 4))
+    monkeypatch.setenv("MRTPO_GRAD_BUFFER_BYTES", str(2 * v * 9))
+    monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * v * keep))
+    monkeypatch.setenv("MRTPO_LOW_MEMORY", "0")
+    _emulate_f32_out(monkeypatch)
+    kern = _OutKernel(stages.row_kernel(backend))
+    gen = torch.Generator().manual_seed(keep)
+    h = torch.randn(n, d, generator=gen).bfloat16()
+    w = (torch.randn(v, d, generator=gen) * d**-0.5).bfloat16()
+    b = (torch.randn(v, generator=gen) * 0.1).bfloat16()
+    y = torch.randint(0, v, (n,), generator=gen)
+    y[::6] = -100
+    g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    h64, w64, b64 = (t.double().requires_grad_() for t in (h, w, b))
+    rl, re = ref.linear_logprobs_ref(h64, w64, y, bias=b64, temperature=0.8, return_entropy=True)
+    want = torch.autograd.grad((rl * g).sum() + (re * ge).sum(), (h64, w64, b64))
+    assert _chunked._Head(kern, h, w, b).low
+
+    def run():
+        lp, en, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, b, y, 0.8, -100, True)
+        before = saved.clone()
+        grads = _chunked.linear_logprobs_bwd(kern, h, w, b, y, lse, en, g, ge, 0.8, -100, saved)
+        assert torch.equal(saved, before)  # the kept logits are read, never written
+        return (lp, en) + grads
+
+    lp, en, dh, dw, db = run()
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for got, exp in ((lp, rl), (en, re), (dh, want[0]), (dw, want[1]), (db, want[2])):
+        torch.testing.assert_close(got.double(), exp.detach(), **tol)
+    assert kern.calls and max(kern.calls) <= 4
+    plan = stages.chunk_plan("linear_logprobs", n, v, d, grad16=True)
+    assert plan.kept_rows == keep and plan.grad_rows <= 9
+    assert _gemms_run(run) == (plan.count(), plan.flops)
+    events = _gemm_events(run)
+    first_dw = next(e for e in events if e[1] == (v, d))  # the first (V, d) output
+    assert first_dw[0] == "aten::mm"  # written, not accumulated into zeros
+    # the policy loss on the same path
+    old, adv = torch.full((n,), -6.5), torch.randn(n, generator=gen)
+    mask = (y != -100).float()
+    tw = mask / mask.sum()
+    kern.calls.clear()
+    loss, lp2, cl, dh2, dw2, db2 = _chunked.linear_policy_loss(
+        kern, h, w, b, y, old, adv, tw, tw[:0], 0.8, 0.2, 0.2, 0.0, -100, True
+    )
+    h64, w64, b64 = (t.double().requires_grad_() for t in (h, w, b))
+    rloss, _ = ref.linear_policy_loss_ref(
+        h64, w64, y, old.double(), adv.double(), bias=b64, temperature=0.8
+    )
+    rg = torch.autograd.grad(rloss, (h64, w64, b64))
+    torch.testing.assert_close(loss.double(), rloss.detach(), **tol)
+    for got, exp in ((dh2, rg[0]), (dw2, rg[1]), (db2, rg[2])):
+        torch.testing.assert_close(got.double(), exp, **tol)
+    pp = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    assert pp.count("dw") == -(-n // 9) and max(kern.calls) <= 4
+
+
+def _cpu_available() -> bool:
+    from mrtpo_kernels import backends
+
+    return backends.load("cpu") is not None
+
+
+def _gemm_events(fn):
+    """(name, output shape) of every GEMM of fn() in order."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    out = []
+    for e in prof.events():
+        if e.name in _GEMM_EVENTS:
+            first = 0 if e.name == "aten::mm" else 1
+            (m, _), (_, cols) = e.input_shapes[first : first + 2]
+            out.append((e.name, (m, cols)))
+    return out
 
 
 class _NormRecorder:
@@ -295,8 +450,8 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
     for path in ("logprobs", "policy"):
         kern = _NormRecorder()
         if path == "logprobs":
-            _, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
-            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100)
+            _, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+            _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
         else:
             _chunked.linear_policy_loss(
                 kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
@@ -311,15 +466,17 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
             assert s.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), path
             assert s.stride() == (n, 1) and torch.equal(buf[:, a : a + s.shape[1]], s), path
             a += s.shape[1]
-    # the log-probs' entry: read by every backward of the same forward (not taken), never
-    # by one at another temperature, and dropped with lse
+    # the log-probs' norm travels as the forward's saved output ((2, N) floats, the buffer
+    # stats wrote), read by every backward given it (not written); none without it
     kern = _NormRecorder()
-    _, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
-    for temp in (1.0, 1.0, 0.5):
+    _, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
+    assert saved.shape == (2 * n,) and saved._base is None
+    assert saved.data_ptr() == kern.stats_norms[0].untyped_storage().data_ptr()
+    before = saved.clone()
+    for given in (saved, saved, None):
         kern.cols_norms.clear()
-        _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, temp, -100)
-        assert kern.cols_norms and all((c is None) == (temp != 1.0) for c in kern.cols_norms)
-    key = lse.data_ptr()
-    assert key in _chunked._NORM
-    del lse
-    assert key not in _chunked._NORM
+        _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, given)
+        assert kern.cols_norms
+        assert all((c is None) == (given is None) for c in kern.cols_norms)
+        assert all(c is None or c.data_ptr() == saved.data_ptr() for c in kern.cols_norms)
+    assert torch.equal(saved, before)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 
 import pytest
+from triton_cases._harness import CASES, needs_triton, run_interpreted
 
 
 def _nvidia_backend_present() -> bool:
@@ -171,3 +172,13 @@ def test_fused_logprob_and_policy_kernels_compile_for_hopper():
     sig = {p: ("constexpr" if p.isupper() else types.get(p, "fp32")) for p in params}
     _compile(policy_loss._policy_token_kernel, sig,
              {p: (1024 if p == "BLOCK" else True) for p in params if p.isupper()})  # fmt: skip
+
+
+@needs_triton
+def test_row_kernels_index_past_2_31_under_interpreter():
+    """stats, grad_, policy_ and js_many on views whose second row (or stream) starts
+    2^31 + 67 elements after the first, in a lazily allocated storage (only those rows are
+    touched): the kernels' own int64 offsets, against float64
+    (tests/triton_cases/offsets_cases.py)."""
+    out = run_interpreted(CASES / "offsets_cases.py")
+    assert "ok stats_grad_policy" in out and "ok js_streams" in out

@@ -13,16 +13,20 @@ back in the hidden states' dtype, gradients of weight and bias in float32 (the c
 casts).
 
 ``linear_logprobs_fwd(hidden (N,d), weight (V,d), bias (V,)|None, labels (N,) int64,
-    temperature, ignore_index, with_entropy) -> (logp (N,), entropy (N,) or (0,), lse (N,))``
-    lse is the log-normalizer of logits / temperature, saved for the backward.
+    temperature, ignore_index, with_entropy) -> (logp (N,), entropy (N,) or (0,), lse (N,),
+    saved)``
+    lse is the log-normalizer of logits / temperature, saved for the backward; ``saved`` a
+    flat tensor of what else the backward needs from the forward (kept logits, per-row
+    norms; empty if nothing), of ``saved_numel`` elements (mrtpo_kernels/_dispatch.py).
 ``linear_logprobs_bwd(hidden, weight, bias, labels, lse, entropy (N,) or (0,),
-    grad_logp (N,), grad_entropy (N,) or (0,), temperature, ignore_index)
+    grad_logp (N,), grad_entropy (N,) or (0,), temperature, ignore_index, saved=None)
     -> (grad_hidden (N,d), grad_weight (V,d) fp32, grad_bias (V,) fp32 or (0,))``
+    saved: the forward's, or None (then the backward recomputes what it needs).
 ``linear_js(hidden_p (N,d), hidden_q (K,N,d), weight, bias, temperature) -> (K,N)``
 ``logits_logprobs_fwd(logits (N,V), labels, temperature, ignore_index, with_entropy)``
     -> as linear_logprobs_fwd
 ``logits_logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-    ignore_index) -> grad_logits (N,V) in logits' dtype``
+    ignore_index, saved=None) -> grad_logits (N,V) in logits' dtype``
 ``logits_js(logits_p (N,V), logits_q (K,N,V), temperature) -> (K,N)``
 ``linear_policy_loss(hidden, weight, bias, labels, old_logp (N,), advantages (N,),
     token_weight (N,), ref_logp (N,) or (0,), temperature, clip_low, clip_high, beta,

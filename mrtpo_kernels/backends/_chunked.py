@@ -1,17 +1,23 @@
 """Token-chunked drivers shared by the "cpu", "torch" and "triton" backends.
 
-The backends walk the tokens in chunks of C rows sized from a memory budget
-(``MRTPO_CHUNK_BYTES``, see mrtpo_kernels/settings.py): one BLAS GEMM makes the
-chunk's fp32 logits [C, V], then a chunk kernel streams the reductions over them and, for
-gradients, overwrites them in place with dL/dlogits, which two more GEMMs turn into the
-gradients of hidden and weight. Extra memory is O(C x V) (plus an fp32 copy of the weight
-when it is not fp32, and the fp32 weight-gradient accumulator), never O(N x V).
+One plan for every backend (mrtpo_kernels/stages.py lists it without running it): the
+tokens are walked in balanced gradient buffers (``grad_spans``), each filled by fp32
+logits chunks of at most chunk_rows(V) rows (``MRTPO_CHUNK_BYTES``): one BLAS GEMM makes a
+chunk's fp32 logits, a row kernel streams the reductions over them and, for gradients,
+writes dL/dlogits, into a separate 16-bit buffer of grad_rows(V) rows
+(``MRTPO_GRAD_BUFFER_BYTES``; kernels with GRAD_OUT, 16-bit inputs, 16-bit GEMMs with fp32
+output on the device) or in place over the fp32 logits (the buffer is then the logits
+block); then dh = G W and dW = G^T h (the first buffer writes dW, the others accumulate)
+run once per buffer, K = its rows. Extra memory is the logits chunk and the gradient buffer
+(plus an fp32 copy of the weight when the GEMMs run in fp32 on 16-bit inputs, and the fp32
+weight-gradient accumulator), never O(N x V).
 
-GEMM count per chunk (N d V multiply-adds each):
+GEMMs (N d V multiply-adds each over the call):
     log-probs forward 1; log-probs backward 3 (recompute, dH, dW), 2 for the last rows of
     the call, whose logits the forward keeps (MRTPO_KEEP_LOGITS_BYTES, see kept_rows; the
     kept block also sets the GEMM span of the other rows, see logprobs_spans);
-    policy loss (forward with gradient) 3; JS one-vs-K 1 + K.
+    policy loss (forward with gradient) 3; JS one-vs-K 1 + K (stacked into one GEMM per
+    token chunk where the kernel has js_many).
 
 A chunk kernel ``kern`` provides:
     stats(z, labels, inv_temp, ignore_index, with_entropy) -> (logp, entropy|None, lse)
@@ -24,9 +30,10 @@ A chunk kernel ``kern`` provides:
 where z is a contiguous fp32 chunk of raw logits (before the temperature).
 
 Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/rows.py):
-    GRAD_OUT = True: grad_ and policy_ take ``out=``, where the driver passes a 16-bit view
-        of z's own storage (row stride 2 V), so that with 16-bit inputs the two gradient
-        GEMMs run on 16-bit operands; the logits GEMM then writes fp32 from 16-bit
+    GRAD_OUT = True: grad_ and policy_ take ``out=``, where the driver passes rows of the
+        separate 16-bit gradient buffer (never z's own storage: no thread overwrites bytes
+        another warp still reads), so that with 16-bit inputs the two gradient GEMMs run
+        on 16-bit operands; the logits GEMM then writes fp32 from 16-bit
         operands (torch.mm's out_dtype, checked on the device at run time) and no fp32
         copy of the weight is made. Without out_dtype the driver upcasts as for the others.
     js_many(z (1 + K, C, V), inv_temp) -> (K, C): JS one-vs-many on the stacked rows of one
@@ -45,13 +52,11 @@ Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/
         forms log p = (z/2 - M/2)(2/tau) - log s from it instead of z / tau - lse from the
         rounded fp32 lse (ulp(lse) / 2 off in every log p: 5e-4 at |z / tau| ~ 1e4, NaN
         past float max). The low-memory drivers use it where the kernel has it: the policy
-        loss passes its buffer on; the log-probs forward files it under lse (_file_norm)
-        for the backward, as the kept logits below.
+        loss passes its buffer on; the log-probs forward returns it in its ``saved``
+        output for the backward (below).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -73,10 +78,46 @@ def chunk_rows(vocab: int, streams: int = 1) -> int:
     return max(1, settings.chunk_bytes() // (4 * max(vocab, 1) * streams))
 
 
+def grad_rows(vocab: int, elt: int = 2) -> int:
+    """Rows of the separate 16-bit gradient buffer (MRTPO_GRAD_BUFFER_BYTES), at least one
+    logits chunk."""
+    return max(chunk_rows(vocab), settings.grad_buffer_bytes() // (elt * max(vocab, 1)))
+
+
 def js_chunk_rows(vocab: int, k: int) -> int:
     """Tokens per chunk of the stacked JS GEMM: (1 + K) fp32 rows of V per token in the
     JS scratch budget (MRTPO_JS_SCRATCH_BYTES)."""
     return max(1, settings.js_scratch_bytes() // (4 * max(vocab, 1) * (1 + k)))
+
+
+def balanced(n: int, cap: int, start: int = 0) -> list[tuple[int, int]]:
+    """[start, start + n) in the fewest spans of at most ``cap`` rows, their sizes equal
+    to within one row (no small tail)."""
+    if n <= 0:
+        return []
+    parts = -(-n // max(cap, 1))
+    q, r = divmod(n, parts)
+    out, s = [], start
+    for i in range(parts):
+        e = s + q + (i < r)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def grad_spans(n: int, v: int, kept: int, separate: bool) -> list[tuple[int, int, bool]]:
+    """The gradient buffers of a backward, in the order they run: (start, end, from_kept).
+
+    One buffer's rows get their logit gradient by row-kernel slices (``balanced(e - s,
+    chunk_rows(v), s)``), then dh and dW run once for the whole buffer (K = e - s).
+    ``separate``: a 16-bit gradient buffer apart from the fp32 logits chunk (the Triton row
+    kernels with 16-bit GEMMs), of grad_rows(v) rows; otherwise the gradient overwrites the
+    fp32 logits in place and the buffer is the logits chunk itself (chunk_rows(v) rows).
+    The ``kept`` last rows of the call (whose logits the log-probs forward kept) come first;
+    their logits are read, never written (in place mode copies them into the chunk)."""
+    cap = grad_rows(v) if separate else chunk_rows(v)
+    first = [(s, e, True) for s, e in balanced(kept, cap, n - kept)]
+    return first + [(s, e, False) for s, e in balanced(n - kept, cap)]
 
 
 def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -141,8 +182,10 @@ def f32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class _Head:
     """The LM head's GEMMs for one call. 16-bit mode (the kernel has GRAD_OUT, the inputs
     are 16-bit and the device has out_dtype): the weight is used as it is, logits come out
-    in fp32, the gradient of each chunk is a 16-bit view of the chunk buffer. Otherwise
-    fp32 operands (the weight upcast once when it is not fp32)."""
+    in fp32, and the kernel writes each row's logit gradient into a separate 16-bit
+    gradient buffer (``grad_buffer``), the operand of the dh and dW GEMMs. Otherwise fp32
+    operands (the weight upcast once when it is not fp32) and the gradient overwrites the
+    fp32 logits in place."""
 
     def __init__(self, kern, hidden, weight, bias):
         dt = hidden.dtype
@@ -165,54 +208,72 @@ class _Head:
             out += b32
         return out
 
-    def grad_view(self, z):
-        """The tensor the kernel writes the gradient into: a 16-bit view of z's storage
-        (row stride 2 V) in 16-bit mode, else z itself."""
-        return z.view(self.dtype)[:, : z.shape[1]] if self.low else z
+    def grad_buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The separate 16-bit gradient buffer (rows, cols) in 16-bit mode, else None (the
+        gradient is written over the fp32 logits)."""
+        if not self.low:
+            return None
+        return like.new_empty((rows, cols), dtype=self.dtype)
 
-    def backward(self, g, h, dh_rows, dw, db):
-        """dh_rows = g W (written in hidden's dtype) and dw += g^T h (fp32 accumulator)."""
+    def backward(self, g, h, dh_rows, dw, db, first):
+        """dh_rows = g W (in hidden's dtype) and dw = g^T h for the first gradient buffer of
+        the call, dw += g^T h after it (fp32, accumulated inside the GEMM); db += column
+        sums of g."""
         if self.low:
-            g = _strided16(g)
             torch.mm(g, self.w, out=dh_rows)
-            _addmm_f32(dw, g.t(), h)
+            if first:
+                _mm_f32(g.t(), h, dw)
+            else:
+                _addmm_f32(dw, g.t(), h)
             if db is not None:
                 db += g.sum(0, dtype=db.dtype)
             return
         h32 = _upcast(h)
-        dh_rows.copy_(g @ self.w)
-        dw.addmm_(g.t(), h32)
+        if dh_rows.dtype == g.dtype:
+            torch.mm(g, self.w, out=dh_rows)
+        else:
+            dh_rows.copy_(g @ self.w)
+        if first:
+            torch.mm(g.t(), h32, out=dw)
+        else:
+            dw.addmm_(g.t(), h32)
         if db is not None:
             db += g.sum(0)
 
 
-def _strided16(g: torch.Tensor) -> torch.Tensor:
-    """The 16-bit gradient view (row stride 2 V) as a GEMM operand. torch's CPU bf16 GEMM
-    (2.13, x86 with AVX512-BF16) reads past the V columns of a row-strided operand for
-    some row counts (33 rows: NaN from the buffer's other half), so on the CPU, where this
-    path runs only when tests emulate out_dtype GEMMs, the view is copied first; CUDA
-    GEMMs take the strided view as it is."""
-    return g.contiguous() if g.device.type == "cpu" and not g.is_contiguous() else g
+def gemm_path(kern, device: torch.device, dtype: torch.dtype) -> str:
+    """Which GEMMs the driver runs for ``kern`` on ``dtype`` inputs on ``device``:
+    "16-bit, fp32 out" (the weight as it is, 16-bit gradient buffer), "fp32" (fp32 or
+    float64 inputs, or a kernel without GRAD_OUT) or "fp32 fallback" (16-bit inputs and a
+    kernel with GRAD_OUT, but torch has no out_dtype GEMM on the device: an fp32 copy of the
+    weight and fp32 GEMMs, several times slower on a GPU)."""
+    if dtype in _LOW and getattr(kern, "GRAD_OUT", False):
+        return "16-bit, fp32 out" if f32_out_supported(device, dtype) else "fp32 fallback"
+    return "fp32"
 
 
-def _kern_out(kern, head, z):
-    """Keyword arguments that route a kernel's gradient into head.grad_view(z)."""
-    return {"out": head.grad_view(z)} if head.low else {}
+def _out(g, a, b) -> dict:
+    """The kernel's ``out=`` for rows [a, b) of a separate gradient buffer g, or none (the
+    gradient in place)."""
+    return {} if g is None else {"out": g[a:b]}
 
 
 def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
-# --------------------------------------------------------------------------- kept logits
-# The log-probs forward keeps the fp32 logits of the call's last kept_rows(n, V) rows for
-# its backward. The custom op's contract passes no extra tensor, so they are filed under
-# the forward's lse output (its data pointer): lse is saved for the backward, so the entry
-# lives exactly as long as that autograd graph; a finalizer on lse's storage drops it when
-# lse is freed (at once after a no-grad call, or after the backward). A backward that
-# finds no entry (lse from elsewhere, a second backward) recomputes every row.
-
-_KEPT: dict[int, tuple] = {}
+# --------------------------------------------------------------------------- saved state
+# What the log-probs backward needs from its forward travels as the forward's fourth
+# output, ``saved`` (the op saves it for the backward, mrtpo_kernels/_ops.py), a flat fp32
+# tensor whose size says what it holds (saved_numel: the same rule for the op's fake):
+#   fast mode      the fp32 logits of the call's last kept_rows(n, V) rows, (k, V)
+#                  row-major: the backward takes them first and needs no recompute there
+#                  (in place mode overwrites them with the gradient: the op declares the
+#                  mutation, so a second backward of the same graph sees a new version and
+#                  passes no state, recomputing every row)
+#   low-memory     each row's raw max M and log s, (2, n), for the column kernel (kernels
+#                  that take ``norm=``), so log p never comes from the rounded lse
+#   otherwise      empty: the backward recomputes every row
 
 
 def kept_rows(n: int, v: int) -> int:
@@ -221,44 +282,27 @@ def kept_rows(n: int, v: int) -> int:
 
 
 def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
-    """The GEMM spans of the first n - k rows (the last k are kept): balanced, at most
-    max(chunk_rows, k) rows each, so that a kept block also makes the GEMMs of the other
-    rows larger (fewer passes over W and the fp32 dW). The row kernels still run on
-    slices of at most chunk_rows rows."""
-    m = n - k
-    if m <= 0:
-        return []
-    parts = -(-m // max(chunk_rows(v), k))
-    step = -(-m // parts)
-    return [(s, min(m, s + step)) for s in range(0, m, step)]
+    """The forward GEMM spans of the first n - k rows (the last k are kept): balanced, at
+    most max(chunk_rows, k) rows each, so that a kept block also makes the GEMMs of the
+    other rows larger (fewer passes over W). The row kernels still run on slices of at
+    most chunk_rows rows."""
+    return balanced(n - k, max(chunk_rows(v), k))
 
 
-def _inputs_ident(hidden, weight) -> tuple:
-    """What an entry filed under lse belongs to: the forward's input and weight."""
-    return (hidden.data_ptr(), weight.data_ptr(), tuple(hidden.shape))
+def saved_numel(kern, n: int, v: int, weight_numel: int) -> int:
+    """Elements of the log-probs forward's ``saved`` output for this kernel and shape."""
+    if _low_memory_for(kern, weight_numel):
+        return 2 * n if _takes_norm(kern) else 0
+    return kept_rows(n, v) * v
 
 
-def _file_kept(lse, hidden, weight, region, k):
-    key = lse.data_ptr()
-    _KEPT[key] = (_inputs_ident(hidden, weight), region, k)
-    weakref.finalize(lse.untyped_storage(), _KEPT.pop, key, None)
-
-
-def _take_kept(lse, hidden, weight):
-    """(region, k) filed by the forward that returned lse, or (None, 0); taken once."""
-    entry = _KEPT.pop(lse.data_ptr(), None) if lse.numel() else None
-    if entry is None or entry[0] != _inputs_ident(hidden, weight):
+def _kept_from(saved, n: int, v: int):
+    """(kept logits (k, V) or None, k) from a fast-mode ``saved``; none for an empty or a
+    foreign one (a size that is not whole rows of at most n)."""
+    if saved is None or saved.numel() == 0 or v == 0 or saved.numel() % v:
         return None, 0
-    return entry[1], entry[2]
-
-
-# The low-memory forward's (2, N) norm buffer (raw row max, log s) for its backward is
-# filed under lse the same way (only where the kernel takes norm=, see _takes_norm), with
-# the input, weight and temperature it belongs to. The backward reads it without taking it
-# (it is not overwritten: a second backward of the same graph uses it too); one that finds
-# none, or one for other inputs or another temperature, passes only lse.
-
-_NORM: dict[int, tuple] = {}
+    k = saved.numel() // v
+    return (saved.view(k, v), k) if k <= n else (None, 0)
 
 
 def _takes_norm(kern) -> bool:
@@ -278,26 +322,8 @@ def _norm_rows(norm, a, b) -> dict:
     return {} if norm is None else {"norm": norm[:, a:b]}
 
 
-def _norm_ident(hidden, weight, inv_t) -> tuple:
-    return (*_inputs_ident(hidden, weight), float(inv_t))
-
-
-def _file_norm(lse, hidden, weight, inv_t, norm):
-    key = lse.data_ptr()
-    _NORM[key] = (_norm_ident(hidden, weight, inv_t), norm)
-    weakref.finalize(lse.untyped_storage(), _NORM.pop, key, None)
-
-
-def _find_norm(lse, hidden, weight, inv_t):
-    """The norm buffer the low-memory forward that returned lse filed for these inputs and
-    this temperature, or None."""
-    entry = _NORM.get(lse.data_ptr()) if lse.numel() else None
-    if entry is None or entry[0] != _norm_ident(hidden, weight, inv_t):
-        return None
-    return entry[1]
-
-
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
+    """(logp, entropy, lse, saved): ``saved`` is what the backward needs (above)."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
     head = _Head(kern, hidden, weight, bias)
@@ -309,14 +335,16 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     low = _low_memory(kern, weight)
     k = 0 if low else kept_rows(n, v)
     # low-memory mode: each row's (raw max, log s) for the column kernel of the backward
-    norm = _norm_buffer(kern, n, hidden) if low and n else None
+    saved = hidden.new_empty(2 * n if low and _takes_norm(kern) else k * v, dtype=acc)
+    norm = saved.view(2, n) if low and _takes_norm(kern) else None
     spans = logprobs_spans(n, v, k)
-    # the kept block doubles as the buffer of the spans before it
-    buf = _buffer(max([k] + [e - s for s, e in spans]), n, v, hidden, acc)
+    span_rows = max([0] + [e - s for s, e in spans])
+    kept = saved.view(k, v) if not low else saved[:0].view(0, v)
+    # the kept block doubles as the buffer of the spans before it where it is large enough
+    buf = kept if k >= span_rows else _buffer(span_rows, n, v, hidden, acc)
 
     def stats(z, s, e):  # the kernel on slices of at most c rows of the span's logits z
-        for a in range(s, e, c):
-            b = min(e, a + c)
+        for a, b in balanced(e - s, c, s):
             lp, en, ls = kern.stats(
                 z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
                 **_norm_rows(norm, a, b),
@@ -328,79 +356,105 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
 
     for s, e in spans:
         stats(head.logits(hidden[s:e], buf), s, e)
+    del buf
     if k:
-        stats(head.logits(hidden[n - k :], buf), n - k, n)  # one GEMM for the kept rows
-        _file_kept(lse, hidden, weight, buf, k)
-    if norm is not None:
-        _file_norm(lse, hidden, weight, inv_t, norm)
-    return logp, ent, lse
+        stats(head.logits(hidden[n - k :], kept), n - k, n)  # one GEMM for the kept rows
+    return logp, ent, lse, saved  # the base, not a view (the backward may write it)
 
 
 def linear_logprobs_bwd(
-    kern, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index
-):
-    acc = acc_dtype(hidden)
+    kern, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index,
+    saved=None,
+):  # fmt: skip
+    """(dh, dW, db); ``saved``: the forward's fourth output (or None: recompute all)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
     head = _Head(kern, hidden, weight, bias)
     if _low_memory(kern, weight):
+        norm = None
+        if saved is not None and saved.numel() == 2 * n and _takes_norm(kern):
+            norm = saved.view(2, n)
         return _backward_by_vocab(
             kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
-            ignore_index,
+            ignore_index, norm,
         )  # fmt: skip
-    dh = torch.empty_like(hidden)
-    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    db = torch.zeros(v if bias is not None else 0, dtype=acc, device=weight.device)
-    c = chunk_rows(v)
-    buf, k = _take_kept(lse, hidden, weight)
-    spans = logprobs_spans(n, v, k)
-    if buf is None:
-        buf = _buffer(max(e - s for s, e in spans), n, v, hidden, acc)
+    kept, k = _kept_from(saved, n, v)
+    spans = grad_spans(n, v, k, head.low)
 
-    def grad(z, s, e):  # dL/dz in place by slices of at most c rows, then dh, dW for the span
-        for a in range(s, e, c):
-            b = min(e, a + c)
-            za = z[a - s : b - s]
-            kern.grad_(
-                za,
-                labels[a:b],
-                lse[a:b],
-                None if ent is None else ent[a:b],
-                g_logp[a:b],
-                None if g_ent is None else g_ent[a:b],
-                inv_t,
-                ignore_index,
-                **_kern_out(kern, head, za),
-            )
-        head.backward(head.grad_view(z), hidden[s:e], dh[s:e], dw, db if bias is not None else None)
+    def grad(z, g, a, b):  # the kernel on rows [a, b): dL/dz in place, or into g
+        kern.grad_(
+            z, labels[a:b], lse[a:b], None if ent is None else ent[a:b], g_logp[a:b],
+            None if g_ent is None else g_ent[a:b], inv_t, ignore_index, **_out(g, 0, b - a),
+        )  # fmt: skip
 
-    if k:  # the kept rows first (no recompute), then the others through the same block
-        grad(buf[:k], n - k, n)
-    for s, e in spans:
-        grad(head.logits(hidden[s:e], buf), s, e)
+    return _run_backward(
+        head, hidden, weight, bias, spans, kept, k, grad, chunk_rows(v), need_dw=True
+    )
+
+
+def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw):
+    """The token-chunked backward (and the policy loss's forward with gradient): for each
+    gradient buffer [s, e) of ``spans``, the logits of its rows (the ``kept`` block of the
+    last k rows, read only, or a GEMM), ``row_fn(z, g, a, b)`` on slices [a, b) of at most
+    c rows (the logit gradient into g, the slice of the separate 16-bit buffer, or in place
+    in z: then kept rows are first copied into the chunk), then dh[s:e] = G W and dW
+    (=, first buffer; +=, later ones) G^T h[s:e]. In place mode one logits GEMM (or copy)
+    covers the whole buffer."""
+    acc = acc_dtype(hidden)
+    n, v = hidden.shape[0], weight.shape[0]
+    dh = torch.empty_like(hidden) if need_dw else hidden.new_empty(0)
+    dw = torch.empty(weight.shape if need_dw else (0,), dtype=acc, device=weight.device)
+    db = hidden.new_zeros(v if bias is not None and need_dw else 0, dtype=acc)
+    if need_dw and not spans:
+        dw.zero_()
+    sep = head.low and need_dw
+    g_buf = head.grad_buffer(max(e - s for s, e, _ in spans), v, hidden) if sep and spans else None
+    # the fp32 logits chunk: a slice of rows in the 16-bit path, a whole buffer in place
+    rows = [e - s for s, e, fk in spans if not (sep and fk)]
+    z_buf = _buffer(min(c, max(rows)) if sep else max(rows), n, v, hidden, acc) if rows else None
+    first = True
+    for s, e, from_kept in spans:
+        z_span = None
+        if from_kept:
+            z_span = kept[s - (n - k) : e - (n - k)]
+            if not sep:  # in place: the gradient must not overwrite the forward's output
+                z_span = z_buf[: e - s].copy_(z_span)
+        elif not sep:
+            z_span = head.logits(hidden[s:e], z_buf)
+        g = None if g_buf is None else g_buf[: e - s]
+        for a, b in balanced(e - s, c, s):
+            z = z_span[a - s : b - s] if z_span is not None else head.logits(hidden[a:b], z_buf)
+            row_fn(z, None if g is None else g[a - s : b - s], a, b)
+        if need_dw:
+            gd = g if sep else z_span
+            head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None, first)
+            first = False
     return dh, dw, db
 
 
 def _low_memory(kern, weight) -> bool:
-    return hasattr(kern, "grad_cols_") and settings.low_memory(4 * weight.numel())
+    return _low_memory_for(kern, weight.numel())
+
+
+def _low_memory_for(kern, weight_numel: int) -> bool:
+    return hasattr(kern, "grad_cols_") and settings.low_memory(4 * weight_numel)
 
 
 def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
                        ignore_index, norm=None):  # fmt: skip
     """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
-    again (GEMM), dz in place from each row's saved (raw max, log s) ``norm`` (given, or
-    filed under lse by the low-memory forward; where the kernel takes none: from the saved
-    lse), dW[v0:v1] = dz^T h written once in the weight's dtype (GEMM), dh += dz W[v0:v1]
-    in an fp32 (N, d) accumulator (GEMM).
-    Memory: the chunk (MRTPO_CHUNK_BYTES) and the fp32 dh accumulator (none for fp32)."""
-    if norm is None and _takes_norm(kern):
-        norm = _find_norm(lse, hidden, weight, inv_t)
+    again (GEMM), dz from each row's saved (raw max, log s) ``norm`` (the forward's;
+    without one, from the saved lse), dW[v0:v1] = dz^T h written once in the weight's dtype
+    (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM).
+    Memory: the chunk (MRTPO_CHUNK_BYTES), in 16-bit mode a 16-bit gradient chunk of the
+    same shape, and the fp32 dh accumulator (none for fp32)."""
     nkw = {} if norm is None else {"norm": norm}
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
     cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
     flat = hidden.new_empty(n * cols, dtype=acc)
+    g16 = hidden.new_empty(n * cols) if head.low else None  # the separate 16-bit gradient
     dw = torch.empty_like(weight)
     db = hidden.new_zeros(v if bias is not None else 0, dtype=acc)
     dh32 = hidden.new_zeros(hidden.shape, dtype=acc)
@@ -409,14 +463,14 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
         w_c = weight[v0:v1] if head.low else head.w[v0:v1]
         b_c = None if head.b32 is None else head.b32[v0:v1]
         z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
+        g = None if g16 is None else g16[: n * (v1 - v0)].view(n, v1 - v0)
         kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
-                        **_kern_out(kern, head, z), **nkw)  # fmt: skip
-        g = head.grad_view(z)
+                        **_out(g, 0, n), **nkw)  # fmt: skip
         if head.low:
-            g = _strided16(g)
             torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
             _addmm_f32(dh32, g, w_c)
         else:
+            g = z
             dw[v0:v1] = g.t() @ _upcast(hidden)
             dh32.addmm_(g, w_c)
         if bias is not None:
@@ -436,8 +490,7 @@ def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
     c = chunk_rows(v, streams=2)
     buf_p = _buffer(c, n, v, hidden_p, acc)
     buf_q = _buffer(c, n, v, hidden_p, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, c):
         zp = _logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
         lse_p = None
         for j in range(k):
@@ -462,8 +515,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
     c = min(n, js_chunk_rows(v, k))
     a_buf = hidden_p.new_empty(streams * c * d)
     z_buf = hidden_p.new_empty(streams * c * v, dtype=acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, c):
         rows = e - s
         a = a_buf[: streams * rows * d].view(streams, rows, d)
         a[0].copy_(hidden_p[s:e])
@@ -480,19 +532,19 @@ def logits_logprobs_fwd(kern, logits, labels, temperature, ignore_index, with_en
     logp = logits.new_empty(n, dtype=acc)
     lse = logits.new_empty(n, dtype=acc)
     ent = logits.new_empty(n if with_ent else 0, dtype=acc)
-    c = chunk_rows(v)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, chunk_rows(v)):
         z = _upcast(logits[s:e]).contiguous()
         lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
         logp[s:e] = lp
         lse[s:e] = ls
         if with_ent:
             ent[s:e] = en
-    return logp, ent, lse
+    return logp, ent, lse, logits.new_empty(0, dtype=torch.float32)  # no saved state
 
 
-def logits_logprobs_bwd(kern, logits, labels, lse, ent, g_logp, g_ent, temperature, ignore_index):
+def logits_logprobs_bwd(
+    kern, logits, labels, lse, ent, g_logp, g_ent, temperature, ignore_index, saved=None
+):
     acc = acc_dtype(logits)
     n, v = logits.shape
     inv_t = 1.0 / temperature
@@ -502,8 +554,7 @@ def logits_logprobs_bwd(kern, logits, labels, lse, ent, g_logp, g_ent, temperatu
     # fp32/fp64 logits: the gradient is computed in place in the output's rows; other
     # dtypes go through one reused accumulation-dtype buffer
     buf = None if logits.dtype == acc else _buffer(c, n, v, logits, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, c):
         z = out[s:e] if buf is None else buf[: e - s]
         z.copy_(logits[s:e])
         kern.grad_(
@@ -526,9 +577,7 @@ def logits_js(kern, logits_p, logits_q, temperature):
     k, n, v = logits_q.shape
     inv_t = 1.0 / temperature
     out = logits_p.new_empty((k, n), dtype=acc)
-    c = chunk_rows(v, streams=2)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, chunk_rows(v, streams=2)):
         zp = _upcast(logits_p[s:e]).contiguous()
         lse_p = None
         for j in range(k):
@@ -570,42 +619,22 @@ def linear_policy_loss(
     logp = hidden.new_empty(n, dtype=acc)
     clipped = hidden.new_empty(n, dtype=acc)
     loss = hidden.new_zeros((), dtype=acc)
-    if need_grad:
-        dh = torch.empty_like(hidden)
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        db = hidden.new_zeros(v if bias is not None else 0, dtype=acc)
-    else:
-        dh = hidden.new_empty(0)
-        dw = hidden.new_empty(0, dtype=acc)
-        db = hidden.new_empty(0, dtype=acc)
-    c = chunk_rows(v)
-    buf = _buffer(c, n, v, hidden, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
-        z = head.logits(hidden[s:e], buf)
+
+    def rows(z, g, a, b):  # the token terms and, with need_grad, dL/dz in place or into g
         per_tok, lp, cl = kern.policy_(
-            z,
-            labels[s:e],
-            old_logp[s:e],
-            adv[s:e],
-            token_weight[s:e],
-            None if ref_logp is None else ref_logp[s:e],
-            inv_t,
-            clip_low,
-            clip_high,
-            beta,
-            ignore_index,
-            need_grad,
-            clip_ratio_c=clip_ratio_c,
-            kl_iw=kl_iw,
-            **(_kern_out(kern, head, z) if need_grad else {}),
-        )
-        loss += (per_tok * token_weight[s:e]).sum()
-        logp[s:e] = lp
-        clipped[s:e] = cl
-        if need_grad:
-            g = head.grad_view(z)
-            head.backward(g, hidden[s:e], dh[s:e], dw, db if bias is not None else None)
+            z, labels[a:b], old_logp[a:b], adv[a:b], token_weight[a:b],
+            None if ref_logp is None else ref_logp[a:b], inv_t, clip_low, clip_high, beta,
+            ignore_index, need_grad, clip_ratio_c=clip_ratio_c, kl_iw=kl_iw,
+            **_out(g, 0, b - a),
+        )  # fmt: skip
+        loss.add_((per_tok * token_weight[a:b]).sum())
+        logp[a:b] = lp
+        clipped[a:b] = cl
+
+    spans = grad_spans(n, v, 0, head.low and need_grad)
+    dh, dw, db = _run_backward(
+        head, hidden, weight, bias, spans, None, 0, rows, chunk_rows(v), need_dw=need_grad
+    )
     return loss, logp, clipped, dh, dw, db
 
 
@@ -620,8 +649,7 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref
     norm = _norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
     c = chunk_rows(v)
     buf = _buffer(c, n, v, hidden, acc)
-    for s in range(0, n, c):
-        e = min(n, s + c)
+    for s, e in balanced(n, c):
         z = head.logits(hidden[s:e], buf)
         lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **_norm_rows(norm, s, e))
         logp[s:e] = lp

@@ -50,20 +50,22 @@ def available() -> bool:
 
 
 def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
-    """(logp (N,), entropy (N,) or (0,), lse (N,)) float32 from logits (N, V).
+    """(logp (N,), entropy (N,) or (0,), lse (N,), saved (0,)) float32 from logits (N, V).
 
-    lse is 0 on rows whose label is ignore_index (never read: their gradient is 0)."""
-    return _cuda.logits_logprobs_fwd(
+    lse is 0 on rows whose label is ignore_index (never read: their gradient is 0); the
+    backward needs nothing else (``saved`` is empty)."""
+    logp, ent, lse = _cuda.logits_logprobs_fwd(
         logits=logits,
         labels=labels,
         temperature=float(temperature),
         ignore_index=int(ignore_index),
         with_entropy=bool(with_entropy),
     )
+    return logp, ent, lse, lse.new_empty(0)
 
 
 def logits_logprobs_bwd(
-    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, saved=None
 ):
     """dL/dlogits (N, V) in the logits' dtype."""
     f32 = torch.float32

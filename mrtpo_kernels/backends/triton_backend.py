@@ -85,6 +85,12 @@ if _ERR is None:
     logits_js = _variant("logits_js", _fused_js.logits_js, "logits_p")
     linear_policy_loss = _variant("linear_policy_loss", _fused_policy.linear_policy_loss, "hidden")
 
+    def saved_numel(op: str, n: int, v: int, weight_numel: int) -> int:
+        """Elements of the log-probs forwards' ``saved`` output (mrtpo_kernels/_dispatch.py)."""
+        if settings.triton_variant() == "fused":
+            return _fused_logprobs.saved_numel(n)
+        return _chunked.saved_numel(_K, n, v, weight_numel) if op == "linear_logprobs" else 0
+
     _DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
     SERVES = {op: Serves(_DEVICES, KERNEL_DTYPES) for op in _chunked.OPS}
     SERVES["mrtpo_token_advantages"] = Serves(_DEVICES, (torch.float32, torch.float64))

@@ -45,7 +45,7 @@ default 256 MiB of gradient-of-logits; C = 8192 at N = 16384 in bf16):
        (N, C); db by fp32 atomics of column sums. Not z / tau - lse: the fp32 lse is
        ulp(lse) / 2 off (5e-4 at |z / tau| ~ 1e4, where the row's p then sum to 1 +- 5e-4
        and dh = G W loses everything to cancellation) and overflows past float max. The
-       norm reaches the backward op through a table keyed by lse (see "saved norms");
+       norm reaches the backward as the forward's ``saved`` output (see "saved norms");
        without it (an lse from elsewhere) the lse alone is used.
     2. dW[chunk] = G^T hidden  (GEMM 2, ``_matmul_kernel``): each row of dW is finished in
        one chunk, accumulated in fp32 over all N in registers, written once (no
@@ -68,8 +68,6 @@ UPCAST_DOT is an interpreter-only workaround (its bf16 tl.dot is wrong; see _com
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import triton
@@ -470,10 +468,10 @@ def _num_splits(n: int, num_tiles: int, num_vblocks: int, device: torch.device, 
 def lse_stats(
     src, weight, bias, labels, v, temperature, ignore_index, with_ent, from_logits, store=None
 ):
-    """logp, entropy (or (0,)), lse and norm ((2, N): the raw row max M and log s, from
-    which the backward forms log p without the rounded lse) for every row of src (hidden,
-    or logits); with ``store`` ((N, V) fp32, unit column stride) the raw logits are also
-    written there."""
+    """logp, entropy (or (0,)), lse and norm ((2, N) as one flat 2 N tensor: the raw row
+    max M and log s, from which the backward forms log p without the rounded lse) for
+    every row of src (hidden, or logits); with ``store`` ((N, V) fp32, unit column
+    stride) the raw logits are also written there."""
     n = src.shape[0]
     d = 0 if from_logits else src.shape[1]
     cfg = tiles(src.dtype, from_logits)
@@ -495,7 +493,7 @@ def lse_stats(
     logp = torch.empty(n, dtype=torch.float32, device=src.device)
     lse = torch.empty(n, dtype=torch.float32, device=src.device)
     ent = torch.empty(n if with_ent else 0, dtype=torch.float32, device=src.device)
-    norm = torch.empty((2, n), dtype=torch.float32, device=src.device)
+    norm = torch.empty(2 * n, dtype=torch.float32, device=src.device)  # (2, N) flat
     block = 1024 if not interpreting() else 256
     _stats_combine_kernel[(cdiv(n, block),)](
         part, labels, logp, ent if with_ent else lse, lse, norm, n, v, splits,
@@ -581,36 +579,23 @@ def linear_grad(
 # The backward forms log p = (z/2 - M/2)(2/tau) - log s from each row's raw max M and log s
 # (lse_stats' norm), not z / tau - lse from the rounded fp32 lse: that is off by up to
 # ulp(lse) / 2 in every log p (5e-4 at |z / tau| ~ 1e4: the row's p no longer sum to 1) and
-# overflows at |z / tau| > float max. The custom op's contract passes only lse (N,) to the
-# backward, so the forward files its norm under lse's data pointer, as the chunk driver files
-# its kept logits (backends/_chunked.py): the entry lives exactly as long as lse (a finalizer
-# on lse's storage drops it). The backward takes it when the input, weight, shape and
-# temperature are the forward's, and each row uses it only where (M, log s) reproduce the
-# given lse bit for bit (``_dlogits_kernel``); otherwise, and for an lse from elsewhere, log p
-# comes from the lse alone.
-
-_NORMS: dict[int, tuple] = {}
+# overflows at |z / tau| > float max. The forwards return the norm as their fourth output,
+# ``saved`` ((2, N) flattened; the op saves it for the backward, mrtpo_kernels/_ops.py),
+# and the backwards take it back; each row uses it only where (M, log s) reproduce the
+# given lse bit for bit (``_dlogits_kernel``), otherwise, and for an empty or foreign
+# ``saved``, log p comes from the lse alone.
 
 
-def _ident(src, weight, temperature) -> tuple:
-    w = None if weight is None else weight.data_ptr()
-    return (src.data_ptr(), tuple(src.shape), w, float(temperature))
-
-
-def _file_norm(lse, src, weight, temperature, norm) -> None:
-    if lse.numel() == 0:
-        return
-    key = lse.data_ptr()
-    _NORMS[key] = (_ident(src, weight, temperature), norm)
-    weakref.finalize(lse.untyped_storage(), _NORMS.pop, key, None)
-
-
-def _take_norm(lse, src, weight, temperature):
-    """The norm filed by the forward that returned lse, or None."""
-    entry = _NORMS.get(lse.data_ptr()) if lse.numel() else None
-    if entry is None or entry[0] != _ident(src, weight, temperature):
+def _norm_from(saved, n: int):
+    """The (2, n) norm from a forward's ``saved``, or None (empty, or not 2 n floats)."""
+    if saved is None or saved.numel() != 2 * n or n == 0:
         return None
-    return entry[1]
+    return saved.view(2, n)
+
+
+def saved_numel(n: int) -> int:
+    """Elements of the forwards' ``saved`` output (the op's fake reads it)."""
+    return 2 * n
 
 
 # --------------------------------------------------------------------------- backend API
@@ -622,20 +607,19 @@ def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index,
         hidden, weight, bias, labels, weight.shape[0], temperature, ignore_index,
         bool(with_entropy), from_logits=False,
     )  # fmt: skip
-    _file_norm(lse, hidden, weight, temperature, norm)
-    return logp, ent, lse
+    return logp, ent, lse, norm  # flat (2 N): the base, not a view
 
 
 def linear_logprobs_bwd(
     hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-    ignore_index,
+    ignore_index, saved=None,
 ):  # fmt: skip
     check_device("hidden", hidden)
     has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
     return linear_grad(
         hidden, weight, bias, labels, lse, entropy if has_ent else None, grad_logp,
         grad_entropy if has_ent else None, temperature, ignore_index,
-        _take_norm(lse, hidden, weight, temperature),
+        _norm_from(saved, hidden.shape[0]),
     )  # fmt: skip
 
 
@@ -645,19 +629,19 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
         logits, None, None, labels, logits.shape[1], temperature, ignore_index,
         bool(with_entropy), from_logits=True,
     )  # fmt: skip
-    _file_norm(lse, logits, None, temperature, norm)
-    return logp, ent, lse
+    return logp, ent, lse, norm  # flat (2 N): the base, not a view
 
 
 def logits_logprobs_bwd(
-    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
-):
+    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
+    saved=None,
+):  # fmt: skip
     check_device("logits", logits)
     has_ent = entropy.numel() > 0 and grad_entropy.numel() > 0
     out = torch.empty_like(logits)
     dlogits(
         logits, None, None, labels, lse, entropy if has_ent else None, grad_logp,
         grad_entropy if has_ent else None, out, None, 0, logits.shape[1], temperature,
-        ignore_index, _take_norm(lse, logits, None, temperature),
+        ignore_index, _norm_from(saved, logits.shape[0]),
     )  # fmt: skip
     return out

@@ -18,7 +18,7 @@ import os
 import sys
 
 import _harness
-from _harness import CHECKS, FAILURES
+from _harness import CHECKS, FAILURES, expect
 
 _harness.use_interpreter()  # before triton is imported
 
@@ -245,6 +245,9 @@ def _emulate_f32_out():
 
 def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     os.environ["MRTPO_CHUNK_BYTES"] = str(4 * v * chunk_rows_)
+    # 16-bit path: gradient buffers of 2 chunks + 1 row (dh, dW once per buffer)
+    os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(2 * v * (2 * chunk_rows_ + 1))
+    os.environ["MRTPO_KEEP_LOGITS_BYTES"] = str(4 * v * 3)  # 3 kept rows, the rest recomputed
     os.environ["MRTPO_JS_SCRATCH_BYTES"] = str(4 * v * chunk_rows_ * 3)
     os.environ["MRTPO_LOW_MEMORY"] = "1" if low_memory else "0"
     gen = torch.Generator().manual_seed(n + v)
@@ -261,12 +264,14 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     rl, re = ref.linear_logprobs_ref(
         h64, w64, lab, bias=b64, temperature=0.9, ignore_index=II, return_entropy=True
     )
-    logp, ent, lse = _chunked.linear_logprobs_fwd(kern, h, w, b, lab, 0.9, II, True)
+    logp, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, b, lab, 0.9, II, True)
+    saved_before = saved.clone()
     close(f"driver logp {tag}", logp, rl, **tol)
     close(f"driver entropy {tag}", ent, re, **tol)
     g = torch.randn(n, generator=gen)
     ge = torch.randn(n, generator=gen)
-    dh, dw, db = _chunked.linear_logprobs_bwd(kern, h, w, b, lab, lse, ent, g, ge, 0.9, II)
+    dh, dw, db = _chunked.linear_logprobs_bwd(kern, h, w, b, lab, lse, ent, g, ge, 0.9, II, saved)
+    expect(f"driver saved state read only {tag}", torch.equal(saved, saved_before))
     wants = torch.autograd.grad(
         (rl * g.double()).sum() + (re * ge.double()).sum(),
         [t for t in (h64, w64, b64) if t is not None],
@@ -282,6 +287,23 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
         h.double(), hq.double(), w.double(), bias=None if b is None else b.double(), temperature=0.9
     )
     close(f"driver js {tag}", d_js, want_js, atol=tol["atol"] * 5, rtol=0)
+    old = torch.full((n,), -6.0)
+    adv = torch.randn(n, generator=gen)
+    tw = (lab != II).float() / (lab != II).sum()
+    loss, _, _, dh2, dw2, db2 = _chunked.linear_policy_loss(
+        kern, h, w, b, lab, old, adv, tw, tw[:0], 0.9, 0.2, 0.2, 0.0, II, True
+    )
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    b64 = None if b is None else b.double().requires_grad_()
+    rloss, _ = ref.linear_policy_loss_ref(
+        h64, w64, lab, old.double(), adv.double(), bias=b64, temperature=0.9, ignore_index=II
+    )
+    wants = torch.autograd.grad(rloss, [t for t in (h64, w64, b64) if t is not None])
+    close(f"driver policy loss {tag}", loss, rloss, **tol)
+    close(f"driver policy dh {tag}", dh2, wants[0], **tol)
+    close(f"driver policy dw {tag}", dw2, wants[1], **tol)
+    if bias:
+        close(f"driver policy db {tag}", db2, wants[2], **tol)
 
 
 def check_low_memory_extreme():

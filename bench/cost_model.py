@@ -1,0 +1,550 @@
+"""Cost model of the chunk driver: predicted time of each op from its plan.
+
+A plan (``mrtpo_kernels.stages.chunk_plan``) lists every GEMM the driver issues (shape,
+operand and output bytes, whether it accumulates into its output) and every row-kernel
+pass (elements, bytes read and written per element). The model times them one after the
+other (the driver runs them on one stream):
+
+    GEMM      t = o t_roof + (1 - o) t_serial
+              t_roof   = max(F / R', (A + C) / B)      (all traffic hidden under the math)
+              t_serial = max(F / R', A / B) + C / B    (the output's traffic after it)
+    row pass  t = bytes / (B x e_row)
+
+F is the GEMM's FLOPs, A its operand bytes (each read once), C its output bytes (written,
+and read first when it accumulates), R' = R x wave efficiency with R the device's
+achievable dense GEMM rate and the wave efficiency tiles / (waves x SMs) of the output
+tiled by 128 x 128 (no split-K; 1 where the device has no SM count), B the memory
+bandwidth, e_row the fraction of B the row kernels reach, o the share of the output
+traffic a GEMM hides under its math (a persistent kernel overlaps a tile's epilogue with
+the next tile's main loop). The launches and the few O(N) kernels are not counted.
+
+Devices:
+    H200 (SXM, bf16): R = 790 TFLOP/s (achievable cuBLAS, against a 989 TFLOP/s dense
+        datasheet peak), B = 4.8 TB/s (HBM3e), e_row = 0.85, 132 SMs, o = 0.5 (the table
+        also shows o = 1, the plain roofline, and o = 0). Not yet measured here: a GPU run
+        of bench/gpu_check.sh compares these predictions with its figures.
+    CPU: R measured per GEMM shape of the plan and e_row B measured per row-pass kind, at
+        the same shapes (``measure_cpu_device``); ``cpu_check`` then compares the predicted
+        time of whole ops with their measured time.
+
+Plans: "v3" is the driver as it is (``stages.chunk_plan``: fp32 logits chunks of
+MRTPO_CHUNK_BYTES, a 16-bit gradient buffer of MRTPO_GRAD_BUFFER_BYTES, balanced spans,
+the first dW GEMM written); "v2" rebuilds the previous plan for comparison (one
+MRTPO_CHUNK_BYTES chunk per dh / dW GEMM pair with a tail, dW accumulated into zeros).
+
+    python -m bench.cost_model table        the targets at V = 151936, d = 4096, N = 16384
+    python -m bench.cost_model sweep        gradient-buffer sizes (the default's choice)
+    python -m bench.cost_model cpu-check    predicted vs measured on this CPU (< 1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from . import formulas
+
+MiB = 1 << 20
+TARGET_SHAPE = dict(n=16384, v=151936, d=4096)
+# fwd+bwd TFLOP/s at 6 N d V (JS: (1 + K) 2 N d V, K = 4); extra memory <= 1 GB beyond
+# inputs, outputs and the fp32 dW
+TARGETS = {
+    "linear_policy_loss_fwd_bwd": 700.0,
+    "linear_logprobs_fwd_bwd": 550.0,
+    "linear_js_distance": 650.0,
+}
+MEMORY_TARGET = 1e9
+V2_KEEP_BYTES = 352 << 20  # the previous plan's MRTPO_KEEP_LOGITS_BYTES default
+CPU_BAND = (0.7, 1.4)  # measured / predicted on the CPU must fall in this band
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the model needs of a device. ``gemm_rates``: measured FLOP/s per GEMM
+    (m, n, k, accumulate) shape, used instead of ``gemm_flops`` where present;
+    ``row_rates``: measured bytes/s per row-pass stage."""
+
+    name: str
+    gemm_flops: float
+    bandwidth: float
+    row_efficiency: float = 0.85
+    sms: int = 0
+    peak_flops: float = 0.0
+    overlap: float = 1.0
+    gemm_rates: dict = field(default_factory=dict)
+    row_rates: dict = field(default_factory=dict)
+
+
+H200 = Device(
+    "H200 SXM, bf16", gemm_flops=790e12, bandwidth=4.8e12, row_efficiency=0.85, sms=132,
+    peak_flops=989e12, overlap=0.5,
+)  # fmt: skip
+
+
+def wave_efficiency(m: int, n: int, sms: int, tile: int = 128) -> float:
+    if sms <= 0:
+        return 1.0
+    tiles = math.ceil(m / tile) * math.ceil(n / tile)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def _key(g) -> tuple:
+    return (g.m, g.n, g.k, g.accumulate)
+
+
+def gemm_time(g, dev: Device) -> float:
+    if _key(g) in dev.gemm_rates:
+        return g.flops / dev.gemm_rates[_key(g)]
+    rate = dev.gemm_flops * wave_efficiency(g.m, g.n, dev.sms)
+    out = g.m * g.n * g.out_bytes * (2 if g.accumulate else 1)
+    roof = max(g.flops / rate, g.bytes / dev.bandwidth)
+    serial = max(g.flops / rate, (g.bytes - out) / dev.bandwidth) + out / dev.bandwidth
+    return dev.overlap * roof + (1.0 - dev.overlap) * serial
+
+
+def row_time(p, dev: Device) -> float:
+    rate = dev.row_rates.get(p.stage) or dev.bandwidth * dev.row_efficiency
+    return p.bytes / rate
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _stages():
+    from mrtpo_kernels import stages
+
+    return stages
+
+
+def v2_plan(op: str, n: int, v: int, d: int, *, backward: bool = True, k: int = 4):
+    """The previous driver's plan (16-bit GEMMs): chunks of MRTPO_CHUNK_BYTES rows with a
+    tail, dh and dW per chunk, dW accumulated into a zeroed fp32 buffer; the log-probs
+    forward kept its last 352 MiB of rows (then the default) and made the other spans that
+    large, the kept block doubling as the backward's buffer; JS chunks of
+    MRTPO_JS_SCRATCH_BYTES with a tail."""
+    st = _stages()
+    c = st.chunk_rows(v)
+    gemms, passes = [], []
+    G, P = st.Gemm, st.RowPass
+
+    def chunks(m, cap, start=0):
+        return [(s, min(start + m, s + cap)) for s in range(start, start + m, cap)]
+
+    if op == "linear_js_distance":
+        cj = st.js_chunk_rows(v, k)
+        for s, e in chunks(n, cj):
+            gemms.append(G("logits", (1 + k) * (e - s), v, d, False, 2, 4))
+            passes.append(P("js", (1 + k) * (e - s), v, 8))
+        return st.ChunkPlan(op, cj, 0, False, tuple(gemms), tuple(passes), 0, True,
+                            (1 + k) * min(cj, n) * 4 * v)  # fmt: skip
+    zero = [P("zero dW", v, d, 0, 4)] if backward else []
+    if op == "linear_policy_loss":
+        passes += zero
+        for s, e in chunks(n, c):
+            r = e - s
+            gemms.append(G("logits", r, v, d, False, 2, 4))
+            passes.append(P("grad", r, v, 8, 2))
+            gemms += [G("dh", r, d, v, False, 2, 2), G("dw", v, d, r, True, 2, 4)]
+        return st.ChunkPlan(op, c, 0, False, tuple(gemms), tuple(passes), c, True, c * 4 * v)
+    kept = min(n, V2_KEEP_BYTES // (4 * v))
+    m = n - kept
+    cap = max(c, kept)
+    parts = -(-m // cap) if m > 0 else 0
+    step = -(-m // parts) if parts else 1
+    spans = chunks(m, step) if m > 0 else []
+    for s, e in spans + ([(n - kept, n)] if kept else []):
+        gemms.append(G("logits", e - s, v, d, False, 2, 4))
+        passes += [P("stats", b - a, v, 4) for a, b in chunks(e - s, c)]
+    if backward:
+        passes += zero
+        for s, e in ([(n - kept, n)] if kept else []) + spans:
+            if s < n - kept:
+                gemms.append(G("recompute", e - s, v, d, False, 2, 4))
+            passes += [P("grad", b - a, v, 8, 2) for a, b in chunks(e - s, c)]
+            gemms += [G("dh", e - s, d, v, False, 2, 2), G("dw", v, d, e - s, True, 2, 4)]
+    big = max([kept] + [e - s for s, e in spans])
+    return st.ChunkPlan(op, c, kept, False, tuple(gemms), tuple(passes), big, True, big * 4 * v)
+
+
+_PLAN_OP = {
+    "linear_logprobs_fwd": ("linear_logprobs", False),
+    "linear_logprobs_entropy": ("linear_logprobs", False),
+    "linear_logprobs_fwd_bwd": ("linear_logprobs", True),
+    "linear_policy_loss_fwd_bwd": ("linear_policy_loss", True),
+    "linear_js_distance": ("linear_js_distance", False),
+}
+
+
+def plans_for(bench_op, n, v, d, k=4, *, version="v3", grad16=True, js_stacked=True) -> list:
+    """The plans one benchmark op runs (the credit-assignment step: JS, then the policy
+    loss; its advantage stage is not modelled)."""
+    kw = dict(version=version, grad16=grad16, js_stacked=js_stacked)
+    if bench_op == "credit_assignment_step":
+        return plans_for("linear_js_distance", n, v, d, k, **kw) + plans_for(
+            "linear_policy_loss_fwd_bwd", n, v, d, k, **kw
+        )
+    if bench_op not in _PLAN_OP:
+        raise ValueError(f"bench_op: no plan for {bench_op!r}")
+    op, backward = _PLAN_OP[bench_op]
+    if version == "v2":
+        return [v2_plan(op, n, v, d, backward=backward, k=k)]
+    return [
+        _stages().chunk_plan(
+            op, n, v, d, backward=backward, k=k, grad16=grad16, js_stacked=js_stacked
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    op: str
+    gemm_s: float
+    row_s: float
+    flops: float  # the op's counted FLOPs (bench/formulas.py), not the plan's
+    buffer_bytes: int
+    gemms: int
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.row_s
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.total_s / 1e12 if self.total_s else 0.0
+
+
+def predict_plans(bench_op, plans, n, v, d, k, dev: Device) -> Prediction:
+    gemm_s = sum(gemm_time(g, dev) for p in plans for g in p.gemms)
+    row_s = sum(row_time(r, dev) for p in plans for r in p.row_passes)
+    fl = formulas.flops(bench_op, n, d, v, k)
+    mem = max(p.buffer_bytes for p in plans)
+    return Prediction(bench_op, gemm_s, row_s, fl, mem, sum(p.count() for p in plans))
+
+
+def predict(bench_op, n, v, d, k=4, dev: Device = H200, *, version="v3", grad16=True):
+    plans = plans_for(bench_op, n, v, d, k, version=version, grad16=grad16)
+    return predict_plans(bench_op, plans, n, v, d, k, dev)
+
+
+def predicted_ms(bench_op, n, d, v, k, device_type: str, dtype: str) -> float | None:
+    """The prediction a benchmark row carries: the H200 model for CUDA rows of the chunk
+    driver's ops (16-bit plan for 16-bit inputs); None for ops it does not model and for
+    CPU rows (the CPU has no fixed rates: ``cpu_check`` measures them)."""
+    if device_type != "cuda" or (bench_op not in _PLAN_OP and bench_op != "credit_assignment_step"):
+        return None
+    grad16 = dtype in ("bfloat16", "float16")
+    return predict(bench_op, n, v, d, max(k, 1), H200, grad16=grad16).total_s * 1e3
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def target_rows(dev: Device = H200) -> list[dict]:
+    """Old and new plan at the targets' shape: predicted ms, TFLOP/s, buffer memory."""
+    n, v, d = TARGET_SHAPE["n"], TARGET_SHAPE["v"], TARGET_SHAPE["d"]
+    rows = []
+    for op, target in TARGETS.items():
+        k = 4 if op == "linear_js_distance" else 1
+        for version in ("v2", "v3"):
+            p = predict(op, n, v, d, k, dev, version=version)
+            hi = predict(op, n, v, d, k, replace(dev, overlap=1.0), version=version)
+            lo = predict(op, n, v, d, k, replace(dev, overlap=0.0), version=version)
+            rows.append(
+                dict(
+                    op=op, plan=version, gemms=p.gemms, gemm_ms=p.gemm_s * 1e3,
+                    row_ms=p.row_s * 1e3, ms=p.total_s * 1e3, tflops=p.tflops,
+                    tflops_range=f"{lo.tflops:.0f}-{hi.tflops:.0f}", target=target,
+                    met=p.tflops >= target and p.buffer_bytes <= MEMORY_TARGET,
+                    buffer_mb=p.buffer_bytes / 1e6,
+                )
+            )  # fmt: skip
+    return rows
+
+
+def gemm_rows(dev: Device = H200, version: str = "v3") -> list[dict]:
+    """Per GEMM shape of the policy loss at the target shape: count, FLOP/byte, time."""
+    n, v, d = TARGET_SHAPE["n"], TARGET_SHAPE["v"], TARGET_SHAPE["d"]
+    (plan,) = plans_for("linear_policy_loss_fwd_bwd", n, v, d, version=version)
+    shapes: dict[tuple, list] = {}
+    for g in plan.gemms:
+        shapes.setdefault((g.stage, g.m, g.n, g.k, g.accumulate), []).append(g)
+    out = []
+    for (stage, m, nn, kk, acc), gs in shapes.items():
+        g = gs[0]
+        out.append(
+            dict(
+                stage=stage, m=m, n=nn, k=kk, accumulate=acc, count=len(gs),
+                flop_per_byte=g.flops / g.bytes, ms_each=gemm_time(g, dev) * 1e3,
+                bound="memory" if g.bytes / dev.bandwidth > g.flops / dev.gemm_flops
+                else "compute",
+            )
+        )  # fmt: skip
+    return out
+
+
+def sweep(dev: Device = H200, steps_mib=range(128, 1025, 32)) -> list[dict]:
+    """MRTPO_GRAD_BUFFER_BYTES from 128 MiB to 1 GiB at the target shape: predicted time of
+    the policy loss and log-probs fwd+bwd, and the larger of their buffer memories."""
+    n, v, d = TARGET_SHAPE["n"], TARGET_SHAPE["v"], TARGET_SHAPE["d"]
+    saved = os.environ.get("MRTPO_GRAD_BUFFER_BYTES")
+    out = []
+    try:
+        for mib in steps_mib:
+            os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(mib * MiB)
+            pol = predict("linear_policy_loss_fwd_bwd", n, v, d, 1, dev)
+            lp = predict("linear_logprobs_fwd_bwd", n, v, d, 1, dev)
+            (plan,) = plans_for("linear_policy_loss_fwd_bwd", n, v, d)
+            out.append(
+                dict(
+                    grad_buffer_mib=mib, grad_rows=plan.grad_rows,
+                    ms=(pol.total_s + lp.total_s) * 1e3, policy_tflops=pol.tflops,
+                    logprobs_tflops=lp.tflops,
+                    buffer_mb=max(pol.buffer_bytes, lp.buffer_bytes) / 1e6,
+                )
+            )  # fmt: skip
+    finally:
+        if saved is None:
+            os.environ.pop("MRTPO_GRAD_BUFFER_BYTES", None)
+        else:
+            os.environ["MRTPO_GRAD_BUFFER_BYTES"] = saved
+    return out
+
+
+def choose_grad_buffer(dev: Device = H200) -> int:
+    """The default of MRTPO_GRAD_BUFFER_BYTES: the smallest size of the sweep whose
+    predicted time is within 0.5% of the best one inside the memory target."""
+    rows = [r for r in sweep(dev) if r["buffer_mb"] * 1e6 <= MEMORY_TARGET]
+    best = min(r["ms"] for r in rows)
+    return min(r["grad_buffer_mib"] for r in rows if r["ms"] <= best * 1.005) * MiB
+
+
+# --------------------------------------------------------------------------- the CPU
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+CPU_SHAPE = dict(n=384, v=8000, d=256, k=2, chunk_rows=96)
+
+
+def _cpu_inputs(n, v, d, k):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * d**-0.5
+    y = torch.randint(0, v, (n,), generator=g)
+    hq = h[None] + 0.3 * torch.randn(k, n, d, generator=g)
+    return h, w, y, hq
+
+
+def _cpu_ops(backend, h, w, y, hq):
+    """The three ops through the public API on ``backend`` (forward and backward)."""
+    import mrtpo_kernels as mk
+
+    n = h.shape[0]
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    g = h.new_ones(n)
+
+    def logprobs():
+        lp = mk.linear_logprobs(hh, ww, y, backend=backend)
+        lp.backward(g)
+        hh.grad = ww.grad = None
+
+    def policy():
+        loss, _ = mk.linear_policy_loss(hh, ww, y, -g, g, backend=backend)
+        loss.backward()
+        hh.grad = ww.grad = None
+
+    def js():
+        mk.linear_js_distance(h, hq, w, backend=backend)
+
+    return {
+        "linear_logprobs_fwd_bwd": logprobs,
+        "linear_policy_loss_fwd_bwd": policy,
+        "linear_js_distance": js,
+    }
+
+
+def measure_cpu_device(kern, plans, y, k: int, repeats: int = 3) -> Device:
+    """CPU rates at the plans' own shapes: each distinct fp32 GEMM timed alone (torch.mm,
+    or addmm_ where it accumulates), each row-pass kind timed on a chunk of its rows (the
+    row kernel alone), converted to bytes/s with the plan's byte counts."""
+    import torch
+
+    rates: dict = {}
+    for p in plans:
+        for g in p.gemms:
+            if _key(g) in rates:
+                continue
+            # the driver's layouts: logits h W^T (W^T a transposed view), dh = G W, and
+            # dW = G^T h (G^T a transposed view)
+            a = torch.randn(g.k, g.m).t() if g.stage == "dw" else torch.randn(g.m, g.k)
+            b = torch.randn(g.n, g.k).t() if g.stage in ("logits", "recompute") else None
+            b = torch.randn(g.k, g.n) if b is None else b
+            c = torch.zeros(g.m, g.n)
+            if g.accumulate:
+                t = _median_time(lambda a=a, b=b, c=c: c.addmm_(a, b), repeats)
+            else:
+                t = _median_time(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats)
+            rates[_key(g)] = g.flops / t
+    row_rates: dict = {}
+    for p in plans:
+        for r in p.row_passes:
+            if r.stage in row_rates:
+                continue
+            rows = r.rows
+            z = torch.randn(rows, r.cols) * 3
+            lab = y[:rows] if rows <= y.shape[0] else y.repeat(-(-rows // y.shape[0]))[:rows]
+            o = torch.ones(rows)
+            # the in-place kernels get a fresh copy of the logits per call, made beforehand
+            copies = [z.clone() for _ in range(repeats + 1)]
+            if r.stage == "stats":
+                fn = lambda z=z, lab=lab: kern.stats(z, lab, 1.0, -100, False)  # noqa: E731
+            elif r.stage == "grad" and p.op == "linear_policy_loss":
+                fn = lambda c=copies, lab=lab, o=o: kern.policy_(  # noqa: E731
+                    c.pop(), lab, -o, o, o, None, 1.0, 0.2, 0.2, 0.0, -100, True
+                )
+            elif r.stage == "grad":
+                fn = lambda c=copies, lab=lab, o=o: kern.grad_(  # noqa: E731
+                    c.pop(), lab, o, None, o, None, 1.0, -100
+                )
+            elif r.stage == "copy kept":
+                dst = torch.empty_like(z)
+                fn = lambda z=z, dst=dst: dst.copy_(z)  # noqa: E731
+            elif r.stage == "js" and hasattr(kern, "js_many"):
+                zz = torch.randn(1 + k, rows // (1 + k), r.cols) * 3
+                fn = lambda zz=zz: kern.js_many(zz, 1.0)  # noqa: E731
+            elif r.stage == "js":
+                zp, zq = z[: rows // 2], z[rows // 2 :]
+                fn = lambda zp=zp, zq=zq: kern.js(zp, zq, 1.0, None)  # noqa: E731
+            else:
+                continue
+            t = _median_time(fn, repeats)
+            row_rates[r.stage] = r.bytes / t
+    return Device("this CPU (measured)", 0.0, 0.0, 1.0, 0, 0.0, 1.0, rates, row_rates)
+
+
+def cpu_check(repeats: int = 3, shape: dict | None = None) -> list[dict]:
+    """Predicted (from rates measured at the plan's shapes) against measured time of the
+    log-probs fwd+bwd, the policy loss fwd+bwd and JS one-vs-K, fp32 on the C++ row
+    kernels (torch's where the extension is not built), at a small shape with chunks of
+    ``chunk_rows`` rows (several gradient buffers)."""
+    from mrtpo_kernels import backends, stages
+
+    sh = dict(CPU_SHAPE, **(shape or {}))
+    n, v, d, k, c = (sh[x] for x in ("n", "v", "d", "k", "chunk_rows"))
+    backend = "cpu" if backends.load("cpu") is not None else "torch"
+    kern = stages.row_kernel(backend)
+    keys = ("MRTPO_CHUNK_BYTES", "MRTPO_JS_SCRATCH_BYTES", "MRTPO_KEEP_LOGITS_BYTES")
+    saved = {x: os.environ.get(x) for x in keys}
+    os.environ["MRTPO_CHUNK_BYTES"] = str(4 * v * c)
+    os.environ["MRTPO_JS_SCRATCH_BYTES"] = str(4 * v * (1 + k) * c // 2)
+    os.environ["MRTPO_KEEP_LOGITS_BYTES"] = str(4 * v * c)
+    try:
+        h, w, y, hq = _cpu_inputs(n, v, d, k)
+        ops = _cpu_ops(backend, h, w, y, hq)
+        out = []
+        for op, fn in ops.items():
+            plans = plans_for(op, n, v, d, k, grad16=False, js_stacked=hasattr(kern, "js_many"))
+            dev = measure_cpu_device(kern, plans, y, k, repeats)
+            pred = predict_plans(op, plans, n, v, d, k, dev)
+            meas = _median_time(fn, repeats)
+            out.append(
+                dict(
+                    op=op, backend=backend, N=n, V=v, d=d, K=k, gemms=pred.gemms,
+                    predicted_ms=pred.total_s * 1e3, gemm_ms=pred.gemm_s * 1e3,
+                    row_ms=pred.row_s * 1e3, measured_ms=meas * 1e3,
+                    ratio=meas / pred.total_s,
+                    in_band=CPU_BAND[0] <= meas / pred.total_s <= CPU_BAND[1],
+                    load=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+                )
+            )  # fmt: skip
+        return out
+    finally:
+        for x, val in saved.items():
+            if val is None:
+                os.environ.pop(x, None)
+            else:
+                os.environ[x] = val
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _md(rows: list[dict], cols: list[str]) -> str:
+    def f(x):
+        if isinstance(x, float):
+            return f"{x:,.3g}" if abs(x) < 100 else f"{x:,.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(f(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cost_model", description=__doc__)
+    ap.add_argument("what", choices=("table", "sweep", "cpu-check"))
+    ap.add_argument("--json", action="store_true", help="JSON lines instead of Markdown")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.what == "table":
+        rows = target_rows()
+        cols = ["op", "plan", "gemms", "gemm_ms", "row_ms", "ms", "tflops", "tflops_range",
+                "target", "buffer_mb", "met"]  # fmt: skip
+        extra = gemm_rows(H200, "v2") + gemm_rows(H200, "v3")
+        gcols = ["stage", "m", "n", "k", "accumulate", "count", "flop_per_byte", "ms_each",
+                 "bound"]  # fmt: skip
+    elif args.what == "sweep":
+        rows, extra = sweep(), []
+        cols = ["grad_buffer_mib", "grad_rows", "ms", "policy_tflops", "logprobs_tflops",
+                "buffer_mb"]  # fmt: skip
+    else:
+        rows, extra = cpu_check(args.repeats), []
+        cols = ["op", "backend", "N", "V", "d", "K", "gemms", "predicted_ms", "gemm_ms",
+                "row_ms", "measured_ms", "ratio", "in_band", "load"]  # fmt: skip
+    if args.json:
+        for r in rows + extra:
+            print(json.dumps(r))
+        return 0
+    print(_md(rows, cols))
+    if extra:
+        print()
+        print(_md(extra, gcols))
+    if args.what == "cpu-check":
+        print(f"\nband: measured / predicted in [{CPU_BAND[0]}, {CPU_BAND[1]}]")
+        return 0 if all(r["in_band"] for r in rows) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "H200",
+    "Device",
+    "Prediction",
+    "choose_grad_buffer",
+    "cpu_check",
+    "gemm_time",
+    "predict",
+    "predicted_ms",
+    "sweep",
+    "target_rows",
+    "v2_plan",
+]

@@ -1,0 +1,94 @@
+"""The figures of a GPU check as Markdown: one table per part of bench/gpu_micro.py, each
+measurement beside the cost model's prediction.
+
+    python -m bench.figures figures.jsonl
+
+Reads the JSON lines bench/gpu_micro.py appends (a torn last line, from a killed process,
+is skipped) and prints the tables; bench/gpu_check.sh puts them in its summary after every
+step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_COLUMNS = {
+    "cublas": ("name", "m", "n", "k", "ms", "pred_ms", "tflops", "error"),
+    "rows": ("name", "rows", "ms", "pred_ms", "gb_per_s", "error"),
+    "ops": (
+        "name",
+        "variant",
+        "grad_buffer_mib",
+        "chunk_mib",
+        "gemm_path",
+        "ms",
+        "pred_ms",
+        "tflops",
+        "target_tflops",
+        "extra_mem_mb",
+        "error",
+    ),  # fmt: skip
+    "correctness": (
+        "name",
+        "gemm_path",
+        "ok",
+        "logp_max_err",
+        "entropy_max_err",
+        "dh_rel_err",
+        "dw_rel_err",
+        "policy_dh_rel_err",
+        "policy_dw_rel_err",
+        "error",
+    ),  # fmt: skip
+}
+
+
+def read(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed process
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _cell(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x).replace("|", "/")
+
+
+def markdown(records: list[dict]) -> str:
+    parts: dict[str, list[dict]] = {}
+    for r in records:
+        parts.setdefault(r.get("part", "?"), []).append(r)
+    lines = []
+    for part, rows in parts.items():
+        cols = [c for c in _COLUMNS.get(part, ("name", "error")) if any(c in r for r in rows)]
+        if not cols:
+            continue
+        lines += [f"**{part}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines) if lines else "(no figures yet)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.figures", description=__doc__)
+    ap.add_argument("path")
+    args = ap.parse_args(argv)
+    print(markdown(read(args.path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
