@@ -316,7 +316,8 @@ class RunDir:
                 continue
             if found[p] is None:
                 why = "no completion mark" if not (p / META).exists() else "an unreadable mark"
-                notes.append(f"removed {name(p)} ({why}: a save that did not finish)")
+                what = "a save that did not finish" if p == self.tmp else "incomplete"
+                notes.append(f"removed {name(p)} ({why}: {what})")
             else:
                 notes.append(f"removed {name(p)} (step {found[p]}), superseded by {name(best)}")
             self._remove(p)
