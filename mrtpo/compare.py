@@ -160,10 +160,9 @@ def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
     s["seed"], s["wall_s"] = seed, time.perf_counter() - t0
     done = {"algo": algo, "names": names, "summary": s, "key": key, "complete": True}
     write_atomic(_done_path(run_cfg), json.dumps(done))
-    how = f"resumed from step {found}" if action == "resume" else "trained"
-    if action == "fresh" and found:
-        how += f"; replaced a run {found}" if found != "--rerun" else ""
-    done["how"] = how
+    done["how"] = f"resumed from step {found}" if action == "resume" else "trained"
+    if action == "fresh" and found not in (None, "--rerun"):
+        done["how"] += f"; replaced a run {found}"
     return done
 
 
