@@ -35,7 +35,6 @@ from mrtpo_kernels import (
     linear_logprobs,
     linear_policy_loss,
     mrtpo_token_advantages,
-    specific_relevance,
 )
 
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
@@ -45,9 +44,9 @@ from .model import default_model, lm_head, load_model, save_model
 from .model_folder import check_model_folder
 from .pretrained import initial_folder, is_builtin
 from .prompting import ChatPrompter
+from .relevance_modes import relevance_mode, step_mode
 from .replay import (
     contrastive_replay,
-    control_span,
     forward_responses,
     response_hidden,
     teacher_batch,
@@ -89,30 +88,16 @@ def oracle_relevance(task, ro, lengths) -> torch.Tensor:
     return rel
 
 
-def sharpen(relevance, has_info, lengths, mode: str, control=None):
-    """The relevance that allocates (METHOD.md 3, 3b): d itself ("js", and "oracle", which
-    is already the allocation's shape), or ``specific_relevance`` of it ("specific";
-    "control" with d_ctrl, which must be given)."""
-    if mode in ("js", "logratio", "oracle"):
-        return relevance
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(lengths, 0)
-    if mode == "control" and control is None:
-        raise ValueError("relevance: 'control' needs the control replay's distances")
-    return specific_relevance(
-        relevance, has_info, control=control if mode == "control" else None, cu_seqlens=cu
-    )
-
-
 def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None):
     """Token advantages (N,) packed, and the allocation weights (K, N) actually applied.
-    Under mrtpo, ``relevance`` (K, N) is sharpened per ``cfg.relevance`` first."""
+    Under mrtpo, ``relevance`` (K, N) allocates as ``cfg.relevance``'s mode makes it
+    (``RelevanceMode.allocating``; ``control``: d_ctrl (N,) of the control mode)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
     k, n_tok = rewards.shape[1], int(cu[-1])
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
-        relevance = sharpen(relevance, has_info, lengths, cfg.relevance, control)
+        relevance = relevance_mode(cfg.relevance).allocating(relevance, has_info, lengths, control)
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -291,9 +276,7 @@ class Trainer:
             ro = generate_rollouts(self.model, self.prompter, self.task, examples, cfg, self.device)
         t1 = time.perf_counter()
         want_replay = cfg.algo == "mrtpo" or cfg.replay_for_baselines
-        control = None
-        if want_replay and cfg.algo == "mrtpo" and cfg.relevance == "control":
-            control = [control_span(ex.prompt, sp) for ex, sp in zip(ro.examples, ro.spans)]
+        mode = step_mode(cfg.algo, cfg.relevance)
         with self._amp():
             rep = contrastive_replay(
                 self.model,
@@ -305,18 +288,15 @@ class Trainer:
                 temperature=cfg.temperature,
                 micro_batch=cfg.micro_batch * 2,
                 replay=want_replay,
-                control=control,
-                pointwise=want_replay and cfg.algo == "mrtpo" and cfg.relevance == "logratio",
+                control=mode.control_spans(ro.examples, ro.spans),
+                pointwise=mode.pointwise,
             )
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
-        if cfg.algo == "mrtpo" and cfg.relevance == "oracle":
-            relevance = oracle_relevance(self.task, ro, lengths)
-        elif have_rel:  # the pointwise log-ratio where asked, else the JS distance
-            relevance = (rep.relevance if rep.logratio is None else rep.logratio).float().cpu()
-        else:
-            relevance = torch.zeros((self.k, int(lengths.sum())), dtype=torch.float32)
+        relevance = mode.relevance(
+            rep, self.k, lengths, oracle=lambda: oracle_relevance(self.task, ro, lengths)
+        )
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
         adv, alloc = compute_advantages(
             cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
