@@ -27,6 +27,7 @@ from mrtpo_kernels import (
 )
 
 __all__ = [
+    "config_value",
     "consecutive_group_ids",
     "group_ids_from_index",
     "has_info_from_spans",
@@ -92,6 +93,15 @@ def require(package: str, feature: str):
             f"({exc}). Install it, or use the standalone functions of "
             f"mrtpo.integrations, which need no framework."
         ) from exc
+
+
+def config_value(config, key: str, default):
+    """``config[key]`` of a mapping (an OmegaConf DictConfig, a dict) or ``config.key`` of
+    any other object; ``default`` where the config is None or the value is None or absent."""
+    if config is None:
+        return default
+    value = config.get(key, None) if hasattr(config, "get") else getattr(config, key, None)
+    return default if value is None else value
 
 
 # --------------------------------------------------------------------------- groups
