@@ -13,6 +13,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from mrtpo.integrations import trl as mtrl  # noqa: E402
+from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 
 PROMPTS = ["count the apples", "name a colour", "add two and three", "spell cat"]
@@ -133,7 +134,7 @@ def test_grpo_trainer_fused_loss_equals_trl(tmp_path, overrides):
 
 def test_grpo_trainer_refuses_aux_loss(tmp_path):
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        mixin = mtrl._trainer_mixin()
+        mixin = trl_trainer._trainer_mixin()
         obj = mixin.__new__(mixin)
         obj.aux_loss_enabled = True
 
