@@ -334,8 +334,9 @@ class TrainConfig:
     freeze_embeddings: bool = setting(
         False,
         "keep the token embeddings (and a tied LM head) fixed: the LM head gives every "
-        "vocabulary row a small gradient, and Adam moves each row by about the learning rate "
-        "per step, which degrades a pretrained model's whole vocabulary",
+        "vocabulary row a gradient, however small, and Adam's normalized step moves each row "
+        "by up to about the learning rate per step; fixing them limits the drift of a "
+        "pretrained model's vocabulary and skips the head's weight gradient",
         group="optimization",
     )
     kl_beta: float = setting(

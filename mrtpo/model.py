@@ -12,6 +12,7 @@ its place (``load_model(path)``); the trainer only needs the decoder's last hidd
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -168,13 +169,26 @@ def save_model(model, tokenizer, path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", what: str = "model"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    what: str = "model",
+    cache_dir: str | Path = "runs/cache",
+    log=None,
 ):
-    """Load a local Hugging Face causal LM and its tokenizer from ``path``; a load failure is
-    a one-line ValueError that starts with ``what`` (the setting that named ``path``)."""
+    """Load a local Hugging Face causal LM and its tokenizer from ``path``, or a built-in
+    pretrained model by name (``mrtpo.pretrained``: converted once into ``cache_dir``); a
+    load failure is a one-line ValueError that starts with ``what`` (the setting that named
+    ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .pretrained import builtin_folder, is_builtin
+
     _quiet_transformers()
+    if is_builtin(path):
+        stored = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        path = builtin_folder(str(path), cache_dir, dtype=stored, log=log)
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{what}: {str(path)!r} is not a folder with a saved causal LM")
@@ -251,9 +265,15 @@ def supervised_batch(prompter: ChatPrompter, examples, *, device="cpu"):
     return ids.to(device), mask.to(device), lab[:, 1:].to(device)
 
 
-def warm_start(model, prompter: ChatPrompter, examples, *, steps, batch, lr, seed=0, log=None):
+def warm_start(
+    model, prompter: ChatPrompter, examples, *, steps, batch, lr, seed=0, log=None, autocast=None
+):
     """A short supervised pass (cross-entropy on the gold responses) with AdamW and a
-    cosine schedule. Returns the mean loss of the last 10 steps."""
+    cosine schedule. ``autocast`` (a dtype, e.g. torch.bfloat16): the decoder's forwards run
+    under torch.autocast; the loss, backward and optimizer step stay outside it (whole
+    steps inside a CPU bf16 autocast region wrecked a 135M model within a dozen steps
+    although its gradients matched float32's).
+    Returns the mean loss of the last 10 steps."""
     if not examples:
         raise ValueError("examples: the task has no training examples")
     rng = random.Random(seed)
@@ -271,7 +291,11 @@ def warm_start(model, prompter: ChatPrompter, examples, *, steps, batch, lr, see
         ids, mask, labels = supervised_batch(
             prompter, [examples[i] for i in idx], device=next(model.parameters()).device
         )
-        h = last_hidden(model, ids, mask)[:, :-1]
+        amp = contextlib.nullcontext()
+        if autocast is not None:
+            amp = torch.autocast(ids.device.type, dtype=autocast)
+        with amp:
+            h = last_hidden(model, ids, mask)[:, :-1]
         w, b = weight_fn()
         keep = labels != -100
         logp = linear_logprobs(h[keep], w, labels[keep], bias=b)

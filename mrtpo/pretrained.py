@@ -191,7 +191,7 @@ def warm_key(task_name: str, seed: int, steps: int, noise: float, dtype: str) ->
             "batch": PRETRAINED_WARM_BATCH,
             "dtype": dtype,
             "version": CONVERSION_VERSION,
-            "frozen": "embeddings",
+            "autocast": "forward",
         },
         sort_keys=True,
     ).encode()
@@ -229,6 +229,7 @@ def initial_folder(
     if (folder / "warm_start.json").is_file():
         return folder
     # float32 weights (bfloat16 ones would round small updates away), bf16 autocast forwards
+    # (the backward and optimizer step outside autocast)
     model, tok = load_model(base, dtype=torch.float32)
     examples = list(task.train)
     if warm_noise > 0:
@@ -236,14 +237,7 @@ def initial_folder(
 
         rng = random.Random(seed + 7919)
         examples = [replace(ex, reference=noisy_reference(rng, ex, warm_noise)) for ex in examples]
-    # The (tied) embedding stays frozen: the LM head gives every vocabulary row a small
-    # gradient, and Adam would move all 49k rows by about the learning rate each step, which
-    # wrecks a small pretrained model within a dozen steps (seen: fluent English to word
-    # salad at lr 5e-5); the decoder layers learn the format alone.
-    model.get_input_embeddings().weight.requires_grad_(False)
-    model.get_output_embeddings().weight.requires_grad_(False)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16)
-    with torch.random.fork_rng(devices=[]), amp:
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         loss = warm_start(
             model,
@@ -254,11 +248,11 @@ def initial_folder(
             lr=PRETRAINED_WARM_LR,
             seed=seed,
             log=log,
+            autocast=torch.bfloat16,
         )
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.requires_grad_(True)
     save_model(model.to(getattr(torch, dtype)), tok, tmp)
     info = {
         "model": name,
@@ -269,7 +263,6 @@ def initial_folder(
         "lr": PRETRAINED_WARM_LR,
         "batch": PRETRAINED_WARM_BATCH,
         "dtype": dtype,
-        "frozen": "embeddings",
         "final_loss": loss,
     }
     (tmp / "warm_start.json").write_text(json.dumps(info, indent=1))

@@ -253,7 +253,8 @@ def write_markdown(summary, path: Path, args) -> Path:
         "",
         "| algo | steps to target (per seed) | AUC | final all-pass | "
         + " | ".join(f"final {n}" for n in names)
-        + " | credit precision | uniform share | relevance precision | s/step | replay s/step |",
+        + " | credit precision | uniform share | relevance precision | s/step | "
+        "rollout / replay / update s |",
         "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|",
     ]
     for algo, rs in runs.items():
@@ -270,8 +271,9 @@ def write_markdown(summary, path: Path, args) -> Path:
             cells.append(f"{fmt(m)} +- {fmt(s)}")
         for key in ("credit_precision", "uniform_share", "relevance_precision"):
             cells.append(fmt(mean_std([r[key] for r in rs])[0]))
-        for key in ("step_time", "replay_time"):
-            cells.append(fmt(mean_std([r.get(key) for r in rs])[0]))
+        cells.append(fmt(mean_std([r.get("step_time") for r in rs])[0]))
+        phases = ("rollout_time", "replay_time", "update_time")
+        cells.append(" / ".join(fmt(mean_std([r.get(k) for r in rs])[0]) for k in phases))
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -287,6 +289,24 @@ def write_markdown(summary, path: Path, args) -> Path:
             p, _ = mean_std([r["precision"][n] for r in rs])
             u, _ = mean_std([r["uniform"][n] for r in rs])
             cells.append(f"{fmt(p)} / {fmt(u)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Relevance diagnostics per reward, where the run computed relevance: share of "
+        "responses whose top-relevance token is one the verifier names / chance (the mean "
+        "share of named tokens), and the rank AUC of the relevance, named vs other tokens "
+        "(chance 0.5):",
+        "",
+        "| algo | " + " | ".join(f"{n} top-hit / chance | {n} AUC" for n in names) + " |",
+        "|---|" + "---|---|" * len(names),
+    ]
+    for algo, rs in runs.items():
+        cells = [algo]
+        for n in names:
+            hit = mean_std([(r.get("top_hit") or {}).get(n) for r in rs])[0]
+            ch = mean_std([(r.get("top_hit_chance") or {}).get(n) for r in rs])[0]
+            auc_ = mean_std([(r.get("rank_auc") or {}).get(n) for r in rs])[0]
+            cells += [f"{fmt(hit)} / {fmt(ch)}", fmt(auc_)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",

@@ -94,6 +94,14 @@ def summarize_run(metrics: list[dict], names, target: float, window: int) -> dic
             [sum(v for k, v in m["time"].items() if k != "replays") for m in metrics]
         ),
         "replay_time": _mean([m["time"]["replay"] for m in metrics]),
+        "rollout_time": _mean([m["time"]["rollout"] for m in metrics]),
+        "update_time": _mean([m["time"]["update"] for m in metrics]),
+        # relevance diagnostics (None where a run has no relevance, e.g. GDPO without replay)
+        "top_hit": {n: _mean([m.get(f"top_hit/{n}") for m in metrics]) for n in names},
+        "top_hit_chance": {
+            n: _mean([m.get(f"top_hit_chance/{n}") for m in metrics]) for n in names
+        },
+        "rank_auc": {n: _mean([m.get(f"rank_auc/{n}") for m in metrics]) for n in names},
     }
     return out
 
