@@ -106,33 +106,43 @@ def relevant_token_masks(task, rollouts: Rollouts) -> list[list[torch.Tensor | N
     return out
 
 
-def credit_precision(alloc, masks, has_info, lengths):
-    """Per reward: mean share of the allocation mass on the relevant tokens, and the share a
-    uniform allocation would give (|relevant| / T), over responses where the reward has
-    spans and the relevant tokens are a proper, non-empty subset of the response."""
-    k = alloc.shape[0]
+def _judged(values, masks, has_info, lengths):
+    """(reward j, that reward's values on one response in float64, the response's named-token
+    mask) over the responses where reward j has spans and the tokens its verifier names are a
+    proper, non-empty subset of the response."""
     starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(lengths, 0)
-    prec = [[] for _ in range(k)]
-    unif = [[] for _ in range(k)]
     for i in range(len(lengths)):
         a, b = int(starts[i]), int(starts[i + 1])
-        for j in range(k):
+        for j in range(values.shape[0]):
             m = masks[i][j]
             if m is None or not bool(has_info[i, j]):
                 continue
             m = m[: b - a]
             cnt = int(m.sum())
-            if cnt == 0 or cnt == b - a:
+            if cnt == 0 or cnt == b - a or m.numel() != b - a:
                 continue
-            w = alloc[j, a:b].double()
-            tot = float(w.sum())
-            if tot <= 0:
-                continue
-            prec[j].append(float(w[m].sum()) / tot)
-            unif[j].append(cnt / (b - a))
-    mean = lambda xs: (sum(xs) / len(xs)) if xs else None
-    return [mean(p) for p in prec], [mean(u) for u in unif], [len(p) for p in prec]
+            yield j, values[j, a:b].double(), m
+
+
+def _means(lists):
+    return [(sum(xs) / len(xs)) if xs else None for xs in lists]
+
+
+def credit_precision(alloc, masks, has_info, lengths):
+    """Per reward: mean share of the allocation mass on the relevant tokens, and the share a
+    uniform allocation would give (|relevant| / T), over responses where the reward has
+    spans and the relevant tokens are a proper, non-empty subset of the response."""
+    k = alloc.shape[0]
+    prec = [[] for _ in range(k)]
+    unif = [[] for _ in range(k)]
+    for j, w, m in _judged(alloc, masks, has_info, lengths):
+        tot = float(w.sum())
+        if tot <= 0:
+            continue
+        prec[j].append(float(w[m].sum()) / tot)
+        unif[j].append(float(m.sum()) / m.numel())
+    return _means(prec), _means(unif), [len(p) for p in prec]
 
 
 def relevance_diagnostics(relevance, masks, has_info, lengths):
@@ -146,31 +156,18 @@ def relevance_diagnostics(relevance, masks, has_info, lengths):
       other tokens; chance 0.5.
     Returns (hit, hit_chance, auc), lists of K floats or None."""
     k = relevance.shape[0]
-    starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    starts[1:] = torch.cumsum(lengths, 0)
     hit, chance, auc = ([[] for _ in range(k)] for _ in range(3))
-    for i in range(len(lengths)):
-        a, b = int(starts[i]), int(starts[i + 1])
-        for j in range(k):
-            m = masks[i][j]
-            if m is None or not bool(has_info[i, j]):
-                continue
-            m = m[: b - a]
-            cnt = int(m.sum())
-            if cnt == 0 or cnt == b - a or m.numel() != b - a:
-                continue
-            r = relevance[j, a:b].double()
-            if not bool(torch.isfinite(r).all()):
-                continue
-            top = r == r.max()
-            hit[j].append(float(top[m].sum()) / float(top.sum()))
-            chance[j].append(cnt / (b - a))
-            pos, neg = r[m], r[~m]
-            greater = (pos[:, None] > neg[None, :]).double().sum()
-            ties = (pos[:, None] == neg[None, :]).double().sum()
-            auc[j].append(float(greater + 0.5 * ties) / (pos.numel() * neg.numel()))
-    mean = lambda xs: (sum(xs) / len(xs)) if xs else None
-    return [mean(x) for x in hit], [mean(x) for x in chance], [mean(x) for x in auc]
+    for j, r, m in _judged(relevance, masks, has_info, lengths):
+        if not bool(torch.isfinite(r).all()):
+            continue
+        top = r == r.max()
+        hit[j].append(float(top[m].sum()) / float(top.sum()))
+        chance[j].append(float(m.sum()) / m.numel())
+        pos, neg = r[m], r[~m]
+        greater = (pos[:, None] > neg[None, :]).double().sum()
+        ties = (pos[:, None] == neg[None, :]).double().sum()
+        auc[j].append(float(greater + 0.5 * ties) / (pos.numel() * neg.numel()))
+    return _means(hit), _means(chance), _means(auc)
 
 
 def step_metrics(
