@@ -519,8 +519,9 @@ def measure(framework: str, args) -> dict:
     row["status"] = "ok"
     w, wo = row["with_s"], row["without_s"]
     row["ratio"] = w / wo if wo and wo > 0 else float("nan")
-    for key in ("with_s", "without_s", "replay_s", "ratio"):
-        row[key] = round(float(row[key]), 4)
+    for key in ("with_s", "without_s", "replay_s"):
+        row[key] = round(float(row[key]), 6)
+    row["ratio"] = round(float(row["ratio"]), 4)
     row["extra"] = {k: v for k, v in got.items() if k not in FIELDS}
     return row
 
