@@ -1,8 +1,9 @@
 """bench/replay_cost.py at a tiny size: one row per framework path with the columns the
-table reports; where a row was measured, finite positive seconds, a ratio >= 1 (the replay
-adds work: K + 1 forwards per response) and replay seconds > 0. Timing targets are not
-checked. verl and OpenRLHF rows come from .venv-frameworks when it exists (merged into the
-same folder), else they say "not installed here"."""
+table reports; where a row was measured, finite positive seconds, the ratio they give and
+replay seconds > 0. No timing is compared (two wall-clock timings on a shared machine can
+cross): the replay's extra work is checked by its count of forwards. verl and OpenRLHF rows
+come from .venv-frameworks when it exists (merged into the same folder), else they say "not
+installed here"."""
 
 import csv
 import json
@@ -29,7 +30,6 @@ def _check_measured(row):
     for key in ("with_s", "without_s", "replay_s", "ratio"):
         assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, key
     assert row["ratio"] == pytest.approx(row["with_s"] / row["without_s"], rel=1e-3)
-    assert row["ratio"] >= 1.0, row  # the replay adds work to the step
     assert row["k"] == rc.K == 3 and row["target"] == rc.TARGET
     assert math.isfinite(row["load_1m"])
 
