@@ -160,9 +160,10 @@ def part_ops(torch, stages, cm, args, emit):
         lp.backward(up)
         h.grad = w.grad = None
 
+    hq = (h.detach()[None] + 0.3 * torch.randn(4, n, d, device=dev, generator=g)).to(bf)
+
     def js():
         with torch.no_grad():
-            hq = h.detach()[None].expand(4, n, d)
             mk.linear_js_distance(h.detach(), hq, w.detach(), backend="triton")
 
     for name, fn, k in (

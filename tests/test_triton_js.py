@@ -137,8 +137,8 @@ def test_triton_js_kernels_compile_for_hopper():
          "K": "i32", "cols": "i32", "cols_per_split": "i32", "stride_p": "i32",
          "stride_qk": "i64", "stride_q": "i32", "stride_ls": "i32", "stride_part_s": "i32",
          "stride_part_k": "i32", "scale": "fp32", "BLOCK_K": "constexpr",
-         "BLOCK_V": "constexpr"},
-        {"BLOCK_K": 4, "BLOCK_V": 1024}, num_warps=8,
+         "BLOCK_V": "constexpr", "FAST_LOG": "constexpr"},
+        {"BLOCK_K": 4, "BLOCK_V": 1024, "FAST_LOG": True}, num_warps=8,
     )  # fmt: skip
     _compile_for_hopper(
         js._js_finish_kernel,

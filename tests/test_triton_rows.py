@@ -104,11 +104,17 @@ def test_js_row_kernels_compile_for_hopper(k):
         "stride_s": "i64", "stride_r": "i64", "inv_t": "fp32", "BLOCK": "constexpr"},
         {"BLOCK": block}, num_warps=8)  # fmt: skip
     block_k, block_v = js._sum_blocks(k)
-    _compile(rows._js_rows_sum_kernel, {
+    sig = {
         "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "part_ptr": "*fp32",
         "K": "i32", "rows": "i32", "cols": "i32", "cols_per_split": "i32", "stride_s": "i64",
-        "stride_r": "i64", "inv_t": "fp32", "BLOCK_K": "constexpr", "BLOCK_V": "constexpr"},
-        {"BLOCK_K": block_k, "BLOCK_V": block_v}, num_warps=8)  # fmt: skip
+        "stride_r": "i64", "inv_t": "fp32", "BLOCK_K": "constexpr", "BLOCK_V": "constexpr",
+        "FAST_LOG": "constexpr"}  # fmt: skip
+    blocks = {"BLOCK_K": block_k, "BLOCK_V": block_v}
+    fast = _compile(rows._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": True}, num_warps=8)
+    slow = _compile(rows._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": False}, num_warps=8)
+    # the GPU build takes its log from the special function unit, not libdevice's logf
+    assert "lg2.approx.f32" in fast.asm["ptx"] and "__nv_logf" not in fast.asm["ptx"]
+    assert "__nv_logf" in slow.asm["ptx"]  # (what tl.log alone compiles to)
 
 
 @hopper

@@ -161,13 +161,32 @@ def _row_lse_kernel(
 
 
 @triton.jit
-def _js_terms(p, q, delta):
-    """Per-element p log(p/m) + q log(q/m) from p, q and delta = log p - log q (fp32)."""
+def _log1p_unit(x, FAST_LOG: tl.constexpr):
+    """log(1 + x) for x in [0, 1]. FAST_LOG (on a GPU): lg2.approx.f32, the special
+    function unit's log2 (CUDA's __log2f), times ln 2. The CUDA programming guide bounds
+    __log2f by 2^-22 absolute for arguments in [0.5, 2] (here 1 + x in [1, 2]): at most
+    1.7e-7 absolute in this log. tl.log (and tl.log2) compile to libdevice's logf, a
+    software sequence on which the JS sum kernel's second pass is ALU-bound. Elsewhere (the
+    interpreter, which has no inline PTX) tl.log."""
+    if FAST_LOG:
+        lg2 = tl.inline_asm_elementwise(
+            "lg2.approx.f32 $0, $1;", "=r,r", [1.0 + x], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return lg2 * _LN2
+    return tl.log(1.0 + x)
+
+
+@triton.jit
+def _js_terms(p, q, delta, FAST_LOG: tl.constexpr):
+    """Per-element p log(p/m) + q log(q/m) from p, q and delta = log p - log q (fp32).
+    FAST_LOG: _log1p_unit's approximate log, at most 1.7e-7 (p + q) off per element (only
+    where |delta| >= 1/2), so at most 1.7e-7 in the divergence (half the sum of the terms;
+    the sum of p + q is 2)."""
     ad = tl.abs(delta)
     x2 = 0.25 * ad * ad
     h = x2 * (1.0 + x2 * (_H1 + x2 * (_H2 + x2 * (_H3 + x2 * (_H4 + x2 * _H5)))))
     small = 0.5 * (p + q) * h
-    log1pe = tl.log(1.0 + tl.exp(-ad))
+    log1pe = _log1p_unit(tl.exp(-ad), FAST_LOG)
     mn = tl.minimum(p, q)
     large = (p + q) * (_LN2 - log1pe) - tl.where(mn > 0.0, mn * ad, 0.0)
     term = tl.where(ad < 0.5, small, large)
@@ -192,6 +211,7 @@ def _js_sum_kernel(
     scale,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     # One program per (token row, vocabulary split); P's block is loaded and exponentiated
     # once and compared with all K streams ([BLOCK_K, BLOCK_V] tile).
@@ -220,7 +240,7 @@ def _js_sum_kernel(
         p = tl.exp(lp)
         q = tl.exp(lq)
         delta = lp[None, :] - lq  # log p - log q: a huge logit never meets the other lse
-        acc += _js_terms(p[None, :], q, delta)
+        acc += _js_terms(p[None, :], q, delta, FAST_LOG)
     half = 0.5 * tl.sum(acc, axis=1)
     # a row with a NaN or +inf (lse NaN) or nothing but -inf (lse -inf) has no distribution:
     # NaN, never the 0 that the p + q > 0 mask of _js_terms would give (README "Numerics")
@@ -346,7 +366,8 @@ def _js_sum_and_finish(zp, zq, lse, out, row0, scale):
     part = torch.empty((splits, k, rows), dtype=torch.float32, device=out.device)
     _js_sum_kernel[(rows, splits)](
         zp, zq, lse, part, k, cols, per_split, zp.stride(0), zq.stride(0), zq.stride(1),
-        lse.stride(0), k * rows, rows, scale, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
+        lse.stride(0), k * rows, rows, scale, BLOCK_K=block_k, BLOCK_V=block_v,
+        FAST_LOG=not interpreting(), num_warps=8,
     )  # fmt: skip
     fin_block = 1024
     _js_finish_kernel[(triton.cdiv(k * rows, fin_block),)](

@@ -25,9 +25,11 @@ Gradient (written over the row, or into ``out``, a 16-bit view of the same stora
   NaN for a NaN), and the options of the contract: the dual clip caps the surrogate at
   -A clip_ratio_c for A < 0 (g's surrogate part 0 where it binds); kl_iw multiplies the k3
   term by the ratio.
-In-place 16-bit output: row r of ``out`` starts where row r of z does (row stride 2 V in
-16-bit elements); block j of a row writes bytes [2 j B, 2 (j + 1) B) of the row after its
-read of bytes [4 j B, 4 (j + 1) B): it only overwrites what this program already read.
+Gradient output: in place over z (each element written by the thread that read it, in
+the same step), or into ``out``, which must not overlap z (the driver passes rows of a
+separate 16-bit buffer): a 16-bit view of z's own storage would have threads write bytes
+that another warp still has to read, with no barrier between them (``_check_out`` refuses
+it).
 
 Row offsets are int64 (``_row_offset``): C x V passes 2^31 at V = 151936 beyond 14134 rows.
 JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM: a per-row
@@ -58,32 +60,45 @@ def _row_offset(row, stride):
 @triton.jit
 def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
     """One pass over a row: (M raw max, s, t, bad) with s = sum exp(x), t = sum e^x x
-    relative to M, bad = the row holds a NaN or +inf."""
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    t = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-    bad = tl.max(tl.zeros([BLOCK], tl.int32), axis=0)
+    relative to M, bad = the row holds a NaN or +inf.
+
+    Each of the BLOCK lanes keeps its own running max m_l, s_l and t_l over the columns it
+    reads (one exp per element: exp(-|d|), d the element's x against the lane max, serves
+    as the new term when d <= 0 and as the rescale of the old sums when d > 0), so the loop
+    has no cross-lane reduction; the lanes are merged once at the end:
+    s = sum_l s_l exp(sh_l), t = sum_l exp(sh_l) (t_l + s_l sh_l), sh_l = (m_l - M) / tau."""
     two_inv_t = 2.0 * inv_t
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.int32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         nonfinite = (z != z) | (z == float("inf"))
-        bad = tl.maximum(bad, tl.max(nonfinite.to(tl.int32), axis=0))
+        bad = bad | nonfinite.to(tl.int32)
         zc = tl.where(nonfinite, float("-inf"), z)  # the max and sums of the finite part
-        m_new = tl.maximum(m, tl.max(zc, axis=0))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        shift = (m * 0.5 - base * 0.5) * two_inv_t  # -inf while m is -inf
-        alpha = tl.exp(shift)
-        x = (zc * 0.5 - base * 0.5) * two_inv_t
-        e = tl.exp(x)
+        live = zc > float("-inf")
+        up = zc > m  # a new lane max (never for -inf)
+        d = (zc * 0.5 - m * 0.5) * two_inv_t  # +inf while the lane is empty
+        e = tl.exp(-tl.abs(d))
         if WITH_T:
-            shift0 = tl.where(m == float("-inf"), 0.0, shift)
-            # alpha = 0 (the old entries underflow; shift may be -inf): 0, never 0 * -inf
-            t_old = tl.where(alpha > 0.0, alpha * (t + s * shift0), 0.0)
-            t = t_old + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
-        m = m_new
-    return m, s, t, bad
+            # up: the old sums rescaled, e (t - s d), 0 where they vanish (an empty lane, or
+            # e underflowing to 0 with d = +inf: never 0 * inf); else the new term e d
+            # (e = exp(d) <= 1), nothing where e is 0 (d may be -inf)
+            t_up = tl.where((s > 0.0) & (e > 0.0), e * (t - s * d), 0.0)
+            t = tl.where(up, t_up, tl.where(live & (e > 0.0), t + e * d, t))
+        s = tl.where(up, s * e + 1.0, tl.where(live, s + e, s))
+        m = tl.where(up, zc, m)
+    mx = tl.max(m, axis=0)
+    base = tl.where(mx == float("-inf"), 0.0, mx)
+    sh = (m * 0.5 - base * 0.5) * two_inv_t  # -inf for an empty lane
+    a = tl.exp(sh)
+    s_all = tl.sum(s * a, axis=0)
+    t_all = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    if WITH_T:
+        t_all = tl.sum(tl.where(a > 0.0, a * (t + s * sh), 0.0), axis=0)
+    return mx, s_all, t_all, tl.max(bad, axis=0)
 
 
 @triton.jit
@@ -399,6 +414,7 @@ def _js_rows_sum_kernel(
     inv_t,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """One program per (token row, vocabulary split), P's block shared by the K streams:
     log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
@@ -441,7 +457,7 @@ def _js_rows_sum_kernel(
         raw = (dz - dmh[:, None]) * two_inv_t - dls[:, None]
         raw_ok = (tl.abs(dz) + tl.abs(dmh[:, None])) * two_inv_t <= tl.abs(lp[None, :]) + tl.abs(lq)
         delta = tl.where(raw_ok, raw, lp[None, :] - lq)
-        acc += _js_terms(p[None, :], q, delta)
+        acc += _js_terms(p[None, :], q, delta, FAST_LOG)
     half = 0.5 * tl.sum(acc, axis=1)
     # no distribution on either side (log s NaN): NaN, never 0 (README "Numerics")
     defined = tl.abs(ls_p - ls_q) < float("inf")  # finite iff both are
@@ -470,6 +486,23 @@ def _clip_c(clip_ratio_c: float) -> float:
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def _check_out(z: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """z itself (in place) or an ``out`` with z's rows that shares none of z's bytes."""
+    if out is None or out is z:
+        return z
+    if out.shape != z.shape:
+        raise ValueError(f"out: expected shape {tuple(z.shape)}, got {tuple(out.shape)}")
+    zs, os_ = z.untyped_storage(), out.untyped_storage()
+    lo = max(zs.data_ptr(), os_.data_ptr())
+    hi = min(zs.data_ptr() + zs.nbytes(), os_.data_ptr() + os_.nbytes())
+    if lo < hi:  # the two storages overlap
+        raise ValueError(
+            "out: must not share memory with z (the kernel reads a row of z after writing "
+            "part of out; pass a separate buffer, or none to write in place)"
+        )
+    return out
 
 
 def _norm(norm: torch.Tensor, rows: int) -> torch.Tensor:
@@ -532,7 +565,7 @@ class TritonRowKernel:
         rows, v = z.shape
         if rows == 0:
             return
-        out = z if out is None else out
+        out = _check_out(z, out)
         has_ent = ent is not None and g_ent is not None
         g = _f32(g_logp)
         block = row_block(v)
@@ -577,7 +610,7 @@ class TritonRowKernel:
         loss, logp, clipped = (torch.empty(rows, **f32) for _ in range(3))
         if rows == 0:
             return loss, logp, clipped
-        out = z if out is None else out
+        out = _check_out(z, out)
         has_ref = ref is not None and beta != 0.0
         old = _f32(old)
         block = row_block(v)
@@ -657,6 +690,7 @@ class TritonRowKernel:
             inv_t=float(inv_t),
             BLOCK_K=block_k,
             BLOCK_V=block_v,
+            FAST_LOG=not interpreting(),  # lg2.approx on a GPU (js._log1p_unit)
             num_warps=8,
         )
         _js_finish_kernel[(triton.cdiv(k * rows, 1024),)](
