@@ -45,8 +45,16 @@ def _emit(path: str, record: dict) -> None:
 
 
 def _time_ms(torch, fn, repeats=5):
-    """Median of ``repeats`` calls timed by CUDA events, after one warm-up call."""
+    """Median of ``repeats`` calls timed by CUDA events, after one warm-up call (on the CPU,
+    where ``--device cpu`` runs the parts' plumbing under the interpreter: wall clock)."""
     fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -66,12 +74,12 @@ def _context(stages, args) -> dict:
     return {
         "N": args.n, "d": args.d, "V": args.v, "variant": args.variant,
         "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
-        "gemm_path": stages.gemm_path("triton", "cuda", torch.bfloat16),
+        "gemm_path": stages.gemm_path("triton", args.device, torch.bfloat16),
     }  # fmt: skip
 
 
 def part_cublas(torch, stages, cm, args, emit):
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = args.device, torch.bfloat16
     n, d, v = args.n, args.d, args.v
     plan = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
     r = max(g.m for g in plan.gemms if g.stage == "logits")
@@ -107,7 +115,7 @@ def part_cublas(torch, stages, cm, args, emit):
 
 
 def part_rows(torch, stages, cm, args, emit):
-    dev = "cuda"
+    dev = args.device
     v = args.v
     c = stages.chunk_rows(v)
     k = stages.row_kernel("triton")
@@ -139,7 +147,7 @@ def part_rows(torch, stages, cm, args, emit):
 def part_ops(torch, stages, cm, args, emit):
     import mrtpo_kernels as mk
 
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = args.device, torch.bfloat16
     n, d, v = args.n, args.d, args.v
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(n, d, device=dev, generator=g).to(bf).requires_grad_()
@@ -172,33 +180,37 @@ def part_ops(torch, stages, cm, args, emit):
         ("linear_js_distance", js, 4),
     ):
         rec = {"part": "ops", "name": name, **ctx}
+        cuda = dev != "cpu"
         try:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
             ms = _time_ms(torch, fn, 3)
-            extra = torch.cuda.max_memory_allocated() - base
+            extra = torch.cuda.max_memory_allocated() - base if cuda else 0
         except Exception as exc:  # keep going: the next op may run
             emit({**rec, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             continue
         fl = cm.formulas.flops(name, n, d, v, k)
         pred = cm.predicted_ms(name, n, d, v, k, "cuda", "bfloat16")
         emit({**rec, "ms": ms, "tflops": fl / ms / 1e9, "pred_ms": pred,
               "target_tflops": cm.TARGETS.get(name), "extra_mem_mb": extra / 1e6})  # fmt: skip
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def part_correctness(torch, stages, cm, args, emit):
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as ref
 
-    dev, rows, v, d = "cuda", 512, args.v, args.d
+    dev, rows, v, d = args.device, args.rows, args.v, args.d
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(rows, d, device=dev, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).bfloat16().requires_grad_()
     lab = torch.randint(0, v, (rows,), device=dev, generator=g)
     lab[::7] = -100
-    out = {"part": "correctness", "name": "bf16_512_rows", **_context(stages, args)}
+    out = {"part": "correctness", "name": f"bf16_{rows}_rows", **_context(stages, args)}
     lp, ent = mk.linear_logprobs(h, w, lab, return_entropy=True, backend="triton")
     up = torch.randn(rows, device=dev, generator=g)
     gh, gw = torch.autograd.grad((lp * up).sum() + ent.sum(), (h, w))
@@ -238,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
     ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
     ap.add_argument("--variant", choices=("rows", "fused"), default="rows")
+    ap.add_argument("--device", default="cuda", help="cpu: the plumbing under TRITON_INTERPRET=1")
+    ap.add_argument("--rows", type=int, default=512, help="rows of the correctness part")
     ap.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     args = ap.parse_args(argv)
     if args.grad_buffer_mib:
@@ -257,7 +271,7 @@ def main(argv=None) -> int:
               f"into {args.out}; plan: {plan.count()} GEMMs, gradient buffers of "
               f"{plan.grad_rows} rows")  # fmt: skip
         return 0
-    if not torch.cuda.is_available():
+    if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
     fn = globals()[f"part_{args.part}"]

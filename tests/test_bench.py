@@ -5,6 +5,7 @@ the target verdicts, and the dry run of bench/gpu_check.sh (so that it cannot ro
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -302,6 +303,34 @@ def test_gpu_check_dry_run(tmp_path):
     assert "all steps and files check out" in out
     script = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
     assert "trap finish EXIT" in script and "write_summary" in script
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gpu_micro_parts_run_under_interpreter(tmp_path):
+    """The window's micro parts end to end on the CPU (the Triton interpreter, tiny shapes):
+    every figure lands in figures.jsonl with the GEMM path and the prediction beside it, the
+    correctness part reports its errors in its own line, and nothing raises, so a GPU
+    window cannot be lost to a typo in a part."""
+    out = tmp_path / "figures.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MRTPO_STRICT_BACKEND="1")
+    for part in ("cublas", "rows", "ops", "correctness"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_micro", "--part", part, "--device", "cpu",
+             "--n", "40", "--d", "16", "--v", "3000", "--chunk-mib", "1",
+             "--grad-buffer-mib", "1", "--rows", "24", "--out", str(out)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {(r["part"], r.get("name")): r for r in rows}
+    for name in ("stats", "grad", "policy", "js_many_k4"):
+        assert by[("rows", name)]["ms"] > 0 and by[("rows", name)]["pred_ms"] > 0
+    for name in ("linear_policy_loss_fwd_bwd", "linear_logprobs_fwd_bwd", "linear_js_distance"):
+        r = by[("ops", name)]
+        assert "error" not in r and r["ms"] > 0 and r["pred_ms"] > 0
+        assert r["gemm_path"] == "fp32 fallback"  # the CPU's torch has no 16-bit fp32-out GEMM
+    assert by[("correctness", "bf16_24_rows")]["ok"] is True
+    assert by[("cublas", "full_bf16_gemm")]["ms"] > 0
 
 
 def test_figures_table_keeps_every_part_and_skips_a_torn_line(tmp_path):
