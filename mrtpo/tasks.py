@@ -36,7 +36,7 @@ from mrtpo.verifiers.sql import sql_verifiers
 from mrtpo.verifiers.sql_sandbox import run_readonly
 from mrtpo.verifiers.tools import tool_verifiers
 
-TASKS = ("constraints", "constraints-real", "sql", "tools")
+TASKS = ("constraints", "sql", "tools")
 
 N_CONSTRAINT_EXAMPLES = 400
 N_TOOL_EXAMPLES = 400
@@ -198,5 +198,5 @@ def load_task(name: str, *, seed: int = 0) -> Task:
         return _tools_task(seed)
     raise ValueError(
         f"name: unknown task {name!r}; expected one of {TASKS}, 'constraints-full', "
-        "'constraints:KIND,...' or 'constraints-real:KIND,...'"
+        "'constraints-real', 'constraints:KIND,...' or 'constraints-real:KIND,...'"
     )
