@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from . import _ops
+from ._token_terms import js_terms, policy_token_terms, scaled_diff
 from .backends import _chunked
-from .backends.torch_backend import js_terms, policy_token_terms, scaled_diff
 from .types import acc_dtype
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import _dispatch, _ops, _vocab_parallel
 from . import _validation as check
-from .backends.torch_backend import kl_k3
+from ._token_terms import kl_k3
 from .types import acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
