@@ -1,6 +1,7 @@
 """The clip rule of the policy loss on the CPU backends ("cpu": the C++ row kernel of
 csrc/cpu/row_kernels.h; "torch": policy_token_terms of mrtpo_kernels/_token_terms.py, which
-the torch backend and the vocabulary-parallel path share) against reference.policy_loss_ref and its autograd:
+the torch backend and the vocabulary-parallel path share) against reference.policy_loss_ref
+and its autograd:
 
     clipped = ratio A > clamp(ratio) A, strictly: a tie (every ratio inside the clip range,
         A = 0) or a NaN is not clipped;
