@@ -24,7 +24,7 @@ from .checkpoint import write_atomic
 from .cli_args import command_line
 from .config import CompareConfig, task_slug
 from .model import default_model
-from .pretrained import initial_folder, is_builtin
+from .pretrained import initial_folder, is_builtin, stored_dtype
 from .report import fmt, plot_compare, write_markdown
 from .stats import summarize_run
 from .tasks import load_task
@@ -183,7 +183,7 @@ def _prepare_models(cfg: CompareConfig, task, log):
                 cache_dir=cfg.train.cache_dir,
                 warm_steps=cfg.train.tiny.warm_steps,
                 warm_noise=cfg.train.tiny.warm_noise,
-                dtype="bfloat16" if cfg.train.dtype == "bfloat16" else "float32",
+                dtype=stored_dtype(cfg.train.dtype),
                 log=log,
             )
             continue

@@ -183,12 +183,11 @@ def load_model(
     ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .pretrained import builtin_folder, is_builtin
+    from .pretrained import builtin_folder, is_builtin, stored_dtype
 
     _quiet_transformers()
     if is_builtin(path):
-        stored = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        path = builtin_folder(str(path), cache_dir, dtype=stored, log=log)
+        path = builtin_folder(str(path), cache_dir, dtype=stored_dtype(dtype), log=log)
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{what}: {str(path)!r} is not a folder with a saved causal LM")

@@ -47,6 +47,25 @@ CONVERSION_VERSION = 1
 _DONE = "mrtpo_converted.json"
 
 
+def stored_dtype(dtype) -> str:
+    """The dtype a built-in model's cached folder is kept in for a run in ``dtype`` (a
+    torch dtype or its name): bfloat16 where asked, else float32."""
+    return "bfloat16" if str(dtype).removeprefix("torch.") == "bfloat16" else "float32"
+
+
+def _publish(folder: Path, save, marker: str, info: dict) -> None:
+    """Write a folder through ``save(tmp)`` into ``folder.tmp``, mark it complete with the
+    JSON ``marker`` file, and swap it into place (a kill leaves no finished-looking half)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save(tmp)
+    (tmp / marker).write_text(json.dumps(info, indent=1))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
 def is_builtin(name) -> bool:
     return isinstance(name, str) and name in BUILTIN_MODELS
 
@@ -111,9 +130,11 @@ def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Pat
     half-made folder that looks finished)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    from .model import _quiet_transformers, save_model
+
+    _quiet_transformers()
+
     path = gguf_file(name)
     if log is not None:
         log(f"converting {name} from {path.name} (once; cached in {folder})")
@@ -138,12 +159,6 @@ def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Pat
     model = model.to(getattr(torch, dtype)).eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
     info = {
         "name": name,
         "source": path.name,
@@ -151,10 +166,7 @@ def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Pat
         "version": CONVERSION_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    (tmp / _DONE).write_text(json.dumps(info, indent=1))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    _publish(folder, lambda tmp: save_model(model, tok, tmp), _DONE, info)
     return folder
 
 
@@ -178,23 +190,24 @@ PRETRAINED_WARM_LR = 5e-5
 PRETRAINED_WARM_BATCH = 8
 
 
-def warm_key(task_name: str, seed: int, steps: int, noise: float, dtype: str) -> str:
+def warm_settings(task_name: str, seed: int, steps: int, noise: float, dtype: str) -> dict:
+    """Everything that shapes a warm-started folder: its cache key and its record."""
+    return {
+        "task": task_name,
+        "seed": seed,
+        "steps": steps,
+        "noise": noise,
+        "lr": PRETRAINED_WARM_LR,
+        "batch": PRETRAINED_WARM_BATCH,
+        "dtype": dtype,
+        "autocast": "forward",
+    }
+
+
+def warm_key(settings: dict) -> str:
     import hashlib
 
-    blob = json.dumps(
-        {
-            "task": task_name,
-            "seed": seed,
-            "steps": steps,
-            "noise": noise,
-            "lr": PRETRAINED_WARM_LR,
-            "batch": PRETRAINED_WARM_BATCH,
-            "dtype": dtype,
-            "version": CONVERSION_VERSION,
-            "autocast": "forward",
-        },
-        sort_keys=True,
-    ).encode()
+    blob = json.dumps({**settings, "version": CONVERSION_VERSION}, sort_keys=True).encode()
     return hashlib.sha1(blob).hexdigest()[:10]
 
 
@@ -224,7 +237,8 @@ def initial_folder(
     from .model import load_model, save_model, warm_start
     from .prompting import ChatPrompter
 
-    key = warm_key(task.name, seed, warm_steps, warm_noise, dtype)
+    settings = warm_settings(task.name, seed, warm_steps, warm_noise, dtype)
+    key = warm_key(settings)
     folder = Path(cache_dir) / f"{name}-{task.name.replace(':', '_')}-seed{seed}-{key}"
     if (folder / "warm_start.json").is_file():
         return folder
@@ -250,23 +264,7 @@ def initial_folder(
             log=log,
             autocast=torch.bfloat16,
         )
-    tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_model(model.to(getattr(torch, dtype)), tok, tmp)
-    info = {
-        "model": name,
-        "task": task.name,
-        "seed": seed,
-        "steps": warm_steps,
-        "noise": warm_noise,
-        "lr": PRETRAINED_WARM_LR,
-        "batch": PRETRAINED_WARM_BATCH,
-        "dtype": dtype,
-        "final_loss": loss,
-    }
-    (tmp / "warm_start.json").write_text(json.dumps(info, indent=1))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    info = {"model": name, **settings, "final_loss": loss}
+    _publish(folder, lambda tmp: save_model(model.to(getattr(torch, dtype)), tok, tmp),
+             "warm_start.json", info)  # fmt: skip
     return folder

@@ -42,7 +42,7 @@ from .config import TrainConfig
 from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .model_folder import check_model_folder
-from .pretrained import initial_folder, is_builtin
+from .pretrained import initial_folder, is_builtin, stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
 from .replay import (
@@ -176,7 +176,7 @@ class Trainer:
                     cache_dir=cfg.cache_dir,
                     warm_steps=cfg.tiny.warm_steps,
                     warm_noise=cfg.tiny.warm_noise,
-                    dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                    dtype=stored_dtype(dtype),
                     log=self.log,
                 )
             model, tok = load_model(self.init_path, dtype=dtype, device=self.device)
