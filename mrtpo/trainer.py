@@ -45,15 +45,11 @@ from .model_folder import check_model_folder
 from .pretrained import initial_folder, is_builtin, stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
-from .replay import (
-    contrastive_replay,
-    forward_responses,
-    response_hidden,
-    teacher_batch,
-)
+from .replay import contrastive_replay
 from .report import plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
 from .tasks import load_task
+from .teacher_forcing import forward_responses, response_hidden, teacher_batch
 
 
 def seed_everything(seed: int):

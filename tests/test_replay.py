@@ -11,15 +11,9 @@ import torch
 from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head, task_texts
 from mrtpo.prompting import ChatPrompter, merge_spans
-from mrtpo.replay import (
-    CallableLM,
-    contrastive_replay,
-    forward_responses,
-    forward_shared_prompts,
-    replay_relevance,
-    teacher_batch,
-)
+from mrtpo.replay import CallableLM, contrastive_replay, replay_relevance
 from mrtpo.tasks import load_task
+from mrtpo.teacher_forcing import forward_responses, forward_shared_prompts, teacher_batch
 from mrtpo_kernels import linear_js_distance
 from mrtpo_kernels.reference import js_distance_ref, logprobs_from_logits_ref
 
