@@ -43,10 +43,22 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _ops
 from ._token_terms import js_terms, policy_token_terms, scaled_diff
 from .backends import _chunked
 from .types import acc_dtype
+
+# The shard's kernels: the log-probs custom ops, registered beside linear_logprobs
+# (logprobs.py, which imports this module for its process_group path: reached through the
+# op registry, so the import graph stays one-way). Resolved at call time: by then the
+# package, and so logprobs.py, is imported.
+
+
+def _shard_logprobs_fwd(*args):
+    return torch.ops.mrtpo.linear_logprobs_fwd.default(*args)
+
+
+def _shard_logprobs_bwd(*args):
+    return torch.ops.mrtpo.linear_logprobs_bwd.default(*args)
 
 
 def shard_info(weight: torch.Tensor, process_group) -> tuple[int, int, int]:
@@ -184,7 +196,7 @@ def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
     v0, v_loc, _ = shard_info(w, group)
     mapped, owned, valid = local_labels(lab, v0, v_loc, ignore_index)
     mapped = mapped.contiguous()
-    logp_r, ent_r, lse_r = _ops.linear_logprobs_fwd(
+    logp_r, ent_r, lse_r, _ = _shard_logprobs_fwd(
         h, w, b, mapped, temperature, ignore_index, with_ent, backend
     )
     odd = (valid & ~torch.isfinite(lse_r)).any().to(lse_r.dtype).reshape(1)
@@ -215,7 +227,7 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     # gradient there beyond the label's column below: its kernel rows are skipped (the
     # kernel would call an all -inf row undefined); NaN (an undefined token) still runs
     lab_k = torch.where(w_r == 0, torch.full_like(mapped, ignore_index), mapped).contiguous()
-    dh, dw, db = _ops.linear_logprobs_bwd(
+    dh, dw, db = _shard_logprobs_bwd(
         h, w, b, lab_k, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
         temperature, ignore_index, backend,
     )  # fmt: skip

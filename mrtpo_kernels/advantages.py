@@ -9,6 +9,9 @@ w_k[t] = (1 - alpha) + alpha d_k[t]^gamma / mean_t d_k^gamma (uniform where rewa
 verifier spans, the mean is below delta, or below MEAN_FLOOR = 2^-126 whatever delta: an
 all-zero relevance is uniform at delta = 0 too), so that sum_t A[i, t] = T_i x GDPO
 advantage.
+
+The public functions come first; the token advantages' torch.library registration (custom
+op over the backends' reallocation kernels, and its fake) follows them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
-from . import _dispatch, _ops
+from . import _dispatch
 from . import _validation as check
 from .types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages, acc_dtype
 
@@ -284,7 +288,7 @@ def mrtpo_token_advantages(
     g = GDPOAdvantages(*parts)
     acc = acc_dtype(rel_packed)
     be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
-    token, alloc = _ops.reallocate_packed(
+    token, alloc = reallocate_packed_op(
         per_reward=g.per_reward.to(acc).contiguous(),
         lam=lam.to(acc).contiguous(),
         has_info=has_info.bool().contiguous(),
@@ -384,3 +388,51 @@ def specific_relevance(
     sharp = torch.clamp(flat - base, min=0.0)
     out = torch.where(fi & (other_cnt > 0), sharp, flat)
     return out.reshape(relevance.shape)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@torch.library.custom_op("mrtpo::reallocate_packed", mutates_args=())
+def reallocate_packed_op(
+    per_reward: Tensor,
+    lam: Tensor,
+    has_info: Tensor,
+    relevance: Tensor,
+    cu_seqlens: Tensor,
+    mean: Tensor,
+    std: Tensor,
+    alpha: float,
+    gamma: float,
+    eps_batch: float,
+    delta: float,
+    clip_min: float,
+    clip_max: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    fn = _dispatch.get(backend, "reallocate_packed")
+    return fn(
+        per_reward=per_reward,
+        lam=lam,
+        has_info=has_info,
+        relevance=relevance,
+        cu_seqlens=cu_seqlens,
+        mean=mean,
+        std=std,
+        alpha=alpha,
+        gamma=gamma,
+        eps_batch=eps_batch,
+        delta=delta,
+        clip_min=clip_min,
+        clip_max=clip_max,
+    )
+
+
+@reallocate_packed_op.register_fake
+def _(per_reward, lam, has_info, relevance, cu_seqlens, mean, std, alpha, gamma, eps_batch, delta,
+      clip_min, clip_max, backend):  # fmt: skip
+    f32 = acc_dtype(relevance)
+    return (
+        relevance.new_empty(relevance.shape[1], dtype=f32),
+        relevance.new_empty(relevance.shape, dtype=f32),
+    )

@@ -6,14 +6,19 @@ section 3), fused with a shared LM head or from existing logits. No gradient.
 
 One-vs-many: with hidden_q / logits_q of K streams, P's logits are computed once per chunk
 of tokens and compared with each Q stream.
+
+The public functions come first; their torch.library registration (custom ops and fakes;
+no autograd) follows them.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import _dispatch, _ops, _vocab_parallel
+from . import _dispatch, _vocab_parallel
 from . import _validation as check
+from .types import acc_dtype
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
@@ -86,7 +91,7 @@ def linear_js_distance(
         )  # fmt: skip
         return out[0].view(out_shape) if squeeze else out.view(out_shape)
     be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)
-    out = _ops.linear_js(
+    out = linear_js_op(
         p2.detach().contiguous(),
         q3.detach().contiguous(),
         weight.detach().contiguous(),
@@ -122,5 +127,35 @@ def js_distance(
     if p2.shape[1] == 0:
         raise ValueError("logits_p: the vocabulary is empty (V = 0)")
     be = _dispatch.resolve("js_distance", p2.device, p2.dtype, backend)
-    out = _ops.logits_js(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
+    out = logits_js_op(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
     return out[0].view(out_shape) if squeeze else out.view(out_shape)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@torch.library.custom_op("mrtpo::linear_js", mutates_args=())
+def linear_js_op(
+    hidden_p: Tensor,
+    hidden_q: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    backend: str,
+) -> Tensor:
+    return _dispatch.get(backend, "linear_js")(hidden_p, hidden_q, weight, bias, temperature)
+
+
+@linear_js_op.register_fake
+def _(hidden_p, hidden_q, weight, bias, temperature, backend):
+    return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=acc_dtype(hidden_p))
+
+
+@torch.library.custom_op("mrtpo::logits_js", mutates_args=())
+def logits_js_op(logits_p: Tensor, logits_q: Tensor, temperature: float, backend: str) -> Tensor:
+    return _dispatch.get(backend, "logits_js")(logits_p, logits_q, temperature)
+
+
+@logits_js_op.register_fake
+def _(logits_p, logits_q, temperature, backend):
+    return logits_p.new_empty((logits_q.shape[0], logits_p.shape[0]), dtype=acc_dtype(logits_p))

@@ -4,14 +4,20 @@ logits that already exist, streaming over the vocabulary; autograd to every floa
 Math (z = logits / temperature, per token):
     lse = log sum_v exp(z_v),  logp = z_y - lse,  H = lse - sum_v p_v z_v
     dlogp/dz_v = [v == y] - p_v,   dH/dz_v = -p_v (log p_v + H)
+
+The public functions come first; their torch.library registration (custom ops, fakes,
+autograd) follows them.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import _dispatch, _ops, _vocab_parallel
+from . import _dispatch, _vocab_parallel
 from . import _validation as check
+from ._registration import empty_rows, keep_saved, saved_state
+from .types import acc_dtype
 
 
 def linear_logprobs(
@@ -67,7 +73,7 @@ def linear_logprobs(
         )  # fmt: skip
         logp = logp.view(labels.shape)
         return (logp, ent.view(labels.shape)) if return_entropy else logp
-    logp, ent, _ = _ops.linear_logprobs_fwd(
+    logp, ent, _ = linear_logprobs_fwd(
         h.contiguous(),
         weight.contiguous(),
         None if bias is None else bias.contiguous(),
@@ -104,10 +110,209 @@ def logprobs_from_logits(
         raise ValueError("logits: the vocabulary is empty (V = 0)")
     check.labels_in_range(lab, z.shape[1], ignore_index)
     be = _dispatch.resolve("logprobs_from_logits", z.device, z.dtype, backend)
-    logp, ent, _ = _ops.logits_logprobs_fwd(
+    logp, ent, _ = logits_logprobs_fwd(
         z.contiguous(), lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be
     )
     logp = logp.view(labels.shape)
     if return_entropy:
         return logp, ent.view(labels.shape)
     return logp
+
+
+# --------------------------------------------------------------------------- registration
+# torch.library custom ops over the backends, their fakes and autograd (_registration.py).
+#
+# The forwards return a fourth output, ``saved``: what the backend's backward needs from
+# its forward (the chunk driver's kept logits or per-row norms, the fused Triton kernels'
+# norms; empty where nothing), sized by ``_dispatch.saved_numel``. The op saves it for its
+# backward (eager), which passes it back; the Python-level ``linear_logprobs_fwd`` and
+# ``logits_logprobs_fwd`` return the first three outputs. The backward may overwrite
+# ``saved`` (the chunk driver writes the kept rows' gradient over their fp32 logits where
+# its kernel works in place): the backward op declares the mutation, which advances the
+# tensor's version, so a later backward of the same graph (retain_graph, gradcheck) passes
+# none and the backend recomputes. Traced code (torch.compile) passes none either: its
+# backward recomputes what it needs. The vocabulary-parallel path (_vocab_parallel.py)
+# calls the linear ops through ``torch.ops.mrtpo``.
+
+
+@torch.library.custom_op("mrtpo::linear_logprobs_fwd", mutates_args=())
+def linear_logprobs_fwd_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "linear_logprobs_fwd")
+    return fn(hidden, weight, bias, labels, temperature, ignore_index, with_entropy)
+
+
+@linear_logprobs_fwd_op.register_fake
+def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend):
+    n, v = hidden.shape[0], weight.shape[0]
+    saved = _dispatch.saved_numel(backend, "linear_logprobs", n, v, weight.numel())
+    return (
+        empty_rows(hidden, n),
+        empty_rows(hidden, n if with_entropy else 0),
+        empty_rows(hidden, n),
+        empty_rows(hidden, saved),
+    )
+
+
+def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
+                        backend):  # fmt: skip
+    """(logp, entropy, lse) of ``mrtpo::linear_logprobs_fwd`` (its ``saved`` goes to the
+    autograd graph only)."""
+    out = linear_logprobs_fwd_op(
+        hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend
+    )
+    return out[0], out[1], out[2]
+
+
+@torch.library.custom_op("mrtpo::linear_logprobs_bwd", mutates_args=("saved",))
+def linear_logprobs_bwd_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+    saved: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "linear_logprobs_bwd")
+    return fn(
+        hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+        ignore_index, saved,
+    )  # fmt: skip
+
+
+@linear_logprobs_bwd_op.register_fake
+def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+      ignore_index, backend, saved=None):  # fmt: skip
+    return (
+        torch.empty_like(hidden),
+        weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
+        weight.new_empty(bias.shape[0] if bias is not None else 0, dtype=acc_dtype(hidden)),
+    )
+
+
+def _linear_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend = inputs
+    logp, entropy, lse, saved = output
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    keep_saved(ctx, saved)
+    ctx.cfg = (temperature, ignore_index, with_entropy, backend, bias is not None)
+    ctx.set_materialize_grads(False)  # lse gets no gradient; unused ones stay None
+
+
+def _linear_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
+    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, with_entropy, backend, has_bias = ctx.cfg
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if g_entropy is None or not with_entropy:
+        g_entropy = lse.new_empty(0)
+    dh, dw, db = linear_logprobs_bwd_op(
+        hidden, weight, bias, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        saved_state(ctx),
+    )  # fmt: skip
+    dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+    db = db.to(bias.dtype) if has_bias and ctx.needs_input_grad[2] else None
+    dh = dh if ctx.needs_input_grad[0] else None
+    return dh, dw, db, None, None, None, None, None
+
+
+linear_logprobs_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op("mrtpo::logits_logprobs_fwd", mutates_args=())
+def logits_logprobs_fwd_op(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fn = _dispatch.get(backend, "logits_logprobs_fwd")
+    return fn(logits, labels, temperature, ignore_index, with_entropy)
+
+
+@logits_logprobs_fwd_op.register_fake
+def _(logits, labels, temperature, ignore_index, with_entropy, backend):
+    n = logits.shape[0]
+    saved = _dispatch.saved_numel(backend, "logprobs_from_logits", n, logits.shape[1], 0)
+    return (
+        empty_rows(logits, n),
+        empty_rows(logits, n if with_entropy else 0),
+        empty_rows(logits, n),
+        empty_rows(logits, saved),
+    )
+
+
+def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy, backend):
+    """(logp, entropy, lse) of ``mrtpo::logits_logprobs_fwd`` (its ``saved`` goes to the
+    autograd graph only)."""
+    out = logits_logprobs_fwd_op(logits, labels, temperature, ignore_index, with_entropy, backend)
+    return out[0], out[1], out[2]
+
+
+@torch.library.custom_op("mrtpo::logits_logprobs_bwd", mutates_args=("saved",))
+def logits_logprobs_bwd_op(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+    saved: Tensor | None = None,
+) -> Tensor:
+    fn = _dispatch.get(backend, "logits_logprobs_bwd")
+    return fn(
+        logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, saved
+    )
+
+
+@logits_logprobs_bwd_op.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend,
+      saved=None):  # fmt: skip
+    return torch.empty_like(logits)
+
+
+def _logits_setup(ctx, inputs, output):
+    logits, labels, temperature, ignore_index, with_entropy, backend = inputs
+    logp, entropy, lse, saved = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    keep_saved(ctx, saved)
+    ctx.cfg = (temperature, ignore_index, with_entropy, backend)
+    ctx.set_materialize_grads(False)
+
+
+def _logits_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, with_entropy, backend = ctx.cfg
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if g_entropy is None or not with_entropy:
+        g_entropy = lse.new_empty(0)
+    dl = logits_logprobs_bwd_op(
+        logits, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        saved_state(ctx),
+    )  # fmt: skip
+    return dl, None, None, None, None, None
+
+
+logits_logprobs_fwd_op.register_autograd(_logits_backward, setup_context=_logits_setup)

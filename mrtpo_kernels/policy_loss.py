@@ -8,6 +8,9 @@
 The gradient with respect to the logits is known in the forward pass (the loss is a scalar),
 so the backend computes it there, chunk by chunk, and the backward pass only scales the saved
 gradients by the upstream scalar: three GEMMs in all (logits, dH, dW), no recompute.
+
+The public function comes first; its torch.library registration (custom op, fake,
+autograd) follows it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
-from . import _dispatch, _ops, _vocab_parallel
+from . import _dispatch, _vocab_parallel, settings
 from . import _validation as check
 from ._token_terms import kl_k3
 from .types import acc_dtype
@@ -189,7 +193,7 @@ def linear_policy_loss(
         )  # fmt: skip
     else:
         be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
-        loss, logp, clipped, _, _, _ = _ops.linear_policy_loss(
+        loss, logp, clipped, _, _, _ = linear_policy_loss_op(
             h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
             lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low,
             clip_high, beta, int(ignore_index), bool(need_grad), dual_c,
@@ -216,3 +220,131 @@ def linear_policy_loss(
                 kl = kl * ratio
             metrics["kl"] = (kl * v).sum() / n
     return loss, metrics
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@torch.library.custom_op("mrtpo::linear_policy_loss", mutates_args=())
+def linear_policy_loss_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    token_weight: Tensor,
+    ref_logp: Tensor,
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    beta: float,
+    ignore_index: int,
+    need_grad: bool,
+    clip_ratio_c: float,
+    kl_importance_weight: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # clip_ratio_c: the dual clip, inf for none; kl_importance_weight: KL term times ratio
+    fn = _dispatch.get(backend, "linear_policy_loss")
+    return fn(
+        hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp,
+        temperature, clip_low, clip_high, beta, ignore_index, need_grad,
+        clip_ratio_c=clip_ratio_c, kl_iw=kl_importance_weight,
+    )  # fmt: skip
+
+
+@linear_policy_loss_op.register_fake
+def _(hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
+      clip_low, clip_high, beta, ignore_index, need_grad, clip_ratio_c, kl_importance_weight,
+      backend):  # fmt: skip
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    f32 = acc_dtype(hidden)
+    return (
+        hidden.new_empty((), dtype=f32),
+        hidden.new_empty(n, dtype=f32),
+        hidden.new_empty(n, dtype=f32),
+        torch.empty_like(hidden) if need_grad else hidden.new_empty(0),
+        weight.new_empty(weight.shape if need_grad else (0,), dtype=f32),
+        weight.new_empty((v if need_grad and bias is not None else 0,), dtype=f32),
+    )
+
+
+def _policy_setup(ctx, inputs, output):
+    weight, bias = inputs[1], inputs[2]
+    _, _, _, dh, dw, db = output
+    # Kept as detached attributes, not saved tensors: _policy_backward does its own
+    # version check (see there) so that it can hand these buffers to autograd.
+    ctx.grads = tuple(t.detach() for t in (dh, dw, db))
+    # no upstream gradient reaches the gradient outputs: without this, autograd would
+    # materialize a zero tensor of the weight's size for each of them in backward
+    ctx.set_materialize_grads(False)
+    ctx.handed_versions = None
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+
+def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
+    # The gradient was computed in the forward pass (no recompute): scale it by the
+    # upstream gradient of the scalar loss. For loss.backward() (upstream exactly 1, eager
+    # mode) the buffers themselves are handed to autograd, which adopts them as .grad
+    # without a copy: the peak then holds one weight gradient, not two. A later backward
+    # through the same graph still works while those buffers are unmodified, and raises
+    # once something (an accumulation into .grad) has written to them.
+    # Gradients through the returned log-probs are not supported (they are metrics).
+    dh, dw, db = ctx.grads
+    w_dtype, b_dtype = ctx.dtypes
+    if g_loss is None:  # nothing flowed into the loss (only into the metrics outputs)
+        return (None,) * 17
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the saved gradient is a constant, so a graph built from it
+        # would silently drop every second-order term
+        raise RuntimeError(
+            "linear_policy_loss: double backward (create_graph=True) is not supported: the "
+            "gradient is computed in the forward pass and has no graph of its own"
+        )
+    if dw.numel() == 0:
+        raise RuntimeError(
+            "mrtpo::linear_policy_loss ran with need_grad=False, so it computed no gradient; "
+            "call it with need_grad=True (linear_policy_loss does this when inputs need grad)"
+        )
+    if ctx.handed_versions is not None and ctx.handed_versions != tuple(
+        t._version for t in ctx.grads
+    ):
+        raise RuntimeError(
+            "linear_policy_loss: its gradient buffers, handed to autograd by the first "
+            "backward, were modified since (e.g. accumulated into .grad); run the loss again "
+            "for another backward"
+        )
+    eager = type(g_loss) is torch.Tensor and not torch.compiler.is_compiling()  # not traced
+    if eager and ctx.handed_versions is None and bool(g_loss == 1):
+        out = tuple(t.detach() for t in ctx.grads)  # new aliases: stealable by autograd
+        ctx.handed_versions = tuple(t._version for t in ctx.grads)
+        gh = out[0] if ctx.needs_input_grad[0] else None
+        gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
+        gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
+        return (gh, gw, gb) + (None,) * 14
+    gh = _scaled(dh, g_loss, dh.dtype, eager) if ctx.needs_input_grad[0] else None
+    gw = _scaled(dw, g_loss, w_dtype, eager) if ctx.needs_input_grad[1] else None
+    need_b = b_dtype is not None and ctx.needs_input_grad[2]
+    gb = _scaled(db, g_loss, b_dtype, eager) if need_b else None
+    return (gh, gw, gb) + (None,) * 14
+
+
+def _scaled(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    """t * g computed in t's dtype and written in ``dtype``, by row blocks of at most
+    MRTPO_CHUNK_BYTES: no full-size copy in t's dtype before the cast (for a bf16 weight
+    that would be a second fp32 [V, d] dW; the CPU's mixed-dtype ``out=`` stages each block
+    in t's dtype). The saved t stays intact for a retained graph. Traced code keeps the
+    plain form, which the compiler fuses."""
+    g = g.to(t.dtype)
+    if not eager or dtype == t.dtype or t.dim() == 0 or t.numel() == 0:
+        return (t * g).to(dtype)
+    out = torch.empty_like(t, dtype=dtype)
+    rows = max(1, settings.chunk_bytes() // max(1, t[0].numel() * t.element_size()))
+    for a in range(0, t.shape[0], rows):
+        torch.mul(t[a : a + rows], g, out=out[a : a + rows])
+    return out
+
+
+linear_policy_loss_op.register_autograd(_policy_backward, setup_context=_policy_setup)

@@ -132,7 +132,7 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
     import weakref
 
     import mrtpo_kernels as mk
-    from mrtpo_kernels import _ops
+    from mrtpo_kernels import logprobs
     from mrtpo_kernels import reference as ref
     from mrtpo_kernels.backends import _chunked
 
@@ -152,7 +152,7 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
     for keep in (0, 13, 100):  # none, the last 13 rows, all 40
         monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * V * keep))
         h32, w32 = h.float().requires_grad_(True), w.float().requires_grad_(True)
-        out = _ops.linear_logprobs_fwd_op(h32, w32, None, y, 1.0, -100, False, backend)
+        out = logprobs.linear_logprobs_fwd_op(h32, w32, None, y, 1.0, -100, False, backend)
         assert out[3].shape == (min(keep, N) * V,) and out[3]._base is None
         ref_saved = weakref.ref(out[3])
         before = out[3].clone()

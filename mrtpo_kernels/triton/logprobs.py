@@ -580,7 +580,7 @@ def linear_grad(
 # (lse_stats' norm), not z / tau - lse from the rounded fp32 lse: that is off by up to
 # ulp(lse) / 2 in every log p (5e-4 at |z / tau| ~ 1e4: the row's p no longer sum to 1) and
 # overflows at |z / tau| > float max. The forwards return the norm as their fourth output,
-# ``saved`` ((2, N) flattened; the op saves it for the backward, mrtpo_kernels/_ops.py),
+# ``saved`` ((2, N) flattened; the op saves it for the backward, mrtpo_kernels/logprobs.py),
 # and the backwards take it back; each row uses it only where (M, log s) reproduce the
 # given lse bit for bit (``_dlogits_kernel``), otherwise, and for an empty or foreign
 # ``saved``, log p comes from the lse alone.

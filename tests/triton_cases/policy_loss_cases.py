@@ -148,7 +148,7 @@ def group_opcheck():
     old, adv = torch.randn(5, generator=g) - 4, torch.randn(5, generator=g)
     tw, ref = torch.full((5,), 0.25), torch.randn(5, generator=g) - 4
     # need_grad=True only: with need_grad=False the op returns empty gradients, which its
-    # autograd formula (in _ops.py) cannot scale for inputs that require grad
+    # autograd formula (in policy_loss.py) cannot scale for inputs that require grad
     args = (h, w, b, lab, old, adv, tw, ref, 0.9, 0.2, 0.28, 0.1, -100, True, 3.0, True, "triton")
     opcheck("linear_policy_loss", torch.ops.mrtpo.linear_policy_loss.default, args)
 
