@@ -48,7 +48,7 @@ def _fallback(wanted: str, op: str, reason: str) -> str:
 def _declared(name: str, op: str):
     """The backend's declaration for op (a Serves), or None if it is missing or silent."""
     mod = backends.load(name)
-    return None if mod is None else getattr(mod, "SERVES", {}).get(op)
+    return None if mod is None else mod.SERVES.get(op)
 
 
 def serves(name: str, op: str, device_type: str, dtype: torch.dtype) -> bool:
@@ -119,19 +119,10 @@ def get(name: str, entry_point: str):
 
 def saved_numel(name: str, op: str, n: int, v: int, weight_numel: int) -> int:
     """Elements of the ``saved`` output of backend ``name``'s log-probs forward for ``op``
-    ("linear_logprobs" or "logprobs_from_logits"): the backend's ``saved_numel`` where it
-    has one, else the chunk driver's rule for its ROW_KERNEL, else 0. The ops' fakes read
-    it, so it must equal what the forward returns."""
-    from .backends import _chunked
-
-    mod = backends.load(name)
-    fn = getattr(mod, "saved_numel", None)
-    if fn is not None:
-        return fn(op, n, v, weight_numel)
-    kern = getattr(mod, "ROW_KERNEL", None)
-    if kern is None or op != "linear_logprobs":
-        return 0
-    return _chunked.saved_numel(kern, n, v, weight_numel)
+    ("linear_logprobs" or "logprobs_from_logits"): the backend's ``saved_numel``
+    (``contract.Backend``). The ops' fakes read it, so it must equal what the forward
+    returns."""
+    return backends.load(name).saved_numel(op, n, v, weight_numel)
 
 
 def available(op: str, device_type: str, dtype: torch.dtype) -> list[str]:

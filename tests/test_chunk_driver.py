@@ -18,6 +18,8 @@ import pytest
 import torch
 from triton_cases._harness import CASES, needs_triton, run_interpreted
 
+from mrtpo_kernels.backends.contract import RowKernel
+
 
 @needs_triton
 def test_row_kernels_and_chunk_driver_under_interpreter():
@@ -89,9 +91,12 @@ def _gemms_run(fn) -> tuple[int, int]:
     return len(ev), flops
 
 
-class _NoRowWork:
+class _NoRowWork(RowKernel):
     """A row kernel that does nothing (zeros), with the optional methods, so the driver's
     stacked-JS and low-memory paths run on the CPU without triton."""
+
+    JS_MANY = True
+    GRAD_COLS = True
 
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent):
@@ -216,7 +221,7 @@ def test_policy_backward_scales_dw_without_a_second_fp32_copy(monkeypatch):
     assert biggest < 4 * v * d, biggest  # the bf16 result (2 V d) and fp32 blocks only
 
 
-class _OutKernel:
+class _OutKernel(RowKernel):
     """A row kernel with ``out=`` (as the Triton row kernels declare by GRAD_OUT) built on an
     in-place one: the gradient is computed on a copy of the logits and written into out, so
     the driver's 16-bit path (separate 16-bit gradient buffer) runs with the torch and C++
@@ -401,12 +406,13 @@ def _gemm_events(fn):
     return out
 
 
-class _NormRecorder:
+class _NormRecorder(RowKernel):
     """A row kernel that takes norm= (as the Triton row kernels do) and records what the
     low-memory driver hands it: the (2, rows) slices stats writes into and the buffer
     grad_cols_ reads. Values: stats fills its slice with the row indices."""
 
     NORM = True
+    GRAD_COLS = True
 
     def __init__(self):
         self.stats_norms, self.cols_norms = [], []

@@ -33,7 +33,7 @@ def test_env_override(monkeypatch):
 
 def test_unknown_op_names_the_argument():
     with pytest.raises(ValueError, match="op: expected one of"):
-        mk.resolve_backend("linear_js", "cpu")
+        mk.resolve_backend("linear_logprobs_fwd", "cpu")  # an entry point, not an op
     with pytest.raises(ValueError, match="op: expected one of"):
         mk.available_backends("nonsense")
 
@@ -140,6 +140,47 @@ def test_declarations_match_the_op_table():
     assert set(backends.load("torch").SERVES) == set(mk.OPS)
 
 
+def test_backends_follow_the_contract():
+    """The Protocols of backends/contract.py are the contract: the op table's entry points
+    are those of each op's Protocol; every backend that loads is a ``Backend`` whose entry
+    points take the Protocol's parameters (by count: the names are the backend's own);
+    its ROW_KERNEL, where it has one, is a ``RowKernel`` whose ability flags say exactly
+    which optional methods it defines."""
+    import inspect
+
+    from mrtpo_kernels.backends import contract
+
+    for op in mk.OPS.values():
+        want = contract.entry_point_names(contract.ENTRY_POINTS[op.name]) if op.entry_points else ()
+        assert op.entry_points == want, op.name
+    assert set(contract.ENTRY_POINTS) == {op.name for op in mk.OPS.values() if op.entry_points}
+    optional = {"JS_MANY": ("js_many",), "GRAD_COLS": ("grad_cols_", "policy_terms")}
+    loaded = 0
+    for name in backends.BACKENDS:
+        mod = backends.load(name)
+        if mod is None:
+            continue
+        loaded += 1
+        assert isinstance(mod, contract.Backend), name
+        for op in mod.SERVES:
+            proto = contract.ENTRY_POINTS.get(op)
+            for fn in contract.entry_point_names(proto) if proto else ():
+                want = list(inspect.signature(getattr(proto, fn)).parameters)[1:]
+                got = list(inspect.signature(getattr(mod, fn)).parameters)
+                assert len(got) == len(want), f"{name}.{fn}: {got} vs {want}"
+        kern = mod.ROW_KERNEL
+        if kern is None:
+            continue
+        assert isinstance(kern, contract.RowKernel), name
+        for flag, methods in optional.items():
+            for m in methods:
+                own = getattr(type(kern), m, None)
+                has = own is not None and own is not getattr(contract.RowKernel, m)
+                assert getattr(kern, flag) == has, f"{name}: {flag} vs {m}"
+        assert isinstance(kern.GRAD_OUT, bool) and isinstance(kern.NORM, bool)
+    assert loaded >= 1
+
+
 def test_readme_shows_the_op_table():
     readme = (ROOT / "README.md").read_text()
     assert _optable.markdown() in readme
@@ -187,6 +228,52 @@ def test_lower_layers_import_nothing_above_them(layer):
                 assert not module.startswith(("mrtpo_kernels", "mrtpo", "bench")), (
                     f"{path.name} imports {module}"
                 )
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in the file, function-level
+    imports included), for every module of mrtpo_kernels."""
+    pkg = ROOT / "mrtpo_kernels"
+    mods = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in pkg.rglob("*.py")
+    }
+    graph = {}
+    for name, path in mods.items():
+        base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parent = base.rsplit(".", node.level - 1)[0] if node.level else ""
+                mod = ".".join(x for x in (parent, node.module or "") if x)
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}"
+                    out.add(sub if sub in mods else mod)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        graph[name] = {m for m in out if m in mods and m != name}
+    return graph
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """No module of mrtpo_kernels imports (at module or call level) a module that imports
+    it back, directly or through others; the package's __init__, which gathers the public
+    names (and is where ``from .. import _C`` resolves), is left out as a target."""
+    graph = {m: ts - {"mrtpo_kernels"} for m, ts in _package_imports().items()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(graph[m]):
+            assert state.get(t) != 1, "import cycle: " + " -> ".join(path + [t])
+            if t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert len(graph) > 20 and graph["mrtpo_kernels.logprobs"]
 
 
 def test_bench_uses_the_public_api_only():

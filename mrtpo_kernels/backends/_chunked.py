@@ -19,41 +19,9 @@ GEMMs (N d V multiply-adds each over the call):
     policy loss (forward with gradient) 3; JS one-vs-K 1 + K (stacked into one GEMM per
     token chunk where the kernel has js_many).
 
-A chunk kernel ``kern`` provides:
-    stats(z, labels, inv_temp, ignore_index, with_entropy) -> (logp, entropy|None, lse)
-    grad_(z, labels, lse, entropy|None, g_logp, g_entropy|None, inv_temp, ignore_index)
-    js(zp, zq, inv_temp, lse_p|None) -> (d, lse_p)
-    policy_(z, labels, old, adv, token_weight, ref|None, inv_temp, clip_low, clip_high,
-            beta, ignore_index, need_grad, clip_ratio_c=inf, kl_iw=False)
-        -> (per_token_loss, logp, clipped)
-        (clip_ratio_c: the dual clip, inf for none; kl_iw: the KL term times the ratio)
-where z is a contiguous fp32 chunk of raw logits (before the temperature).
-
-Optional, where a kernel has them (the Triton row kernels, mrtpo_kernels/triton/rows.py):
-    GRAD_OUT = True: grad_ and policy_ take ``out=``, where the driver passes rows of the
-        separate 16-bit gradient buffer (never z's own storage: no thread overwrites bytes
-        another warp still reads), so that with 16-bit inputs the two gradient GEMMs run
-        on 16-bit operands; the logits GEMM then writes fp32 from 16-bit
-        operands (torch.mm's out_dtype, checked on the device at run time) and no fp32
-        copy of the weight is made. Without out_dtype the driver upcasts as for the others.
-    js_many(z (1 + K, C, V), inv_temp) -> (K, C): JS one-vs-many on the stacked rows of one
-        GEMM (1 GEMM of (1 + K) C rows per chunk instead of 1 + K); the C++ kernels
-        (cpu backend) have it too.
-    grad_cols_(z, labels, lse, entropy|None, g_logp, g_entropy|None, inv_temp,
-        ignore_index, v_lo, V, out=None) and policy_terms(logp, labels, old, adv, tw, ref|None,
-        V, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw)
-        -> (per_token_loss, clipped, g): the low-memory mode (settings.low_memory): the
-        backward walks vocabulary chunks of all N rows, each dW row block finished in one
-        chunk and written in the weight's dtype (no fp32 dW accumulator), dh accumulated in
-        fp32; 2 GEMMs per chunk plus the forward's, i.e. one GEMM more (a recompute).
-    stats(..., norm=) and grad_cols_(..., norm=) (the Triton row kernels; declared by
-        ``NORM = True``, as ``GRAD_OUT``): stats writes each row's raw max M and log s into
-        ``norm``, the column slice [:, a:b] of one (2, N) fp32 buffer, and grad_cols_
-        forms log p = (z/2 - M/2)(2/tau) - log s from it instead of z / tau - lse from the
-        rounded fp32 lse (ulp(lse) / 2 off in every log p: 5e-4 at |z / tau| ~ 1e4, NaN
-        past float max). The low-memory drivers use it where the kernel has it: the policy
-        loss passes its buffer on; the log-probs forward returns it in its ``saved``
-        output for the backward (below).
+The row kernel ``kern`` a backend binds these drivers to follows ``contract.RowKernel``
+(backends/contract.py): its methods see contiguous fp32 chunks of raw logits, and its
+optional abilities (GRAD_OUT, JS_MANY, GRAD_COLS, NORM) are flags the drivers read.
 """
 
 from __future__ import annotations
@@ -189,9 +157,7 @@ class _Head:
 
     def __init__(self, kern, hidden, weight, bias):
         dt = hidden.dtype
-        self.low = (
-            getattr(kern, "GRAD_OUT", False) and dt in _LOW and f32_out_supported(hidden.device, dt)
-        )
+        self.low = kern.GRAD_OUT and dt in _LOW and f32_out_supported(hidden.device, dt)
         self.dtype = dt
         self.w = weight if self.low else _upcast(weight)
         self.b32 = _upcast(bias)
@@ -247,7 +213,7 @@ def gemm_path(kern, device: torch.device, dtype: torch.dtype) -> str:
     float64 inputs, or a kernel without GRAD_OUT) or "fp32 fallback" (16-bit inputs and a
     kernel with GRAD_OUT, but torch has no out_dtype GEMM on the device: an fp32 copy of the
     weight and fp32 GEMMs, several times slower on a GPU)."""
-    if dtype in _LOW and getattr(kern, "GRAD_OUT", False):
+    if dtype in _LOW and kern.GRAD_OUT:
         return "16-bit, fp32 out" if f32_out_supported(device, dtype) else "fp32 fallback"
     return "fp32"
 
@@ -264,7 +230,7 @@ def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
 
 # --------------------------------------------------------------------------- saved state
 # What the log-probs backward needs from its forward travels as the forward's fourth
-# output, ``saved`` (the op saves it for the backward, mrtpo_kernels/_ops.py), a flat fp32
+# output, ``saved`` (the op saves it for the backward, mrtpo_kernels/logprobs.py), a flat fp32
 # tensor whose size says what it holds (saved_numel: the same rule for the op's fake):
 #   fast mode      the fp32 logits of the call's last kept_rows(n, V) rows, (k, V)
 #                  row-major: the backward takes them first and needs no recompute there
@@ -289,8 +255,11 @@ def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     return balanced(n - k, max(chunk_rows(v), k))
 
 
-def saved_numel(kern, n: int, v: int, weight_numel: int) -> int:
-    """Elements of the log-probs forward's ``saved`` output for this kernel and shape."""
+def saved_numel(kern, op: str, n: int, v: int, weight_numel: int) -> int:
+    """Elements of the log-probs forward's ``saved`` output for public op ``op`` (only
+    linear_logprobs saves anything), this kernel and shape (``contract.Backend``)."""
+    if op != "linear_logprobs":
+        return 0
     if _low_memory_for(kern, weight_numel):
         return 2 * n if _takes_norm(kern) else 0
     return kept_rows(n, v) * v
@@ -306,10 +275,8 @@ def _kept_from(saved, n: int, v: int):
 
 
 def _takes_norm(kern) -> bool:
-    """Whether the kernel's stats and grad_cols_ take ``norm=``: a declared capability
-    (``NORM = True``, the Triton row kernels), like ``GRAD_OUT``; the C++ and PyTorch
-    kernels have no column kernel."""
-    return bool(getattr(kern, "NORM", False))
+    """Whether the kernel's stats and grad_cols_ take ``norm=`` (``RowKernel.NORM``)."""
+    return kern.NORM
 
 
 def _norm_buffer(kern, n, like) -> torch.Tensor | None:
@@ -438,7 +405,7 @@ def _low_memory(kern, weight) -> bool:
 
 
 def _low_memory_for(kern, weight_numel: int) -> bool:
-    return hasattr(kern, "grad_cols_") and settings.low_memory(4 * weight_numel)
+    return kern.GRAD_COLS and settings.low_memory(4 * weight_numel)
 
 
 def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
@@ -482,7 +449,7 @@ def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
     acc = acc_dtype(hidden_p)
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     v = weight.shape[0]
-    if hasattr(kern, "js_many"):
+    if kern.JS_MANY:
         return _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature)
     w32, b32 = _upcast(weight), _upcast(bias)
     inv_t = 1.0 / temperature

@@ -14,6 +14,7 @@ import functools
 import math
 
 from . import FLOAT_DTYPES, Serves, _chunked
+from .contract import RowKernel
 
 try:
     from .. import _C  # noqa: F401
@@ -30,8 +31,10 @@ def unavailable_reason() -> str:
     return f"the C++ extension mrtpo_kernels._C is not built ({_IMPORT_ERROR}); run `make build`"
 
 
-class _CppChunkKernel:
-    """Adapter from the chunked drivers' kernel protocol to mrtpo_kernels._C."""
+class _CppChunkKernel(RowKernel):
+    """The row-kernel contract (contract.RowKernel) over mrtpo_kernels._C; JS_MANY."""
+
+    JS_MANY = True
 
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent):
@@ -86,10 +89,12 @@ class _CppChunkKernel:
 
 
 SERVES = {op: Serves(("cpu",), FLOAT_DTYPES) for op in _chunked.OPS}
+ROW_KERNEL = None
 
 if _C is not None:
     _K = _CppChunkKernel()
     ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("cpu")
+    saved_numel = functools.partial(_chunked.saved_numel, _K)
     linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
     linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
     linear_js = functools.partial(_chunked.linear_js, _K)

@@ -26,6 +26,7 @@ except ImportError as exc:  # not built (no nvcc, CPU-only torch) or built for a
 else:
     _IMPORT_ERROR = ""
 
+ROW_KERNEL = None  # no chunk-driven op here
 SERVES = {
     "logprobs_from_logits": Serves(("cuda",), KERNEL_DTYPES),
     "js_distance": Serves(("cuda",), KERNEL_DTYPES),
@@ -47,6 +48,11 @@ def unavailable_reason() -> str:
 
 def available() -> bool:
     return unavailable_reason() == ""
+
+
+def saved_numel(op: str, n: int, v: int, weight_numel: int) -> int:
+    """Nothing: the logits backward needs only the lse (``saved`` is empty)."""
+    return 0
 
 
 def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):

@@ -15,6 +15,7 @@ import torch
 
 from .._token_terms import js_terms, policy_token_terms, scaled_diff
 from . import ANY_DEVICE, Serves, _chunked
+from .contract import RowKernel
 
 LN2 = math.log(2.0)
 
@@ -54,7 +55,9 @@ def _nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
-class _TorchChunkKernel:
+class _TorchChunkKernel(RowKernel):
+    """The row-kernel contract (contract.RowKernel) in PyTorch ops; no optional ability."""
+
     @staticmethod
     def stats(z, labels, inv_t, ignore_index, with_ent):
         valid, use, safe = _label_masks(labels, ignore_index, z.shape[-1])
@@ -143,6 +146,16 @@ SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.OPS} | {
     "specific_relevance": Serves((ANY_DEVICE,)),
 }
 
+
+def available() -> bool:
+    return True
+
+
+def unavailable_reason() -> str:
+    return ""
+
+
+saved_numel = functools.partial(_chunked.saved_numel, _K)
 linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
 linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
 linear_js = functools.partial(_chunked.linear_js, _K)

@@ -43,6 +43,7 @@ def unavailable_reason() -> str:
 
 
 SERVES: dict[str, Serves] = {}
+ROW_KERNEL = None
 
 if _ERR is None:
     from ..triton import js as _fused_js
@@ -89,7 +90,7 @@ if _ERR is None:
         """Elements of the log-probs forwards' ``saved`` output (mrtpo_kernels/_dispatch.py)."""
         if settings.triton_variant() == "fused":
             return _fused_logprobs.saved_numel(n)
-        return _chunked.saved_numel(_K, n, v, weight_numel) if op == "linear_logprobs" else 0
+        return _chunked.saved_numel(_K, op, n, v, weight_numel)
 
     _DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
     SERVES = {op: Serves(_DEVICES, KERNEL_DTYPES) for op in _chunked.OPS}

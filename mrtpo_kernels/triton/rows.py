@@ -517,13 +517,15 @@ def _norm(norm: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class TritonRowKernel:
-    """The chunk-kernel contract (backends/_chunked.py) in Triton row kernels.
-
-    ``GRAD_OUT``: grad_ and policy_ accept ``out=``, a view with z's rows (the driver passes
-    a 16-bit view of z's storage so the two gradient GEMMs run on 16-bit operands).
-    ``NORM``: stats and grad_cols_ accept ``norm=``, each row's (raw max, log s)."""
+    """The row-kernel contract (``RowKernel`` in backends/contract.py, matched by structure:
+    this layer imports nothing from the backends) in Triton row kernels, with every
+    optional ability: grad_ and policy_ take ``out=`` (rows of the driver's separate 16-bit
+    gradient buffer), js_many, the low-memory column kernels grad_cols_ and policy_terms
+    (bound below), and ``norm=`` (each row's raw max and log s) in stats and grad_cols_."""
 
     GRAD_OUT = True
+    JS_MANY = True
+    GRAD_COLS = True
     NORM = True
 
     @staticmethod
@@ -719,7 +721,7 @@ class TritonRowKernel:
 # chunks). Given only the fp32 lse it forms z / tau - lse, ulp(lse) / 2 off in every log p
 # (5e-4 at |z / tau| ~ 1e4) and NaN past |z / tau| = float max; given the (raw max, log s)
 # that stats(..., norm=) writes (8 bytes a row), it has the row kernels' accuracy. The chunk
-# driver's low-memory mode (backends/_chunked.py) passes only lse so far.
+# driver's low-memory mode (backends/_chunked.py) passes the norm where it has one.
 
 
 @triton.jit
