@@ -72,7 +72,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
             ),
             _op(
                 "logprobs_from_logits",
-                ("logits_logprobs_fwd", "logits_logprobs_bwd"),
+                ("logprobs_from_logits_fwd", "logprobs_from_logits_bwd"),
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
@@ -84,7 +84,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
             ),
             _op(
                 "linear_js_distance",
-                ("linear_js",),
+                ("linear_js_distance",),
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
@@ -96,7 +96,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
             ),
             _op(
                 "js_distance",
-                ("logits_js",),
+                ("js_distance",),
                 {
                     "torch": f"{_CHUNKED} + {_TORCH}",
                     "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
@@ -127,7 +127,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
             ),
             _op(
                 "mrtpo_token_advantages",
-                ("reallocate_packed",),
+                ("mrtpo_token_advantages",),
                 {
                     "torch": _TORCH,
                     "triton": "mrtpo_kernels/triton/advantages.py",

@@ -319,7 +319,7 @@ def linear_policy_loss(h, w, b, lab, old, adv, coef, ref, cfg, group):
 
 
 @torch.no_grad()
-def linear_js(hp, hq, w, b, temperature, group):
+def linear_js_distance(hp, hq, w, b, temperature, group):
     """(K, N) JS distances between the sharded head's distributions at hp (N, d) and each
     of hq (K, N, d)."""
     acc = acc_dtype(hp)

@@ -288,7 +288,7 @@ def mrtpo_token_advantages(
     g = GDPOAdvantages(*parts)
     acc = acc_dtype(rel_packed)
     be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
-    token, alloc = reallocate_packed_op(
+    token, alloc = mrtpo_token_advantages_op(
         per_reward=g.per_reward.to(acc).contiguous(),
         lam=lam.to(acc).contiguous(),
         has_info=has_info.bool().contiguous(),
@@ -393,8 +393,8 @@ def specific_relevance(
 # --------------------------------------------------------------------------- registration
 
 
-@torch.library.custom_op("mrtpo::reallocate_packed", mutates_args=())
-def reallocate_packed_op(
+@torch.library.custom_op("mrtpo::mrtpo_token_advantages", mutates_args=())
+def mrtpo_token_advantages_op(
     per_reward: Tensor,
     lam: Tensor,
     has_info: Tensor,
@@ -410,7 +410,7 @@ def reallocate_packed_op(
     clip_max: float,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    fn = _dispatch.get(backend, "reallocate_packed")
+    fn = _dispatch.get(backend, "mrtpo_token_advantages")
     return fn(
         per_reward=per_reward,
         lam=lam,
@@ -428,7 +428,7 @@ def reallocate_packed_op(
     )
 
 
-@reallocate_packed_op.register_fake
+@mrtpo_token_advantages_op.register_fake
 def _(per_reward, lam, has_info, relevance, cu_seqlens, mean, std, alpha, gamma, eps_batch, delta,
       clip_min, clip_max, backend):  # fmt: skip
     f32 = acc_dtype(relevance)

@@ -85,13 +85,13 @@ def linear_js_distance(
     check.non_empty("hidden_p", p2.shape[0])
     if process_group is not None:
         _vocab_parallel.shard_info(weight, process_group)
-        out = _vocab_parallel.linear_js(
+        out = _vocab_parallel.linear_js_distance(
             p2.detach().contiguous(), q3.detach().contiguous(), weight.detach(),
             None if bias is None else bias.detach(), temperature, process_group,
         )  # fmt: skip
         return out[0].view(out_shape) if squeeze else out.view(out_shape)
     be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)
-    out = linear_js_op(
+    out = linear_js_distance_op(
         p2.detach().contiguous(),
         q3.detach().contiguous(),
         weight.detach().contiguous(),
@@ -127,15 +127,15 @@ def js_distance(
     if p2.shape[1] == 0:
         raise ValueError("logits_p: the vocabulary is empty (V = 0)")
     be = _dispatch.resolve("js_distance", p2.device, p2.dtype, backend)
-    out = logits_js_op(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
+    out = js_distance_op(p2.detach().contiguous(), q3.detach().contiguous(), temperature, be)
     return out[0].view(out_shape) if squeeze else out.view(out_shape)
 
 
 # --------------------------------------------------------------------------- registration
 
 
-@torch.library.custom_op("mrtpo::linear_js", mutates_args=())
-def linear_js_op(
+@torch.library.custom_op("mrtpo::linear_js_distance", mutates_args=())
+def linear_js_distance_op(
     hidden_p: Tensor,
     hidden_q: Tensor,
     weight: Tensor,
@@ -143,19 +143,21 @@ def linear_js_op(
     temperature: float,
     backend: str,
 ) -> Tensor:
-    return _dispatch.get(backend, "linear_js")(hidden_p, hidden_q, weight, bias, temperature)
+    return _dispatch.get(backend, "linear_js_distance")(
+        hidden_p, hidden_q, weight, bias, temperature
+    )
 
 
-@linear_js_op.register_fake
+@linear_js_distance_op.register_fake
 def _(hidden_p, hidden_q, weight, bias, temperature, backend):
     return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=acc_dtype(hidden_p))
 
 
-@torch.library.custom_op("mrtpo::logits_js", mutates_args=())
-def logits_js_op(logits_p: Tensor, logits_q: Tensor, temperature: float, backend: str) -> Tensor:
-    return _dispatch.get(backend, "logits_js")(logits_p, logits_q, temperature)
+@torch.library.custom_op("mrtpo::js_distance", mutates_args=())
+def js_distance_op(logits_p: Tensor, logits_q: Tensor, temperature: float, backend: str) -> Tensor:
+    return _dispatch.get(backend, "js_distance")(logits_p, logits_q, temperature)
 
 
-@logits_js_op.register_fake
+@js_distance_op.register_fake
 def _(logits_p, logits_q, temperature, backend):
     return logits_p.new_empty((logits_q.shape[0], logits_p.shape[0]), dtype=acc_dtype(logits_p))

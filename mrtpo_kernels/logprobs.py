@@ -110,7 +110,7 @@ def logprobs_from_logits(
         raise ValueError("logits: the vocabulary is empty (V = 0)")
     check.labels_in_range(lab, z.shape[1], ignore_index)
     be = _dispatch.resolve("logprobs_from_logits", z.device, z.dtype, backend)
-    logp, ent, _ = logits_logprobs_fwd(
+    logp, ent, _ = logprobs_from_logits_fwd(
         z.contiguous(), lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be
     )
     logp = logp.view(labels.shape)
@@ -126,7 +126,7 @@ def logprobs_from_logits(
 # its forward (the chunk driver's kept logits or per-row norms, the fused Triton kernels'
 # norms; empty where nothing), sized by ``_dispatch.saved_numel``. The op saves it for its
 # backward (eager), which passes it back; the Python-level ``linear_logprobs_fwd`` and
-# ``logits_logprobs_fwd`` return the first three outputs. The backward may overwrite
+# ``logprobs_from_logits_fwd`` return the first three outputs. The backward may overwrite
 # ``saved`` (the chunk driver writes the kept rows' gradient over their fp32 logits where
 # its kernel works in place): the backward op declares the mutation, which advances the
 # tensor's version, so a later backward of the same graph (retain_graph, gradcheck) passes
@@ -234,8 +234,8 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
 linear_logprobs_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-@torch.library.custom_op("mrtpo::logits_logprobs_fwd", mutates_args=())
-def logits_logprobs_fwd_op(
+@torch.library.custom_op("mrtpo::logprobs_from_logits_fwd", mutates_args=())
+def logprobs_from_logits_fwd_op(
     logits: Tensor,
     labels: Tensor,
     temperature: float,
@@ -243,11 +243,11 @@ def logits_logprobs_fwd_op(
     with_entropy: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    fn = _dispatch.get(backend, "logits_logprobs_fwd")
+    fn = _dispatch.get(backend, "logprobs_from_logits_fwd")
     return fn(logits, labels, temperature, ignore_index, with_entropy)
 
 
-@logits_logprobs_fwd_op.register_fake
+@logprobs_from_logits_fwd_op.register_fake
 def _(logits, labels, temperature, ignore_index, with_entropy, backend):
     n = logits.shape[0]
     saved = _dispatch.saved_numel(backend, "logprobs_from_logits", n, logits.shape[1], 0)
@@ -259,15 +259,17 @@ def _(logits, labels, temperature, ignore_index, with_entropy, backend):
     )
 
 
-def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy, backend):
-    """(logp, entropy, lse) of ``mrtpo::logits_logprobs_fwd`` (its ``saved`` goes to the
+def logprobs_from_logits_fwd(logits, labels, temperature, ignore_index, with_entropy, backend):
+    """(logp, entropy, lse) of ``mrtpo::logprobs_from_logits_fwd`` (its ``saved`` goes to the
     autograd graph only)."""
-    out = logits_logprobs_fwd_op(logits, labels, temperature, ignore_index, with_entropy, backend)
+    out = logprobs_from_logits_fwd_op(
+        logits, labels, temperature, ignore_index, with_entropy, backend
+    )
     return out[0], out[1], out[2]
 
 
-@torch.library.custom_op("mrtpo::logits_logprobs_bwd", mutates_args=("saved",))
-def logits_logprobs_bwd_op(
+@torch.library.custom_op("mrtpo::logprobs_from_logits_bwd", mutates_args=("saved",))
+def logprobs_from_logits_bwd_op(
     logits: Tensor,
     labels: Tensor,
     lse: Tensor,
@@ -279,13 +281,13 @@ def logits_logprobs_bwd_op(
     backend: str,
     saved: Tensor | None = None,
 ) -> Tensor:
-    fn = _dispatch.get(backend, "logits_logprobs_bwd")
+    fn = _dispatch.get(backend, "logprobs_from_logits_bwd")
     return fn(
         logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, saved
     )
 
 
-@logits_logprobs_bwd_op.register_fake
+@logprobs_from_logits_bwd_op.register_fake
 def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend,
       saved=None):  # fmt: skip
     return torch.empty_like(logits)
@@ -307,7 +309,7 @@ def _logits_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
         g_logp = torch.zeros_like(lse)
     if g_entropy is None or not with_entropy:
         g_entropy = lse.new_empty(0)
-    dl = logits_logprobs_bwd_op(
+    dl = logprobs_from_logits_bwd_op(
         logits, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
         g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
         saved_state(ctx),
@@ -315,4 +317,4 @@ def _logits_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
     return dl, None, None, None, None, None
 
 
-logits_logprobs_fwd_op.register_autograd(_logits_backward, setup_context=_logits_setup)
+logprobs_from_logits_fwd_op.register_autograd(_logits_backward, setup_context=_logits_setup)

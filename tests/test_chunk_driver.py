@@ -160,7 +160,7 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
     assert p.count("recompute") == len(stages.balanced(n - keep_rows, 7))
     assert _gemms_run(policy) == plan("linear_policy_loss")
     assert stages.chunk_plan("linear_policy_loss", n, v, d).count() == 3 * -(-n // 7)
-    js = lambda kern: _chunked.linear_js(kern, h, hq, w, None, 1.0)  # noqa: E731
+    js = lambda kern: _chunked.linear_js_distance(kern, h, hq, w, None, 1.0)  # noqa: E731
     assert _gemms_run(lambda: js(kern)) == plan("linear_js_distance", k=k, js_stacked=False)
     assert _gemms_run(lambda: js(_NoRowWork)) == plan("linear_js_distance", k=k)
     assert plan("linear_js_distance", k=k)[0] == -(-n // 6)
@@ -182,7 +182,7 @@ def test_chunk_plan_and_row_kernel_check_their_arguments():
     from mrtpo_kernels import stages
 
     with pytest.raises(ValueError, match="op: expected one of"):
-        stages.chunk_plan("linear_js", 4, 10, 2)
+        stages.chunk_plan("js_distance", 4, 10, 2)  # no fused LM head
     with pytest.raises(ValueError, match="v: expected a positive integer"):
         stages.chunk_plan("linear_logprobs", 4, 0, 2)
     with pytest.raises(ValueError, match="backend: expected one of"):

@@ -144,9 +144,9 @@ def test_js_has_no_gradient_and_leaves_inputs(backend):
 
 def test_opcheck_js(backend):
     hp, hq, w, b = _heads(5, 11, 3, k=2, seed=8)
-    torch.library.opcheck(torch.ops.mrtpo.linear_js.default, (hp, hq, w, b, 1.0, backend))
+    torch.library.opcheck(torch.ops.mrtpo.linear_js_distance.default, (hp, hq, w, b, 1.0, backend))
     torch.library.opcheck(
-        torch.ops.mrtpo.logits_js.default,
+        torch.ops.mrtpo.js_distance.default,
         (torch.randn(4, 9), torch.randn(2, 4, 9), 1.0, backend),
     )
 

@@ -185,7 +185,7 @@ def test_opcheck_linear_logprobs(backend):
     )
     z = torch.randn(5, 11, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.mrtpo.logits_logprobs_fwd.default, (z, lab, 1.0, -100, False, backend)
+        torch.ops.mrtpo.logprobs_from_logits_fwd.default, (z, lab, 1.0, -100, False, backend)
     )
 
 

@@ -220,7 +220,7 @@ _LABELS_SCRIPT = textwrap.dedent(
     calls = {
         "logits_fwd": lambda y: mk.logprobs_from_logits(z, y, backend=backend),
         "linear_fwd": lambda y: mk.linear_logprobs(h, w, y, backend=backend),
-        "logits_bwd": lambda y: be.logits_logprobs_bwd(
+        "logits_bwd": lambda y: be.logprobs_from_logits_bwd(
             z, y, lse, None, torch.ones(N), None, 1.0, -100),
         "linear_bwd": lambda y: be.linear_logprobs_bwd(
             h, w, None, y, lse, None, torch.ones(N), None, 1.0, -100),
@@ -281,14 +281,14 @@ _TRITON_SCRIPT = textwrap.dedent(
         fails += 0 if ok else 1
     z = torch.randn(N, V)
     y = torch.tensor([3, V, -7, -100, 10**12])  # in range, V, negative, ignored, huge
-    lp, ent, lse, _ = TL.logits_logprobs_fwd(z, y, 1.3, -100, True)
+    lp, ent, lse, _ = TL.logprobs_from_logits_fwd(z, y, 1.3, -100, True)
     ref = R.logprobs_from_logits_ref(z.double(), y, temperature=1.3)
     check("logp in range", abs(lp[0].item() - ref[0].item()) < 1e-5)
     check("logp NaN for out-of-range labels", bool(lp[[1, 2, 4]].isnan().all()))
     check("reference agrees", bool(ref[[1, 2, 4]].isnan().all()))
     check("ignored row 0", lp[3].item() == 0.0)
     g = torch.ones(N)
-    dz = TL.logits_logprobs_bwd(z, y, lse, ent, g, torch.zeros(N), 1.3, -100)
+    dz = TL.logprobs_from_logits_bwd(z, y, lse, ent, g, torch.zeros(N), 1.3, -100)
     zr = z.double().requires_grad_()
     R.logprobs_from_logits_ref(zr[:1], y[:1], temperature=1.3).sum().backward()
     check("grad of the in-range row", torch.allclose(dz[0].double(), zr.grad[0], atol=1e-5))

@@ -44,7 +44,7 @@ def test_triton_advantages_rejects_cpu_tensors_without_interpreter():
     from mrtpo_kernels.triton import advantages
 
     with pytest.raises(ValueError, match="relevance"):
-        advantages.reallocate_packed(
+        advantages.mrtpo_token_advantages(
             torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
             torch.rand(1, 4), torch.tensor([0, 4]), torch.tensor(0.0), torch.tensor(1.0), 1.0,
             1.0, 1e-6, 1e-8, 0.0, float("inf"),

@@ -58,9 +58,9 @@ def test_triton_js_rejects_cpu_tensors_without_interpreter():
     from mrtpo_kernels.triton import js
 
     with pytest.raises(ValueError, match="hidden_p"):
-        js.linear_js(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
+        js.linear_js_distance(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
     with pytest.raises(ValueError, match="logits_p"):
-        js.logits_js(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
+        js.js_distance(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
 
 
 # --------------------------------------------------------------------------- Hopper build

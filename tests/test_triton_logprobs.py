@@ -45,7 +45,7 @@ def test_triton_backend_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="hidden"):
         logprobs.linear_logprobs_fwd(h, w, None, lab, 1.0, -100, False)
     with pytest.raises(ValueError, match="logits"):
-        logprobs.logits_logprobs_fwd(torch.randn(3, 5), lab, 1.0, -100, False)
+        logprobs.logprobs_from_logits_fwd(torch.randn(3, 5), lab, 1.0, -100, False)
 
 
 # --------------------------------------------------------------------------- GPU

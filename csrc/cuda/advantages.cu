@@ -6,7 +6,7 @@
 #include "advantages.cuh"
 
 // Qualified definition: the compiler checks it against the declaration in launchers.h.
-cudaError_t mrtpo::cuda::launch_reallocate_packed(
+cudaError_t mrtpo::cuda::launch_token_advantages(
     const float* per_reward, const float* lam, const uint8_t* has_info, const float* relevance,
     const int64_t* cu_seqlens, const float* batch_mean, const float* batch_std, int64_t n_resp,
     int64_t n_rewards, int64_t n_tokens, float alpha, float gamma, float eps_batch, float delta,

@@ -57,7 +57,7 @@ const float* optional_vec(const torch::Tensor& t, const torch::Tensor& ref, cons
 }
 
 // (logp, entropy or (0,), lse) for logits (N, V).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logits_logprobs_fwd(
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprobs_from_logits_fwd(
     const torch::Tensor& logits, const torch::Tensor& labels, double temperature,
     int64_t ignore_index, bool with_entropy) {
   check_cuda(logits, "logits");
@@ -83,7 +83,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logits_logprobs_fwd(
 }
 
 // dL/dlogits (N, V) in the logits' dtype.
-torch::Tensor logits_logprobs_bwd(const torch::Tensor& logits, const torch::Tensor& labels,
+torch::Tensor logprobs_from_logits_bwd(const torch::Tensor& logits, const torch::Tensor& labels,
                                   const torch::Tensor& lse, const torch::Tensor& entropy,
                                   const torch::Tensor& grad_logp,
                                   const torch::Tensor& grad_entropy, double temperature,
@@ -115,7 +115,7 @@ torch::Tensor logits_logprobs_bwd(const torch::Tensor& logits, const torch::Tens
 }
 
 // (K, N) JS distances between logits_p (N, V) and each row block of logits_q (K, N, V).
-torch::Tensor logits_js(const torch::Tensor& logits_p, const torch::Tensor& logits_q,
+torch::Tensor js_distance(const torch::Tensor& logits_p, const torch::Tensor& logits_q,
                         double temperature) {
   check_cuda(logits_p, "logits_p");
   check_cuda(logits_q, "logits_q");
@@ -143,7 +143,7 @@ torch::Tensor logits_js(const torch::Tensor& logits_p, const torch::Tensor& logi
 }
 
 // (token (N,), allocation (K, N)); every float input fp32.
-std::tuple<torch::Tensor, torch::Tensor> reallocate_packed(
+std::tuple<torch::Tensor, torch::Tensor> mrtpo_token_advantages(
     const torch::Tensor& per_reward, const torch::Tensor& lam, const torch::Tensor& has_info,
     const torch::Tensor& relevance, const torch::Tensor& cu_seqlens, const torch::Tensor& mean,
     const torch::Tensor& stdev, double alpha, double gamma, double eps_batch, double delta,
@@ -182,7 +182,7 @@ std::tuple<torch::Tensor, torch::Tensor> reallocate_packed(
   torch::Tensor token = torch::empty({n_tok}, relevance.options());
   torch::Tensor alloc = torch::empty({k, n_tok}, relevance.options());
   const float clip_hi = std::isfinite(clip_max) ? static_cast<float>(clip_max) : INFINITY;
-  C10_CUDA_CHECK(mrtpo::cuda::launch_reallocate_packed(
+  C10_CUDA_CHECK(mrtpo::cuda::launch_token_advantages(
       per_reward.data_ptr<float>(), lam.data_ptr<float>(),
       static_cast<const uint8_t*>(has_info.data_ptr()), relevance.data_ptr<float>(),
       cu_seqlens.data_ptr<int64_t>(), mean.data_ptr<float>(), stdev.data_ptr<float>(), n, k, n_tok,
@@ -196,18 +196,18 @@ std::tuple<torch::Tensor, torch::Tensor> reallocate_packed(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mrtpo CUDA kernels for the memory-bound stages (logits ops, reallocation)";
-  m.def("logits_logprobs_fwd", &logits_logprobs_fwd, "log-probs, entropy, lse from logits",
-        py::arg("logits"), py::arg("labels"), py::arg("temperature"), py::arg("ignore_index"),
-        py::arg("with_entropy"));
-  m.def("logits_logprobs_bwd", &logits_logprobs_bwd, "dL/dlogits of log-probs and entropy",
-        py::arg("logits"), py::arg("labels"), py::arg("lse"), py::arg("entropy"),
-        py::arg("grad_logp"), py::arg("grad_entropy"), py::arg("temperature"),
-        py::arg("ignore_index"));
-  m.def("logits_js", &logits_js, "per-token JS distance, one P against K Q streams",
+  m.def("logprobs_from_logits_fwd", &logprobs_from_logits_fwd,
+        "log-probs, entropy, lse from logits", py::arg("logits"), py::arg("labels"),
+        py::arg("temperature"), py::arg("ignore_index"), py::arg("with_entropy"));
+  m.def("logprobs_from_logits_bwd", &logprobs_from_logits_bwd,
+        "dL/dlogits of log-probs and entropy", py::arg("logits"), py::arg("labels"),
+        py::arg("lse"), py::arg("entropy"), py::arg("grad_logp"), py::arg("grad_entropy"),
+        py::arg("temperature"), py::arg("ignore_index"));
+  m.def("js_distance", &js_distance, "per-token JS distance, one P against K Q streams",
         py::arg("logits_p"), py::arg("logits_q"), py::arg("temperature"));
-  m.def("reallocate_packed", &reallocate_packed, "MRTPO token advantages over packed responses",
-        py::arg("per_reward"), py::arg("lam"), py::arg("has_info"), py::arg("relevance"),
-        py::arg("cu_seqlens"), py::arg("mean"), py::arg("std"), py::arg("alpha"),
-        py::arg("gamma"), py::arg("eps_batch"), py::arg("delta"), py::arg("clip_min"),
-        py::arg("clip_max"));
+  m.def("mrtpo_token_advantages", &mrtpo_token_advantages,
+        "MRTPO token advantages over packed responses", py::arg("per_reward"), py::arg("lam"),
+        py::arg("has_info"), py::arg("relevance"), py::arg("cu_seqlens"), py::arg("mean"),
+        py::arg("std"), py::arg("alpha"), py::arg("gamma"), py::arg("eps_batch"),
+        py::arg("delta"), py::arg("clip_min"), py::arg("clip_max"));
 }

@@ -445,7 +445,7 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
     return dh32.to(hidden.dtype), dw, db
 
 
-def linear_js(kern, hidden_p, hidden_q, weight, bias, temperature):
+def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
     acc = acc_dtype(hidden_p)
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     v = weight.shape[0]
@@ -492,7 +492,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
     return out
 
 
-def logits_logprobs_fwd(kern, logits, labels, temperature, ignore_index, with_ent):
+def logprobs_from_logits_fwd(kern, logits, labels, temperature, ignore_index, with_ent):
     acc = acc_dtype(logits)
     n, v = logits.shape
     inv_t = 1.0 / temperature
@@ -509,7 +509,7 @@ def logits_logprobs_fwd(kern, logits, labels, temperature, ignore_index, with_en
     return logp, ent, lse, logits.new_empty(0, dtype=torch.float32)  # no saved state
 
 
-def logits_logprobs_bwd(
+def logprobs_from_logits_bwd(
     kern, logits, labels, lse, ent, g_logp, g_ent, temperature, ignore_index, saved=None
 ):
     acc = acc_dtype(logits)
@@ -539,7 +539,7 @@ def logits_logprobs_bwd(
     return out
 
 
-def logits_js(kern, logits_p, logits_q, temperature):
+def js_distance(kern, logits_p, logits_q, temperature):
     acc = acc_dtype(logits_p)
     k, n, v = logits_q.shape
     inv_t = 1.0 / temperature

@@ -74,14 +74,14 @@ class LinearLogprobsEntryPoints(Protocol):
 
 
 class LogprobsFromLogitsEntryPoints(Protocol):
-    def logits_logprobs_fwd(
+    def logprobs_from_logits_fwd(
         self, logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         """logits (N, V) -> as ``linear_logprobs_fwd``."""
         ...
 
-    def logits_logprobs_bwd(
+    def logprobs_from_logits_bwd(
         self, logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
         grad_logp: Tensor, grad_entropy: Tensor, temperature: float, ignore_index: int,
         saved: Tensor | None = None,
@@ -91,7 +91,7 @@ class LogprobsFromLogitsEntryPoints(Protocol):
 
 
 class LinearJSDistanceEntryPoints(Protocol):
-    def linear_js(
+    def linear_js_distance(
         self, hidden_p: Tensor, hidden_q: Tensor, weight: Tensor, bias: Tensor | None,
         temperature: float,
     ) -> Tensor:  # fmt: skip
@@ -100,7 +100,7 @@ class LinearJSDistanceEntryPoints(Protocol):
 
 
 class JSDistanceEntryPoints(Protocol):
-    def logits_js(self, logits_p: Tensor, logits_q: Tensor, temperature: float) -> Tensor:
+    def js_distance(self, logits_p: Tensor, logits_q: Tensor, temperature: float) -> Tensor:
         """logits_p (N, V), logits_q (K, N, V) -> distances (K, N)."""
         ...
 
@@ -122,7 +122,7 @@ class LinearPolicyLossEntryPoints(Protocol):
 
 
 class TokenAdvantagesEntryPoints(Protocol):
-    def reallocate_packed(
+    def mrtpo_token_advantages(
         self, per_reward: Tensor, lam: Tensor, has_info: Tensor, relevance: Tensor,
         cu_seqlens: Tensor, mean: Tensor, std: Tensor, alpha: float, gamma: float,
         eps_batch: float, delta: float, clip_min: float, clip_max: float,

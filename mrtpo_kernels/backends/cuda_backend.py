@@ -2,10 +2,10 @@
 memory-bound stages.
 
 Implemented here:
-    logits_logprobs_fwd / logits_logprobs_bwd / logits_js   streaming over existing logits,
-        one CTA per token row, one read of the logits (two for JS), fp32 math from fp32,
-        bf16 or fp16 logits
-    reallocate_packed                                       one segmented kernel over responses
+    logprobs_from_logits_fwd / logprobs_from_logits_bwd / js_distance: streaming over
+        existing logits, one CTA per token row, one read of the logits (two for JS), fp32
+        math from fp32, bf16 or fp16 logits
+    mrtpo_token_advantages: one segmented kernel over responses
 
 The fused LM-head ops (linear_*) are not here, and the kernels compute in fp32 from fp32,
 bf16 or fp16 inputs: ``SERVES`` says so and the dispatcher sends everything else (float64
@@ -55,12 +55,12 @@ def saved_numel(op: str, n: int, v: int, weight_numel: int) -> int:
     return 0
 
 
-def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
+def logprobs_from_logits_fwd(logits, labels, temperature, ignore_index, with_entropy):
     """(logp (N,), entropy (N,) or (0,), lse (N,), saved (0,)) float32 from logits (N, V).
 
     lse is 0 on rows whose label is ignore_index (never read: their gradient is 0); the
     backward needs nothing else (``saved`` is empty)."""
-    logp, ent, lse = _cuda.logits_logprobs_fwd(
+    logp, ent, lse = _cuda.logprobs_from_logits_fwd(
         logits=logits,
         labels=labels,
         temperature=float(temperature),
@@ -70,7 +70,7 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
     return logp, ent, lse, lse.new_empty(0)
 
 
-def logits_logprobs_bwd(
+def logprobs_from_logits_bwd(
     logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, saved=None
 ):
     """dL/dlogits (N, V) in the logits' dtype."""
@@ -78,7 +78,7 @@ def logits_logprobs_bwd(
     if entropy.numel() == 0 or grad_entropy.numel() == 0:
         # No entropy term: entropy not computed, or no gradient flows into it.
         entropy = grad_entropy = lse.new_empty(0, dtype=f32)
-    return _cuda.logits_logprobs_bwd(
+    return _cuda.logprobs_from_logits_bwd(
         logits=logits,
         labels=labels,
         lse=lse.to(f32).contiguous(),
@@ -90,12 +90,12 @@ def logits_logprobs_bwd(
     )
 
 
-def logits_js(logits_p, logits_q, temperature):
+def js_distance(logits_p, logits_q, temperature):
     """(K, N) float32 JS distances between logits_p (N, V) and logits_q (K, N, V)."""
-    return _cuda.logits_js(logits_p=logits_p, logits_q=logits_q, temperature=float(temperature))
+    return _cuda.js_distance(logits_p=logits_p, logits_q=logits_q, temperature=float(temperature))
 
 
-def reallocate_packed(
+def mrtpo_token_advantages(
     per_reward,
     lam,
     has_info,
@@ -113,7 +113,7 @@ def reallocate_packed(
     """(token (N,), allocation (K, N)); see the backend interface. One program per response
     walks its tokens from cu_seqlens."""
     f32 = torch.float32
-    return _cuda.reallocate_packed(
+    return _cuda.mrtpo_token_advantages(
         per_reward=per_reward.to(f32).contiguous(),
         lam=lam.to(f32).contiguous(),
         has_info=has_info.contiguous(),

@@ -158,14 +158,14 @@ def unavailable_reason() -> str:
 saved_numel = functools.partial(_chunked.saved_numel, _K)
 linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
 linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
-linear_js = functools.partial(_chunked.linear_js, _K)
-logits_logprobs_fwd = functools.partial(_chunked.logits_logprobs_fwd, _K)
-logits_logprobs_bwd = functools.partial(_chunked.logits_logprobs_bwd, _K)
-logits_js = functools.partial(_chunked.logits_js, _K)
+linear_js_distance = functools.partial(_chunked.linear_js_distance, _K)
+logprobs_from_logits_fwd = functools.partial(_chunked.logprobs_from_logits_fwd, _K)
+logprobs_from_logits_bwd = functools.partial(_chunked.logprobs_from_logits_bwd, _K)
+js_distance = functools.partial(_chunked.js_distance, _K)
 linear_policy_loss = functools.partial(_chunked.linear_policy_loss, _K)
 
 
-def reallocate_packed(
+def mrtpo_token_advantages(
     per_reward,
     lam,
     has_info,

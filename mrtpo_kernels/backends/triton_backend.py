@@ -50,7 +50,7 @@ if _ERR is None:
     from ..triton import logprobs as _fused_logprobs
     from ..triton import policy_loss as _fused_policy
     from ..triton._common import check_device, interpreting
-    from ..triton.advantages import reallocate_packed  # noqa: F401
+    from ..triton.advantages import mrtpo_token_advantages  # noqa: F401
     from ..triton.rows import TritonRowKernel
 
     _K = TritonRowKernel()
@@ -76,14 +76,14 @@ if _ERR is None:
     linear_logprobs_bwd = _variant(
         "linear_logprobs_bwd", _fused_logprobs.linear_logprobs_bwd, "hidden"
     )
-    logits_logprobs_fwd = _variant(
-        "logits_logprobs_fwd", _fused_logprobs.logits_logprobs_fwd, "logits"
+    logprobs_from_logits_fwd = _variant(
+        "logprobs_from_logits_fwd", _fused_logprobs.logprobs_from_logits_fwd, "logits"
     )
-    logits_logprobs_bwd = _variant(
-        "logits_logprobs_bwd", _fused_logprobs.logits_logprobs_bwd, "logits"
+    logprobs_from_logits_bwd = _variant(
+        "logprobs_from_logits_bwd", _fused_logprobs.logprobs_from_logits_bwd, "logits"
     )
-    linear_js = _variant("linear_js", _fused_js.linear_js, "hidden_p")
-    logits_js = _variant("logits_js", _fused_js.logits_js, "logits_p")
+    linear_js_distance = _variant("linear_js_distance", _fused_js.linear_js_distance, "hidden_p")
+    js_distance = _variant("js_distance", _fused_js.js_distance, "logits_p")
     linear_policy_loss = _variant("linear_policy_loss", _fused_policy.linear_policy_loss, "hidden")
 
     def saved_numel(op: str, n: int, v: int, weight_numel: int) -> int:

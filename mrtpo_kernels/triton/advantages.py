@@ -122,7 +122,7 @@ def _reallocate_kernel(
         tl.store(token_ptr + t, (total - mu) * inv_sigma, mask=t_mask)
 
 
-def reallocate_packed(
+def mrtpo_token_advantages(
     per_reward,
     lam,
     has_info,

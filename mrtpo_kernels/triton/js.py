@@ -1,5 +1,5 @@
 """One-vs-many Jensen-Shannon distance (METHOD.md section 3), fused with the LM head
-(``linear_js``) and from logits that already exist (``logits_js``). No gradient.
+(``linear_js_distance``) and from logits that already exist (``js_distance``). No gradient.
 
 Math (per token row r, stream k = 1..K, vocabulary entry v; tau the temperature):
     lp_v = z_p[v] / tau - lse_p,   lq_v = z_q[k, v] / tau - lse_q[k]    (log P, log Q)
@@ -25,16 +25,16 @@ _js_logits_kernel writes the fp32 logits / tau and a log-sum-exp per (row, vocab
 tile), _row_lse_kernel combines those per row, _js_sum_kernel reads the scratch once and
 sums the terms over vocabulary splits, _js_finish_kernel adds the splits and takes the
 square root. C keeps the scratch within MRTPO_JS_SCRATCH_BYTES. From existing logits
-(logits_js) there is no GEMM: two reads of the logits, memory-bound. The counting behind
+(js_distance) there is no GEMM: two reads of the logits, memory-bound. The counting behind
 the choice, and what is not yet measured: docs/kernels.md.
 
 Shapes, strides, dtypes:
-  linear_js(hidden_p (N, d), hidden_q (K, N, d), weight (V, d), bias (V,) | None, tau)
+  linear_js_distance(hidden_p (N, d), hidden_q (K, N, d), weight (V, d), bias (V,) | None, tau)
       -> (K, N) fp32; inputs contiguous, same dtype (bf16, fp16 or fp32; fp32 dots are IEEE
       fp32 unless torch's matmul precision allows tf32). Scratch per chunk: stacked hidden
       (1 + K, C, d), logits (1 + K, C, V) fp32, tile lse (1 + K, C, ceil(V / BLOCK_N)), lse
       (1 + K, C), split sums (S, K, C).
-  logits_js(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous;
+  js_distance(logits_p (N, V), logits_q (K, N, V), tau) -> (K, N) fp32; rows contiguous;
       scratch lse (1 + K, N), split sums (S, K, N).
   float64 inputs never reach these kernels: the dispatcher sends them to the "torch"
   backend (float64 throughout).
@@ -376,7 +376,7 @@ def _js_sum_and_finish(zp, zq, lse, out, row0, scale):
     )  # fmt: skip
 
 
-def linear_js(hidden_p, hidden_q, weight, bias, temperature):
+def linear_js_distance(hidden_p, hidden_q, weight, bias, temperature):
     """(K, N) fp32 JS distances between softmax((hidden_p W^T + b) / tau) and each of the
     K streams softmax((hidden_q[k] W^T + b) / tau). Inputs contiguous, validated."""
     check_device("hidden_p", hidden_p)
@@ -420,7 +420,7 @@ def linear_js(hidden_p, hidden_q, weight, bias, temperature):
     return out
 
 
-def logits_js(logits_p, logits_q, temperature):
+def js_distance(logits_p, logits_q, temperature):
     """(K, N) fp32 JS distances between softmax(logits_p / tau) and each
     softmax(logits_q[k] / tau). Inputs contiguous, validated."""
     check_device("logits_p", logits_p)

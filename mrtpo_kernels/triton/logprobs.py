@@ -87,8 +87,8 @@ from ._common import num_sms as _num_sms
 __all__ = [
     "linear_logprobs_fwd",
     "linear_logprobs_bwd",
-    "logits_logprobs_fwd",
-    "logits_logprobs_bwd",
+    "logprobs_from_logits_fwd",
+    "logprobs_from_logits_bwd",
 ]
 
 # --------------------------------------------------------------------------- device code
@@ -623,7 +623,7 @@ def linear_logprobs_bwd(
     )  # fmt: skip
 
 
-def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy):
+def logprobs_from_logits_fwd(logits, labels, temperature, ignore_index, with_entropy):
     check_device("logits", logits)
     logp, ent, lse, norm = lse_stats(
         logits, None, None, labels, logits.shape[1], temperature, ignore_index,
@@ -632,7 +632,7 @@ def logits_logprobs_fwd(logits, labels, temperature, ignore_index, with_entropy)
     return logp, ent, lse, norm  # flat (2 N): the base, not a view
 
 
-def logits_logprobs_bwd(
+def logprobs_from_logits_bwd(
     logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
     saved=None,
 ):  # fmt: skip

@@ -134,7 +134,7 @@ def group_opcheck():
     has = torch.tensor([[True, False], [True, True], [False, True]])
     mean, std = torch.tensor(0.1), torch.tensor(1.3)
     args = (per, torch.ones(2), has, rel, cu, mean, std, 0.7, 1.5, 1e-6, 1e-8, 0.1, 4.0, "triton")
-    opcheck("reallocate_packed", torch.ops.mrtpo.reallocate_packed.default, args)
+    opcheck("mrtpo_token_advantages", torch.ops.mrtpo.mrtpo_token_advantages.default, args)
 
 
 def group_compile():

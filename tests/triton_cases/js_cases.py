@@ -50,7 +50,7 @@ def _linear_case(n, v, d, k, *, dtype=torch.float32, bias=True, temp=0.7, noise=
     hp, hq, w = hp.to(dtype), hq.to(dtype), w.to(dtype)
     b = None if b is None else b.to(dtype)
     kw = dict(bias=b, temperature=temp)
-    name = f"linear_js n={n} v={v} d={d} k={k} {dtype} bias={bias} t={temp}{tag}"
+    name = f"linear_js_distance n={n} v={v} d={d} k={k} {dtype} bias={bias} t={temp}{tag}"
     ours = mk.linear_js_distance(hp, hq, w, backend="triton", **kw)
     plain = mk.linear_js_distance(hp, hq, w, backend="torch", **kw)
     b64 = None if b is None else b.double()
@@ -87,7 +87,7 @@ def group_linear_chunks_dtypes():
         hp.reshape(10, 16).double(), hq.reshape(3, 10, 16).double(), w.double(), temperature=0.9
     ).reshape(3, 2, 5)
     plain = mk.linear_js_distance(hp, hq, w, temperature=0.9, backend="torch")
-    close("linear_js padded (K, B, T)", ours, ref, plain, atol=2e-6, rtol=0)
+    close("linear_js_distance padded (K, B, T)", ours, ref, plain, atol=2e-6, rtol=0)
 
 
 def group_linear_special():
@@ -101,7 +101,7 @@ def group_linear_special():
     w = torch.randn(1000, 64, generator=g)
     b = torch.randn(1000, generator=g)
     out = mk.linear_js_distance(hp, hp.expand(3, 9, 64), w, bias=b, backend="triton")
-    expect("linear_js identical -> 0", bool((out == 0).all()), f"max {out.abs().max()}")
+    expect("linear_js_distance identical -> 0", bool((out == 0).all()), f"max {out.abs().max()}")
     # Disjoint supports: P puts all mass on token 0, Q on token 1 -> exactly 1.
     w = torch.zeros(5, 3)
     w[0, 0] = w[1, 1] = w[2, 2] = 1.0
@@ -109,17 +109,17 @@ def group_linear_special():
     hp = torch.tensor([[0.0, -1e4, -1e4]])
     hq = torch.tensor([[[-1e4, 0.0, -1e4]], [[0.0, -1e4, -1e4]]])
     out = mk.linear_js_distance(hp, hq, w, bias=b, temperature=0.8, backend="triton")
-    expect("linear_js disjoint -> 1", out[0, 0].item() == 1.0, f"{out[0, 0].item()}")
-    expect("linear_js same one-hot -> 0", out[1, 0].item() == 0.0, f"{out[1, 0].item()}")
+    expect("linear_js_distance disjoint -> 1", out[0, 0].item() == 1.0, f"{out[0, 0].item()}")
+    expect("linear_js_distance same one-hot -> 0", out[1, 0].item() == 0.0, f"{out[1, 0].item()}")
     # float64 inputs go to the torch backend and stay float64.
     hp = torch.randn(5, 8, dtype=torch.float64, generator=g)
     hq = torch.randn(2, 5, 8, dtype=torch.float64, generator=g)
     w = torch.randn(50, 8, dtype=torch.float64, generator=g)
     out = mk.linear_js_distance(hp, hq, w, temperature=1.1, backend="triton")
     ref = linear_js_distance_ref(hp, hq, w, temperature=1.1)
-    expect("linear_js float64 dtype", out.dtype == torch.float64, str(out.dtype))
+    expect("linear_js_distance float64 dtype", out.dtype == torch.float64, str(out.dtype))
     err = (out - ref).abs().max().item()
-    expect("linear_js float64", err <= 1e-10, f"max error {err:.3e}")
+    expect("linear_js_distance float64", err <= 1e-10, f"max error {err:.3e}")
 
 
 # --------------------------------------------------------------------------- JS, logits
@@ -185,9 +185,9 @@ def group_opcheck():
     zp = torch.randn(5, 300, generator=g)
     zq = torch.randn(2, 5, 300, generator=g)
     cases = [
-        ("linear_js", (hp, hq, w, b, 0.8, "triton")),
-        ("linear_js", (hp, hq, w, None, 1.0, "triton")),
-        ("logits_js", (zp, zq, 1.2, "triton")),
+        ("linear_js_distance", (hp, hq, w, b, 0.8, "triton")),
+        ("linear_js_distance", (hp, hq, w, None, 1.0, "triton")),
+        ("js_distance", (zp, zq, 1.2, "triton")),
     ]
     for name, args in cases:
         opcheck(name, getattr(torch.ops.mrtpo, name).default, args)

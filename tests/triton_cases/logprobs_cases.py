@@ -196,7 +196,7 @@ def group_opcheck():
     cases = [
         ("linear_logprobs_fwd", (h, w, b, lab, 1.3, -100, True, "triton")),
         ("linear_logprobs_fwd no bias", (h, w, None, lab, 1.0, -100, False, "triton")),
-        ("logits_logprobs_fwd", (z, lab, 0.7, -100, True, "triton")),
+        ("logprobs_from_logits_fwd", (z, lab, 0.7, -100, True, "triton")),
     ]
     for name, args in cases:
         opcheck(name, getattr(torch.ops.mrtpo, name.split()[0]).default, args)

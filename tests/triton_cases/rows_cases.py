@@ -289,7 +289,7 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
         close(f"driver db {tag}", db, wants[2], **tol)
     hq = h.double()[None] + 0.3 * torch.randn(3, n, d, generator=gen, dtype=torch.float64)
     hq = hq.to(dtype)
-    d_js = _chunked.linear_js(kern, h, hq, w, b, 0.9)
+    d_js = _chunked.linear_js_distance(kern, h, hq, w, b, 0.9)
     want_js = ref.linear_js_distance_ref(
         h.double(), hq.double(), w.double(), bias=None if b is None else b.double(), temperature=0.9
     )
