@@ -20,7 +20,7 @@ import torch
 
 from . import cost_model, envinfo, formulas, providers  # noqa: E402
 from .measure import measure  # noqa: E402
-from .ops import make_inputs  # noqa: E402
+from .workloads import make_inputs  # noqa: E402
 
 ROW_PREFIX = "BENCH_ROW "
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,9 +68,9 @@ def _model_columns(spec: dict) -> dict:
     if prov == providers.FLOOR:
         backend = "triton" if spec["device"].startswith("cuda") else "cpu"
     if backend in _DRIVER_BACKENDS and providers.availability(f"mrtpo-{backend}") is None:
-        from mrtpo_kernels import stages
+        from mrtpo_kernels import chunk_plan
 
-        out["gemm_path"] = stages.gemm_path(backend, spec["device"], DTYPES[spec["dtype"]])
+        out["gemm_path"] = chunk_plan.gemm_path(backend, spec["device"], DTYPES[spec["dtype"]])
     return out
 
 

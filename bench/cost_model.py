@@ -1,6 +1,6 @@
 """Cost model of the chunk driver: predicted time of each op from its plan.
 
-A plan (``mrtpo_kernels.stages.chunk_plan``) lists every GEMM the driver issues (shape,
+A plan (``mrtpo_kernels.chunk_plan.chunk_plan``) lists every GEMM the driver issues (shape,
 operand and output bytes, whether it accumulates into its output) and every row-kernel
 pass (elements, bytes read and written per element). The model times them one after the
 other (the driver runs them on one stream):
@@ -27,7 +27,7 @@ Devices:
         the same shapes (``measure_cpu_device``); ``cpu_check`` then compares the predicted
         time of whole ops with their measured time.
 
-Plans: "v3" is the driver as it is (``stages.chunk_plan``: fp32 logits chunks of
+Plans: "v3" is the driver as it is (``chunk_plan.chunk_plan``: fp32 logits chunks of
 MRTPO_CHUNK_BYTES, a 16-bit gradient buffer of MRTPO_GRAD_BUFFER_BYTES, balanced spans,
 the first dW GEMM written); "v2" rebuilds the previous plan for comparison (one
 MRTPO_CHUNK_BYTES chunk per dh / dW GEMM pair with a tail, dW accumulated into zeros).
@@ -116,10 +116,10 @@ def row_time(p, dev: Device) -> float:
 # --------------------------------------------------------------------------- plans
 
 
-def _stages():
-    from mrtpo_kernels import stages
+def _chunk_plan_module():
+    from mrtpo_kernels import chunk_plan
 
-    return stages
+    return chunk_plan
 
 
 def v2_plan(op: str, n: int, v: int, d: int, *, backward: bool = True, k: int = 4):
@@ -128,7 +128,7 @@ def v2_plan(op: str, n: int, v: int, d: int, *, backward: bool = True, k: int = 
     forward kept its last 352 MiB of rows (then the default) and made the other spans that
     large, the kept block doubling as the backward's buffer; JS chunks of
     MRTPO_JS_SCRATCH_BYTES with a tail."""
-    st = _stages()
+    st = _chunk_plan_module()
     c = st.chunk_rows(v)
     gemms, passes = [], []
     G, P = st.Gemm, st.RowPass
@@ -195,7 +195,7 @@ def plans_for(bench_op, n, v, d, k=4, *, version="v3", grad16=True, js_stacked=T
     if version == "v2":
         return [v2_plan(op, n, v, d, backward=backward, k=k)]
     return [
-        _stages().chunk_plan(
+        _chunk_plan_module().chunk_plan(
             op, n, v, d, backward=backward, k=k, grad16=grad16, js_stacked=js_stacked
         )
     ]
@@ -443,12 +443,12 @@ def cpu_check(repeats: int = 3, shape: dict | None = None) -> list[dict]:
     log-probs fwd+bwd, the policy loss fwd+bwd and JS one-vs-K, fp32 on the C++ row
     kernels (torch's where the extension is not built), at a small shape with chunks of
     ``chunk_rows`` rows (several gradient buffers)."""
-    from mrtpo_kernels import backends, stages
+    from mrtpo_kernels import backends, chunk_plan
 
     sh = dict(CPU_SHAPE, **(shape or {}))
     n, v, d, k, c = (sh[x] for x in ("n", "v", "d", "k", "chunk_rows"))
     backend = "cpu" if backends.load("cpu") is not None else "torch"
-    kern = stages.row_kernel(backend)
+    kern = chunk_plan.row_kernel(backend)
     keys = ("MRTPO_CHUNK_BYTES", "MRTPO_JS_SCRATCH_BYTES", "MRTPO_KEEP_LOGITS_BYTES")
     saved = {x: os.environ.get(x) for x in keys}
     os.environ["MRTPO_CHUNK_BYTES"] = str(4 * v * c)

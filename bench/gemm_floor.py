@@ -1,12 +1,12 @@
 """The ``gemm-floor`` provider: the LM-head GEMMs an op needs, with no row work.
 
-Each op runs the GEMMs of our chunk driver (its plan: mrtpo_kernels.stages) at its
+Each op runs the GEMMs of our chunk driver (its plan: mrtpo_kernels.chunk_plan) at its
 chunk sizes, into one reused buffer, and nothing else: no max, no exp, no gradient of the
 logits (the backward GEMMs read whatever the buffer holds). Its time is the physical
 limit of the op on this device at this shape, so every table shows the op's time beside
 it (bench/summary.py: the ratio of each provider to the floor).
 
-The GEMMs are those of ``stages.chunk_plan`` for the shape, run in its order (so the floor
+The GEMMs are those of ``chunk_plan.chunk_plan`` for the shape, run in its order (so the floor
 cannot drift from the driver: tests/test_bench_floor.py counts both):
     log-probs forward (with or without entropy)   1 logits GEMM per span
     log-probs forward + backward                  + per gradient buffer: the recompute
@@ -15,7 +15,7 @@ cannot drift from the driver: tests/test_bench_floor.py counts both):
     policy loss forward + backward                per gradient buffer: logits, dh, dW
     JS one-vs-K                                   1 GEMM of the stacked (1 + K) C rows
     credit-assignment step                        JS one-vs-K, then the policy loss
-On a device with 16-bit GEMMs with fp32 output (``stages.gemm_path``) the plan is the
+On a device with 16-bit GEMMs with fp32 output (``chunk_plan.gemm_path``) the plan is the
 16-bit one (gradient buffers of MRTPO_GRAD_BUFFER_BYTES), else the fp32 one.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import Inputs
+from .workloads import Inputs
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -38,10 +38,12 @@ class _Gemms:
     with fp32 logits, a 16-bit gradient buffer and an fp32 dW."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
-        from mrtpo_kernels import stages
+        from mrtpo_kernels import chunk_plan
 
         self.dtype = hidden.dtype
-        self.low = hidden.dtype in _LOW and stages.f32_out_supported(hidden.device, hidden.dtype)
+        self.low = hidden.dtype in _LOW and chunk_plan.f32_out_supported(
+            hidden.device, hidden.dtype
+        )
         self.w = weight.detach() if self.low else weight.detach().float()
 
     def logits(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ class _Gemms:
 
 
 def run_plan(plan, hidden: torch.Tensor, weight: torch.Tensor, head: _Gemms, stacked=None):
-    """Every GEMM of ``plan`` (stages.ChunkPlan) in order, on reused buffers: logits (and
+    """Every GEMM of ``plan`` (chunk_plan.ChunkPlan) in order, on reused buffers: logits (and
     recomputes) into an fp32 block, dh from and dW from the gradient buffer (the 16-bit
     one in 16-bit mode, else the fp32 block itself). ``stacked``: the operand of the JS
     GEMMs ((1 + K) C rows). Returns (dh, dw) (empty without a backward)."""
@@ -91,10 +93,10 @@ def run_plan(plan, hidden: torch.Tensor, weight: torch.Tensor, head: _Gemms, sta
 
 
 def _plan(op, hidden, weight, head, backward=True, k=1):
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     n, d = hidden.shape
-    return stages.chunk_plan(op, n, weight.shape[0], d, backward=backward, k=k, grad16=head.low)
+    return chunk_plan.chunk_plan(op, n, weight.shape[0], d, backward=backward, k=k, grad16=head.low)
 
 
 def logprobs_forward(hidden, weight) -> torch.Tensor:
@@ -118,11 +120,11 @@ def policy_forward_backward(hidden, weight):
 def js_gemms(hidden_p, hidden_q, weight) -> torch.Tensor:
     """Per chunk of C tokens: the (1 + K) streams stacked into one (1 + K) C x d operand
     (a copy, as the driver makes), one GEMM into a (1 + K) C x V fp32 scratch."""
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     head = _Gemms(hidden_p, weight)
-    plan = stages.chunk_plan("linear_js_distance", n, weight.shape[0], hidden_p.shape[1], k=k,
+    plan = chunk_plan.chunk_plan("linear_js_distance", n, weight.shape[0], hidden_p.shape[1], k=k,
                              grad16=head.low)  # fmt: skip
     c = min(n, plan.rows_per_chunk)
     stacked = torch.cat([hidden_p[:c][None], hidden_q[:, :c]]).reshape(-1, hidden_p.shape[1])

@@ -8,7 +8,7 @@ killed keeps what it measured. Timing is by CUDA events (median of several calls
 warm-up) and never waits on a correctness check: the ``correctness`` part reports errors
 against float64 beside the timings, in its own line. Each timed figure carries the cost
 model's prediction (bench/cost_model.py, H200 figures) and the GEMM path the driver takes
-(``stages.gemm_path``: "16-bit, fp32 out" or the "fp32 fallback").
+(``chunk_plan.gemm_path``: "16-bit, fp32 out" or the "fp32 fallback").
 
 Parts:
     cublas       the GEMMs of the plan at their exact shapes (logits h W^T fp32 out, dh = G W,
@@ -68,20 +68,20 @@ def _time_ms(torch, fn, repeats=5):
     return times[len(times) // 2]
 
 
-def _context(stages, args) -> dict:
+def _context(chunk_plan, args) -> dict:
     import torch
 
     return {
         "N": args.n, "d": args.d, "V": args.v, "variant": args.variant,
         "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
-        "gemm_path": stages.gemm_path("triton", args.device, torch.bfloat16),
+        "gemm_path": chunk_plan.gemm_path("triton", args.device, torch.bfloat16),
     }  # fmt: skip
 
 
-def part_cublas(torch, stages, cm, args, emit):
+def part_cublas(torch, chunk_plan, cm, args, emit):
     dev, bf = args.device, torch.bfloat16
     n, d, v = args.n, args.d, args.v
-    plan = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    plan = chunk_plan.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
     r = max(g.m for g in plan.gemms if g.stage == "logits")
     b = plan.grad_rows
     h = torch.randn(b, d, device=dev, dtype=bf)
@@ -90,15 +90,15 @@ def part_cublas(torch, stages, cm, args, emit):
     g16 = torch.randn(b, v, device=dev, dtype=bf) * 1e-3
     dh = torch.empty(b, d, device=dev, dtype=bf)
     dw = torch.zeros(v, d, device=dev)
-    f32 = stages.f32_out_supported(torch.device(dev), bf)
+    f32 = chunk_plan.f32_out_supported(torch.device(dev), bf)
     shapes = {
-        "logits": (stages.Gemm("logits", r, v, d, False, 2, 4),
-                   lambda: stages.mm_f32(h[:r], w.t(), z)),
-        "dh": (stages.Gemm("dh", b, d, v, False, 2, 2), lambda: torch.mm(g16, w, out=dh)),
-        "dw_first": (stages.Gemm("dw", v, d, b, False, 2, 4),
-                     lambda: stages.mm_f32(g16.t(), h, dw)),
-        "dw_accumulate": (stages.Gemm("dw", v, d, b, True, 2, 4),
-                          lambda: stages.addmm_f32(dw, g16.t(), h)),
+        "logits": (chunk_plan.Gemm("logits", r, v, d, False, 2, 4),
+                   lambda: chunk_plan.mm_f32(h[:r], w.t(), z)),
+        "dh": (chunk_plan.Gemm("dh", b, d, v, False, 2, 2), lambda: torch.mm(g16, w, out=dh)),
+        "dw_first": (chunk_plan.Gemm("dw", v, d, b, False, 2, 4),
+                     lambda: chunk_plan.mm_f32(g16.t(), h, dw)),
+        "dw_accumulate": (chunk_plan.Gemm("dw", v, d, b, True, 2, 4),
+                          lambda: chunk_plan.addmm_f32(dw, g16.t(), h)),
     }  # fmt: skip
     for name, (gm, fn) in shapes.items():
         rec = {"part": "cublas", "name": name, "m": gm.m, "n": gm.n, "k": gm.k}
@@ -114,11 +114,11 @@ def part_cublas(torch, stages, cm, args, emit):
           "tflops": 2 * n * d * v / ms / 1e9})  # fmt: skip
 
 
-def part_rows(torch, stages, cm, args, emit):
+def part_rows(torch, chunk_plan, cm, args, emit):
     dev = args.device
     v = args.v
-    c = stages.chunk_rows(v)
-    k = stages.row_kernel("triton")
+    c = chunk_plan.chunk_rows(v)
+    k = chunk_plan.row_kernel("triton")
     z = torch.randn(c, v, device=dev) * 2
     lab = torch.randint(0, v, (c,), device=dev)
     one = torch.ones(c, device=dev)
@@ -133,18 +133,18 @@ def part_rows(torch, stages, cm, args, emit):
     for name, (bytes_per, fn) in cases.items():
         ms = _time_ms(torch, fn)
         gb = bytes_per * c * v / 1e9
-        pred = cm.row_time(stages.RowPass(name, c, v, bytes_per), cm.H200) * 1e3
+        pred = cm.row_time(chunk_plan.RowPass(name, c, v, bytes_per), cm.H200) * 1e3
         emit({"part": "rows", "name": name, "rows": c, "ms": ms, "gb_per_s": gb / ms * 1e3,
               "pred_ms": pred})  # fmt: skip
     rows = max(1, c // 5)
     zs = torch.randn(5, rows, v, device=dev)
     ms = _time_ms(torch, lambda: k.js_many(zs, 1.0))
-    pred = cm.row_time(stages.RowPass("js", 5 * rows, v, 8), cm.H200) * 1e3
+    pred = cm.row_time(chunk_plan.RowPass("js", 5 * rows, v, 8), cm.H200) * 1e3
     emit({"part": "rows", "name": "js_many_k4", "rows": 5 * rows, "ms": ms,
           "gb_per_s": 8 * 5 * rows * v / 1e6 / ms, "pred_ms": pred})  # fmt: skip
 
 
-def part_ops(torch, stages, cm, args, emit):
+def part_ops(torch, chunk_plan, cm, args, emit):
     import mrtpo_kernels as mk
 
     dev, bf = args.device, torch.bfloat16
@@ -156,7 +156,7 @@ def part_ops(torch, stages, cm, args, emit):
     old = torch.full((n,), -12.0, device=dev)
     adv = torch.randn(n, device=dev, generator=g)
     up = torch.randn(n, device=dev, generator=g)
-    ctx = _context(stages, args)
+    ctx = _context(chunk_plan, args)
 
     def policy():
         loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
@@ -200,7 +200,7 @@ def part_ops(torch, stages, cm, args, emit):
             torch.cuda.empty_cache()
 
 
-def part_correctness(torch, stages, cm, args, emit):
+def part_correctness(torch, chunk_plan, cm, args, emit):
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as ref
 
@@ -210,7 +210,7 @@ def part_correctness(torch, stages, cm, args, emit):
     w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).bfloat16().requires_grad_()
     lab = torch.randint(0, v, (rows,), device=dev, generator=g)
     lab[::7] = -100
-    out = {"part": "correctness", "name": f"bf16_{rows}_rows", **_context(stages, args)}
+    out = {"part": "correctness", "name": f"bf16_{rows}_rows", **_context(chunk_plan, args)}
     lp, ent = mk.linear_logprobs(h, w, lab, return_entropy=True, backend="triton")
     up = torch.randn(rows, device=dev, generator=g)
     gh, gw = torch.autograd.grad((lp * up).sum() + ent.sum(), (h, w))
@@ -261,12 +261,12 @@ def main(argv=None) -> int:
     os.environ["MRTPO_TRITON_VARIANT"] = args.variant
     import torch
 
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     from . import cost_model as cm
 
     if args.dry_run:
-        plan = stages.chunk_plan("linear_policy_loss", args.n, args.v, args.d, grad16=True)
+        plan = chunk_plan.chunk_plan("linear_policy_loss", args.n, args.v, args.d, grad16=True)
         print(f"gpu_micro: would measure N={args.n} d={args.d} V={args.v} part {args.part} "
               f"into {args.out}; plan: {plan.count()} GEMMs, gradient buffers of "
               f"{plan.grad_rows} rows")  # fmt: skip
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     fn = globals()[f"part_{args.part}"]
     t0 = time.time()
     try:
-        fn(torch, stages, cm, args, lambda rec: _emit(args.out, rec))
+        fn(torch, chunk_plan, cm, args, lambda rec: _emit(args.out, rec))
     except Exception as exc:  # report what broke; the figures already written stay
         _emit(args.out, {"part": args.part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         return 1

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .ops import output_bytes
+from .workloads import output_bytes
 
 _STATUS = "/proc/self/status"
 

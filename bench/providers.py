@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from . import torch_impls
-from .ops import Inputs
+from .workloads import Inputs
 
 # mrtpo-cpu-keep-all: the cpu backend with MRTPO_KEEP_LOGITS_BYTES raised to every logit
 # row (4 N V bytes) for the call: the log-probs backward's three-GEMM plan at a peer's memory
@@ -140,7 +140,7 @@ def _ours(backend: str, op: str, x: Inputs):
     first = x.tensors.get("hidden", x.tensors.get("relevance"))
     dev, dtype = first.device, first.dtype
     # the public ops this benchmark op runs with backend=, from the op table
-    for name in [o.name for o in mk.OPS.values() if op in o.bench_ops and o.entry_points]:
+    for name in [o.name for o in mk.OPS.values() if op in o.bench_workloads and o.entry_points]:
         if backend not in mk.available_backends(name, dev, dtype):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

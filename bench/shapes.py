@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ops import OPS
 from .providers import BASELINES, FLOOR, OURS, PEERS
+from .workloads import WORKLOADS
 
 VOCAB = 151936
 
@@ -23,7 +23,7 @@ class Preset:
     dtype: str
     ds: tuple[int, ...]
     ns: tuple[int, ...]
-    ops: tuple[str, ...] = OPS
+    ops: tuple[str, ...] = WORKLOADS
     providers: tuple[str, ...] = ()
     v: int = VOCAB
     js_ks: tuple[int, ...] = (1, 4)
@@ -122,8 +122,8 @@ def cells(
         if p not in OURS + BASELINES + (FLOOR,) + PEERS:
             raise ValueError(f"providers: unknown {p!r}")
     for op in ops:
-        if op not in OPS:
-            raise ValueError(f"ops: unknown {op!r}; expected some of {', '.join(OPS)}")
+        if op not in WORKLOADS:
+            raise ValueError(f"ops: unknown {op!r}; expected some of {', '.join(WORKLOADS)}")
     ns = tuple(ns or preset.ns)
     ds = tuple(ds or preset.ds)
     out = []

@@ -3,9 +3,9 @@ provider measured in the same run, and the PASS/FAIL lines of the issue targets.
 
 from __future__ import annotations
 
-from .ops import OPS
 from .providers import FLOOR, OURS
 from .results import num
+from .workloads import WORKLOADS
 
 GB = 1e9
 MIB = float(1 << 20)
@@ -31,7 +31,7 @@ def _by_shape(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
 
     def order(key):
         op, d, n, k, dtype = key
-        rank = OPS.index(op) if op in OPS else len(OPS)
+        rank = WORKLOADS.index(op) if op in WORKLOADS else len(WORKLOADS)
         return (rank, dtype, int(d or 0), int(n or 0), int(k or 0))
 
     return {key: out[key] for key in sorted(out, key=order)}

@@ -17,18 +17,18 @@ benchmark):
 Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
 Validation helper: ``check_tensor`` (ValueError naming the argument).
 Public modules: ``mrtpo_kernels.reference`` (float64 references), ``mrtpo_kernels.settings``
-(every ``MRTPO_*`` variable), ``mrtpo_kernels.stages`` (the chunk driver's plan and its
+(every ``MRTPO_*`` variable), ``mrtpo_kernels.chunk_plan`` (the chunk driver's plan and its
 stages on their own, for benchmarks).
 """
 
+from ._catalog import OPS, Op
 from ._dispatch import available_backends, backend_status, resolve_backend
-from ._optable import OPS, Op
+from ._types import ADVANTAGE_DEFAULTS, AdvantageSettings, GDPOAdvantages, TokenAdvantages
 from ._validation import check_tensor
 from .advantages import gdpo_advantages, mrtpo_token_advantages, specific_relevance
 from .js import js_distance, linear_js_distance
 from .logprobs import linear_logprobs, logprobs_from_logits
 from .policy_loss import linear_policy_loss
-from .types import ADVANTAGE_DEFAULTS, AdvantageSettings, GDPOAdvantages, TokenAdvantages
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from . import backends, settings
-from ._optable import OPS
+from ._catalog import OPS
 
 _warned: set[tuple[str, str]] = set()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .types import acc_dtype
+from ._types import acc_dtype
 
 
 def empty_rows(like: Tensor, n: int) -> Tensor:

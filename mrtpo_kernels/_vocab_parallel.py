@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ._token_terms import js_terms, policy_token_terms, scaled_diff
+from ._types import acc_dtype
 from .backends import _chunked
-from .types import acc_dtype
 
 # The shard's kernels: the log-probs custom ops, registered beside linear_logprobs
 # (logprobs.py, which imports this module for its process_group path: reached through the

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _dispatch
 from . import _validation as check
-from .types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages, acc_dtype
+from ._types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages, acc_dtype
 
 BATCH_NORMS = ("sequence", "token")
 NAN_POLICIES = ("error", "zero")

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
-from .types import acc_dtype
+from ._types import acc_dtype
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
 from ._registration import empty_rows, keep_saved, saved_state
-from .types import acc_dtype
+from ._types import acc_dtype
 
 
 def linear_logprobs(

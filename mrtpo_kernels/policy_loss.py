@@ -23,7 +23,7 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel, settings
 from . import _validation as check
 from ._token_terms import kl_k3
-from .types import acc_dtype
+from ._types import acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages
+from ._types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages
 
 __all__ = [
     "GDPOAdvantages",

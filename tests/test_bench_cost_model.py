@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench import cell, cost_model
-from mrtpo_kernels import settings, stages
+from mrtpo_kernels import chunk_plan, settings
 
 _PLAN_VARS = (
     "MRTPO_CHUNK_BYTES",
@@ -25,14 +25,14 @@ def default_plan(monkeypatch):
 
 
 def test_gemm_and_row_costs_by_hand():
-    g = stages.Gemm("dw", 100, 50, 20, accumulate=True, in_bytes=2, out_bytes=4)
+    g = chunk_plan.Gemm("dw", 100, 50, 20, accumulate=True, in_bytes=2, out_bytes=4)
     assert g.flops == 2 * 100 * 50 * 20
     assert g.bytes == 2 * (100 * 20 + 20 * 50) + 2 * 4 * 100 * 50  # C read and written
-    w = stages.Gemm("dw", 100, 50, 20, accumulate=False, in_bytes=2, out_bytes=4)
+    w = chunk_plan.Gemm("dw", 100, 50, 20, accumulate=False, in_bytes=2, out_bytes=4)
     assert w.bytes == g.bytes - 4 * 100 * 50
     dev = cost_model.Device("test", gemm_flops=1e6, bandwidth=1e5)
     assert cost_model.gemm_time(g, dev) == max(g.flops / 1e6, g.bytes / 1e5)
-    r = stages.RowPass("grad", 3, 10, 8, 2)
+    r = chunk_plan.RowPass("grad", 3, 10, 8, 2)
     assert r.bytes == 300 and cost_model.row_time(r, dev) == 300 / (1e5 * 0.85)
     assert cost_model.wave_efficiency(128, 128 * 132, 132) == 1.0
     assert cost_model.wave_efficiency(441, 4096, 132) == pytest.approx(128 / 132)
@@ -94,7 +94,7 @@ def test_predicted_ms_in_rows(default_plan):
     assert cols == {"pred_ms": None, "gemm_path": "fp32"}
     spec["dtype"] = "bfloat16"
     assert cell._model_columns(spec)["gemm_path"] == "fp32"  # no GRAD_OUT on torch's kernel
-    assert stages.gemm_path("torch", "cpu", __import__("torch").bfloat16) == "fp32"
+    assert chunk_plan.gemm_path("torch", "cpu", __import__("torch").bfloat16) == "fp32"
 
 
 def test_cpu_check_rows_are_complete():

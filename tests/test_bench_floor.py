@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench import providers, summary
-from bench.ops import make_inputs
+from bench.workloads import make_inputs
 
 N, D, V, K = 40, 16, 300, 3
 
@@ -134,11 +134,12 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
     import mrtpo_kernels as mk
     from mrtpo_kernels import logprobs
     from mrtpo_kernels import reference as ref
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _chunked, _saved_state
 
     if backend not in mk.available_backends("linear_logprobs", torch.device("cpu"), torch.float32):
         pytest.skip(f"backend {backend} not available")
-    assert not [name for name in vars(_chunked) if name in ("_KEPT", "_NORM")]
+    for mod in (_chunked, _saved_state):
+        assert not [name for name in vars(mod) if name in ("_KEPT", "_NORM")]
     monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * V * 7))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(N, D, generator=g, dtype=torch.float64)

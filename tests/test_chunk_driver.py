@@ -1,6 +1,6 @@
 """The chunk driver (mrtpo_kernels/backends/_chunked.py) with every row-kernel
 implementation (torch, cpu, Triton under the interpreter), and the Triton row kernels
-(mrtpo_kernels/triton/rows.py) on their own, against the float64 references.
+(mrtpo_kernels/triton_kernels/rows.py) on their own, against the float64 references.
 
 The interpreter must be switched on before triton is imported, so the checks live in
 tests/triton_cases/rows_cases.py and run here in a subprocess: odd shapes, extreme and
@@ -58,9 +58,9 @@ def test_f32_out_probe_on_cpu_is_false_or_exact():
     the driver upcasts there; where it exists the probe has checked it is exact."""
     import torch
 
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _lm_head
 
-    got = _chunked.f32_out_supported(torch.device("cpu"), torch.bfloat16)
+    got = _lm_head.f32_out_supported(torch.device("cpu"), torch.bfloat16)
     try:
         torch.mm(torch.ones(1, 1, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.bfloat16),
                  out_dtype=torch.float32)  # fmt: skip
@@ -118,12 +118,12 @@ class _NoRowWork(RowKernel):
 
 @pytest.mark.parametrize("keep_rows", [0, 13, 40])
 def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
-    """mrtpo_kernels.stages.chunk_plan counts the GEMMs (and FLOPs) of real driver calls:
+    """mrtpo_kernels.chunk_plan.chunk_plan counts the GEMMs (and FLOPs) of real driver calls:
     log-probs forward, forward + backward (kept rows), policy loss, JS per stream and
     stacked, and the low-memory backward; chunks of 7 rows, 40 tokens (a partial chunk)."""
     import torch
 
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
     from mrtpo_kernels.backends import _chunked, torch_backend
 
     n, d, v, k = 40, 16, 300, 3
@@ -149,23 +149,23 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
         )
 
     def plan(op, **kw):
-        p = stages.chunk_plan(op, n, v, d, **kw)
+        p = chunk_plan.chunk_plan(op, n, v, d, **kw)
         return p.count(), p.flops
 
     assert _gemms_run(lambda: logprobs(False)) == plan("linear_logprobs", backward=False)
     assert _gemms_run(lambda: logprobs(True)) == plan("linear_logprobs")
-    p = stages.chunk_plan("linear_logprobs", n, v, d)
+    p = chunk_plan.chunk_plan("linear_logprobs", n, v, d)
     assert p.kept_rows == keep_rows and p.rows_per_chunk == 7
     # the backward recomputes the rows it did not keep by chunks of 7 (in place mode)
-    assert p.count("recompute") == len(stages.balanced(n - keep_rows, 7))
+    assert p.count("recompute") == len(chunk_plan.balanced(n - keep_rows, 7))
     assert _gemms_run(policy) == plan("linear_policy_loss")
-    assert stages.chunk_plan("linear_policy_loss", n, v, d).count() == 3 * -(-n // 7)
+    assert chunk_plan.chunk_plan("linear_policy_loss", n, v, d).count() == 3 * -(-n // 7)
     js = lambda kern: _chunked.linear_js_distance(kern, h, hq, w, None, 1.0)  # noqa: E731
     assert _gemms_run(lambda: js(kern)) == plan("linear_js_distance", k=k, js_stacked=False)
     assert _gemms_run(lambda: js(_NoRowWork)) == plan("linear_js_distance", k=k)
     assert plan("linear_js_distance", k=k)[0] == -(-n // 6)
     monkeypatch.setenv("MRTPO_LOW_MEMORY", "1")
-    low = stages.chunk_plan("linear_logprobs", n, v, d, low_memory=True)
+    low = chunk_plan.chunk_plan("linear_logprobs", n, v, d, low_memory=True)
 
     def low_run():
         out = _chunked.linear_logprobs_fwd(_NoRowWork, h, w, None, y, 1.0, -100, False)
@@ -179,15 +179,15 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
 
 
 def test_chunk_plan_and_row_kernel_check_their_arguments():
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     with pytest.raises(ValueError, match="op: expected one of"):
-        stages.chunk_plan("js_distance", 4, 10, 2)  # no fused LM head
+        chunk_plan.chunk_plan("js_distance", 4, 10, 2)  # no fused LM head
     with pytest.raises(ValueError, match="v: expected a positive integer"):
-        stages.chunk_plan("linear_logprobs", 4, 0, 2)
+        chunk_plan.chunk_plan("linear_logprobs", 4, 0, 2)
     with pytest.raises(ValueError, match="backend: expected one of"):
-        stages.row_kernel("cuda")
-    assert callable(stages.row_kernel("torch").stats)
+        chunk_plan.row_kernel("cuda")
+    assert callable(chunk_plan.row_kernel("torch").stats)
 
 
 def test_policy_backward_scales_dw_without_a_second_fp32_copy(monkeypatch):
@@ -255,27 +255,25 @@ class _OutKernel(RowKernel):
 def _emulate_f32_out(monkeypatch):
     """CPU torch has no 16-bit GEMM with fp32 output: emulate it (exact fp32 products of
     the 16-bit operands) so the driver takes its 16-bit path here."""
-    monkeypatch.setattr(_chunked_mod(), "f32_out_supported", lambda device, dtype: True)
+    monkeypatch.setattr(_lm_head_mod(), "f32_out_supported", lambda device, dtype: True)
     monkeypatch.setattr(
-        _chunked_mod(), "_mm_f32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
+        _lm_head_mod(), "mm_f32", lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
     )
-    monkeypatch.setattr(
-        _chunked_mod(), "_addmm_f32", lambda c, a, b: c.addmm_(a.float(), b.float())
-    )
+    monkeypatch.setattr(_lm_head_mod(), "addmm_f32", lambda c, a, b: c.addmm_(a.float(), b.float()))
 
 
-def _chunked_mod():
-    from mrtpo_kernels.backends import _chunked
+def _lm_head_mod():
+    from mrtpo_kernels.backends import _lm_head
 
-    return _chunked
+    return _lm_head
 
 
 def test_balanced_spans():
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     for n in (0, 1, 7, 40, 41, 16384):
         for cap in (1, 3, 7, 441, 2048, 10**6):
-            spans = stages.balanced(n, cap, 5)
+            spans = chunk_plan.balanced(n, cap, 5)
             sizes = [e - s for s, e in spans]
             assert sum(sizes) == n and all(0 < x <= cap for x in sizes)
             assert len(spans) == -(-n // cap)  # the fewest spans
@@ -290,10 +288,10 @@ def test_plan_sizes_at_the_target_shape():
     fp32 rows, dW written by the first GEMM and accumulated by the 7 others; extra memory
     under 1 GB (log-probs: the 110 kept rows' buffer first, then 8 of 2034-2035 rows); the
     old plan's 38 chunks of 441 rows (tail 67) are gone."""
-    from mrtpo_kernels import stages
+    from mrtpo_kernels import chunk_plan
 
     n, v, d = 16384, 151936, 4096
-    p = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    p = chunk_plan.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
     dws = [g for g in p.gemms if g.stage == "dw"]
     assert len(dws) == 8 and {g.k for g in dws} == {2048} and p.grad_rows == 2048
     assert [g.accumulate for g in dws] == [False] + [True] * 7
@@ -302,12 +300,12 @@ def test_plan_sizes_at_the_target_shape():
     assert [g.m for g in p.gemms if g.stage == "dh"] == [2048] * 8
     assert p.flops == 6 * n * d * v
     assert p.buffer_bytes < 10**9
-    lp = stages.chunk_plan("linear_logprobs", n, v, d, grad16=True)
+    lp = chunk_plan.chunk_plan("linear_logprobs", n, v, d, grad16=True)
     assert lp.kept_rows == 110 and lp.buffer_bytes < 10**9  # 64 MiB of fp32 rows kept
     assert {g.k for g in lp.gemms if g.stage == "dw"} == {110, 2034, 2035}
     assert lp.count("recompute") == 40  # the 16274 others, by 409-410-row chunks
     # fp32 in place (cpu, torch): the logits chunk is the gradient buffer
-    p32 = stages.chunk_plan("linear_policy_loss", n, v, 896)
+    p32 = chunk_plan.chunk_plan("linear_policy_loss", n, v, 896)
     assert p32.rows_per_chunk == 441  # 256 MiB of fp32 rows, balanced: 38 of 431-432
     assert (
         {g.m for g in p32.gemms if g.stage == "logits"}
@@ -323,9 +321,9 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     buffer, the first dW GEMM written) with the torch and C++ row kernels at odd shapes
     (N = 37, V = 611, d = 24; logits chunks of 4 rows, gradient buffers of 9 rows, kept
     rows 0 / 5 / 13) against the float64 references, and its GEMMs (count, FLOPs, the
-    first dW a plain mm) against stages.chunk_plan(..., grad16=True)."""
+    first dW a plain mm) against chunk_plan.chunk_plan(..., grad16=True)."""
+    from mrtpo_kernels import chunk_plan
     from mrtpo_kernels import reference as ref
-    from mrtpo_kernels import stages
     from mrtpo_kernels.backends import _chunked
 
     if backend == "cpu" and not _cpu_available():
@@ -336,7 +334,7 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * v * keep))
     monkeypatch.setenv("MRTPO_LOW_MEMORY", "0")
     _emulate_f32_out(monkeypatch)
-    kern = _OutKernel(stages.row_kernel(backend))
+    kern = _OutKernel(chunk_plan.row_kernel(backend))
     gen = torch.Generator().manual_seed(keep)
     h = torch.randn(n, d, generator=gen).bfloat16()
     w = (torch.randn(v, d, generator=gen) * d**-0.5).bfloat16()
@@ -347,7 +345,7 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     h64, w64, b64 = (t.double().requires_grad_() for t in (h, w, b))
     rl, re = ref.linear_logprobs_ref(h64, w64, y, bias=b64, temperature=0.8, return_entropy=True)
     want = torch.autograd.grad((rl * g).sum() + (re * ge).sum(), (h64, w64, b64))
-    assert _chunked._Head(kern, h, w, b).low
+    assert _lm_head_mod().Head(kern, h, w, b).low
 
     def run():
         lp, en, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, b, y, 0.8, -100, True)
@@ -361,7 +359,7 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     for got, exp in ((lp, rl), (en, re), (dh, want[0]), (dw, want[1]), (db, want[2])):
         torch.testing.assert_close(got.double(), exp.detach(), **tol)
     assert kern.calls and max(kern.calls) <= 4
-    plan = stages.chunk_plan("linear_logprobs", n, v, d, grad16=True)
+    plan = chunk_plan.chunk_plan("linear_logprobs", n, v, d, grad16=True)
     assert plan.kept_rows == keep and plan.grad_rows <= 9
     assert _gemms_run(run) == (plan.count(), plan.flops)
     events = _gemm_events(run)
@@ -383,7 +381,7 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     torch.testing.assert_close(loss.double(), rloss.detach(), **tol)
     for got, exp in ((dh2, rg[0]), (dw2, rg[1]), (db2, rg[2])):
         torch.testing.assert_close(got.double(), exp, **tol)
-    pp = stages.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    pp = chunk_plan.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
     assert pp.count("dw") == -(-n // 9) and max(kern.calls) <= 4
 
 
@@ -441,7 +439,7 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
     by token chunks and its backward passes that buffer to every grad_cols_ call (found
     under lse, as the kept logits); the low-memory policy loss passes its own. A kernel
     without norm= (cpu, torch, a plain grad_cols_) gets none."""
-    from mrtpo_kernels.backends import _chunked, torch_backend
+    from mrtpo_kernels.backends import _chunked, _saved_state, torch_backend
 
     n, d, v = 21, 4, 50
     monkeypatch.setenv("MRTPO_LOW_MEMORY", "1")
@@ -450,9 +448,9 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
     h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
     y = torch.randint(0, v, (n,), generator=g)
     one = torch.ones(n)
-    assert _chunked._takes_norm(_NormRecorder())
-    assert not _chunked._takes_norm(torch_backend.ROW_KERNEL)
-    assert not _chunked._takes_norm(_NoRowWork)
+    assert _saved_state.takes_norm(_NormRecorder())
+    assert not _saved_state.takes_norm(torch_backend.ROW_KERNEL)
+    assert not _saved_state.takes_norm(_NoRowWork)
     for path in ("logprobs", "policy"):
         kern = _NormRecorder()
         if path == "logprobs":

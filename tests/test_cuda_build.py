@@ -485,7 +485,7 @@ def test_gpu_no_int32_overflow_beyond_2_to_31_elements(strict):
 @pytest.mark.gpu
 @pytest.mark.parametrize("clip", [None, (0.5, 2.0)])
 @pytest.mark.parametrize("gamma", [1.0, 2.0])
-def test_gpu_reallocate_packed(gamma, clip, strict):
+def test_gpu_mrtpo_token_advantages(gamma, clip, strict):
     _cuda_or_skip()
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as R

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mrtpo_kernels as mk
-from mrtpo_kernels import _dispatch, _optable, backends
+from mrtpo_kernels import _catalog, _dispatch, backends
 from mrtpo_kernels import reference as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,11 +118,11 @@ def test_op_table_covers_the_public_api():
                 assert (ROOT / path).is_file(), path
 
 
-def test_bench_ops_exist():
-    from bench.ops import OPS as BENCH_OPS
+def test_bench_workloads_exist():
+    from bench.workloads import WORKLOADS
 
-    named = {b for op in mk.OPS.values() for b in op.bench_ops}
-    assert named <= set(BENCH_OPS)
+    named = {b for op in mk.OPS.values() for b in op.bench_workloads}
+    assert named <= set(WORKLOADS)
 
 
 def test_declarations_match_the_op_table():
@@ -183,7 +183,7 @@ def test_backends_follow_the_contract():
 
 def test_readme_shows_the_op_table():
     readme = (ROOT / "README.md").read_text()
-    assert _optable.markdown() in readme
+    assert _catalog.markdown() in readme
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -202,7 +202,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 # import nothing from the package (checked below); any layer may use them
-LEAVES = {"settings", "types", "_token_terms"}
+LEAVES = {"settings", "_types", "_token_terms"}
 
 
 def test_leaves_import_nothing_from_the_package():
@@ -215,14 +215,16 @@ def test_leaves_import_nothing_from_the_package():
             )
 
 
-@pytest.mark.parametrize("layer", ["triton", "backends"])
+@pytest.mark.parametrize("layer", ["triton_kernels", "backends"])
 def test_lower_layers_import_nothing_above_them(layer):
     for path in sorted((ROOT / "mrtpo_kernels" / layer).glob("*.py")):
         for level, module in _imports(path):
             if level >= 2:  # from ..x import y: outside the layer
                 top = module.split(".")[0]
                 # backends may also use the Triton kernels and the compiled extensions
-                allowed = LEAVES | ({"triton", "_C", "_cuda"} if layer == "backends" else set())
+                allowed = LEAVES | (
+                    {"triton_kernels", "_C", "_cuda"} if layer == "backends" else set()
+                )
                 assert top in allowed, f"{path.name} imports ..{module}"
             if level == 0:
                 assert not module.startswith(("mrtpo_kernels", "mrtpo", "bench")), (

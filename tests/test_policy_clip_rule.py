@@ -22,7 +22,7 @@ from conftest import CPU_BACKENDS
 from triton_cases._harness import policy_token_reference
 
 import mrtpo_kernels as mk
-from mrtpo_kernels import stages
+from mrtpo_kernels import chunk_plan
 from mrtpo_kernels.reference import linear_policy_loss_ref
 
 II = -100
@@ -84,7 +84,7 @@ def _same(name, ours, want, *, tol=1e-5):
 def test_row_kernel_clip_rule_matches_reference(backend, clip_c, beta):
     """The row kernel's policy_ on every token kind: per-token loss, clipped flag and the
     logit gradient w dL/dlogp (onehot - p) / tau it writes over the row."""
-    kern = stages.row_kernel(backend)
+    kern = chunk_plan.row_kernel(backend)
     z, labels, old, adv = _inputs()
     n = z.shape[0]
     ref_lp = torch.full((n,), -1.25)

@@ -1,4 +1,4 @@
-"""Triton token-advantage kernel (mrtpo_kernels/triton/advantages.py).
+"""Triton token-advantage kernel (mrtpo_kernels/triton_kernels/advantages.py).
 
 CPU: the kernel runs under the Triton interpreter, which must be on before triton is
 imported, so the checks live in tests/triton_cases/advantages_cases.py and run here one
@@ -41,7 +41,7 @@ def test_triton_advantages_under_interpreter(group):
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_advantages_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton import advantages
+    from mrtpo_kernels.triton_kernels import advantages
 
     with pytest.raises(ValueError, match="relevance"):
         advantages.mrtpo_token_advantages(
@@ -54,7 +54,7 @@ def test_triton_advantages_rejects_cpu_tensors_without_interpreter():
 @pytest.mark.skipif(not _nvidia_backend_present(), reason="triton's NVIDIA backend is absent")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled mode")
 def test_triton_advantages_kernel_compiles_for_hopper():
-    from mrtpo_kernels.triton import advantages
+    from mrtpo_kernels.triton_kernels import advantages
 
     for dt in ("fp32", "fp64"):
         sig = {name: f"*{dt}" for name in ("per_reward_ptr", "lam_ptr")}

@@ -1,10 +1,10 @@
-"""Triton one-vs-many JS distance (mrtpo_kernels/triton/js.py); the advantage kernel is in
+"""Triton one-vs-many JS distance (mrtpo_kernels/triton_kernels/js.py); the advantage kernel is in
 test_triton_advantages.py.
 
 CPU: the kernels run under the Triton interpreter, which must be on before triton is
 imported, so the checks live in tests/triton_cases/js_cases.py and run here one subprocess
 per group on the default variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the
-stacked row kernel) and all groups in one more on the fused one (triton/js.py): odd shapes
+stacked row kernel) and all groups in one more on the fused one (triton_kernels/js.py): odd shapes
 N = 1, 7, 129, V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5, temperature, bias, extreme and
 -inf logits, identical -> 0, disjoint -> 1, several token chunks, bf16/fp16;
 torch.library.opcheck; torch.compile(fullgraph=True) with aot_eager.
@@ -46,7 +46,7 @@ def test_triton_js_under_interpreter(group):
 
 @needs_triton
 def test_triton_js_fused_variant_under_interpreter():
-    """Every group on MRTPO_TRITON_VARIANT=fused (triton/js.py), in one process: ~20 s."""
+    """Every group on MRTPO_TRITON_VARIANT=fused (triton_kernels/js.py), in one process: ~20 s."""
     run_interpreted(CASES / "js_cases.py", env={"MRTPO_TRITON_VARIANT": "fused"})
 
 
@@ -55,7 +55,7 @@ def test_triton_js_fused_variant_under_interpreter():
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_js_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton import js
+    from mrtpo_kernels.triton_kernels import js
 
     with pytest.raises(ValueError, match="hidden_p"):
         js.linear_js_distance(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
@@ -96,7 +96,7 @@ def _nvidia_backend_present() -> bool:
 def test_triton_js_kernels_compile_for_hopper():
     """Every kernel builds for sm_90 (catches what the interpreter does not: types, layouts,
     shared memory), and the GEMM at the default 16-bit tiles is a pipelined wgmma loop."""
-    from mrtpo_kernels.triton import js
+    from mrtpo_kernels.triton_kernels import js
 
     cfg = js._gemm_configs(torch.bfloat16)[0]
     gemm_sig = {

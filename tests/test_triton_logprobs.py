@@ -1,12 +1,12 @@
-"""Triton log-prob and entropy kernels (mrtpo_kernels/triton/logprobs.py); the fused policy
+"""Triton log-prob and entropy kernels (mrtpo_kernels/triton_kernels/logprobs.py); the fused policy
 loss is in test_triton_policy_loss.py.
 
 CPU: the kernels run under the Triton interpreter, which must be switched on before triton
 is imported, so the checks live in tests/triton_cases/logprobs_cases.py and run here in a
 subprocess per Triton variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row
-kernels of triton/rows.py; fused: triton/logprobs.py): odd shapes, all tokens ignored,
-extreme logits, temperature, bias, gradients with random upstream gradients,
-torch.library.opcheck.
+kernels of triton_kernels/rows.py; fused: triton_kernels/logprobs.py): odd shapes, all
+tokens ignored, extreme logits, temperature, bias, gradients with random upstream
+gradients, torch.library.opcheck.
 GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
 against float64 references computed in row chunks, torch.compile(fullgraph=True) of a
 caller, and N x V > 2^31.
@@ -38,7 +38,7 @@ def test_triton_logprobs_under_interpreter(variant):
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_backend_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton import logprobs
+    from mrtpo_kernels.triton_kernels import logprobs
 
     h, w = torch.randn(3, 4), torch.randn(5, 4)
     lab = torch.tensor([0, 1, 2])

@@ -1,4 +1,4 @@
-"""Triton fused policy loss (mrtpo_kernels/triton/policy_loss.py).
+"""Triton fused policy loss (mrtpo_kernels/triton_kernels/policy_loss.py).
 
 CPU: the kernels run under the Triton interpreter, which must be switched on before triton
 is imported, so the checks live in tests/triton_cases/policy_loss_cases.py and run here in
@@ -34,7 +34,7 @@ def test_triton_policy_loss_under_interpreter(variant):
 @pytest.mark.parametrize("keep_logits", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_linear_policy_loss_real_shape(dtype, keep_logits, monkeypatch):
-    """Both variants of triton/policy_loss.py: (b) recompute (default), (a) kept logits."""
+    """Both variants of triton_kernels/policy_loss.py: (b) recompute (default), (a) kept logits."""
     monkeypatch.setenv("MRTPO_POLICY_KEEP_LOGITS", keep_logits)
     n, d = 2048, 4096
     h, w, lab = _inputs(n, d, dtype, seed=3)

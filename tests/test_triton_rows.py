@@ -1,5 +1,5 @@
 """The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels of
-the default variant (mrtpo_kernels/triton/rows.py) and the opt-in fused log-prob and
+the default variant (mrtpo_kernels/triton_kernels/rows.py) and the opt-in fused log-prob and
 policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_triton_js.py).
 Their numerics are checked under the interpreter by tests/test_chunk_driver.py."""
 
@@ -45,7 +45,7 @@ compiled_mode = pytest.mark.skipif(
 @compiled_mode
 @pytest.mark.parametrize("out_dtype", ["fp32", "bf16", "fp16"])
 def test_row_kernels_compile_for_hopper(out_dtype):
-    from mrtpo_kernels.triton import rows
+    from mrtpo_kernels.triton_kernels import rows
 
     block = rows.row_block(151936) if os.environ.get("TRITON_INTERPRET") != "1" else 2048
     c = {"BLOCK": block}
@@ -96,7 +96,7 @@ def test_row_kernels_compile_for_hopper(out_dtype):
 def test_js_row_kernels_compile_for_hopper(k):
     """js_many's kernels: per-row (raw max, log sum) of the stacked rows, then the split
     sums of the terms for K streams (block sizes as js_many picks them on a GPU)."""
-    from mrtpo_kernels.triton import js, rows
+    from mrtpo_kernels.triton_kernels import js, rows
 
     block = rows.row_block(151936)
     _compile(rows._row_norm_kernel, {
@@ -125,7 +125,7 @@ def test_fused_logprob_and_policy_kernels_compile_for_hopper():
     kernel."""
     import torch
 
-    from mrtpo_kernels.triton import logprobs, policy_loss
+    from mrtpo_kernels.triton_kernels import logprobs, policy_loss
 
     cfg = logprobs.tiles(torch.bfloat16)
     tiles = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D")}

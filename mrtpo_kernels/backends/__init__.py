@@ -10,7 +10,7 @@ never hands an input to another backend itself.
 Adding a backend: write the module to the Protocols, add it to ``BACKENDS`` and
 ``_MODULES`` below and to the dispatcher's preference order. A backend built on the chunk
 driver binds its functions to its row kernel (see cpu_backend) and declares
-``{op: Serves(...) for op in _chunked.OPS}``.
+``{op: Serves(...) for op in _chunked.CHUNK_DRIVEN_OPS}``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Token-chunked drivers shared by the "cpu", "torch" and "triton" backends.
 
-One plan for every backend (mrtpo_kernels/stages.py lists it without running it): the
+One plan for every backend (mrtpo_kernels/chunk_plan.py lists it without running it): the
 tokens are walked in balanced gradient buffers (``grad_spans``), each filled by fp32
 logits chunks of at most chunk_rows(V) rows (``MRTPO_CHUNK_BYTES``): one BLAS GEMM makes a
 chunk's fp32 logits, a row kernel streams the reductions over them and, for gradients,
@@ -21,7 +21,9 @@ GEMMs (N d V multiply-adds each over the call):
 
 The row kernel ``kern`` a backend binds these drivers to follows ``contract.RowKernel``
 (backends/contract.py): its methods see contiguous fp32 chunks of raw logits, and its
-optional abilities (GRAD_OUT, JS_MANY, GRAD_COLS, NORM) are flags the drivers read.
+optional abilities (GRAD_OUT, JS_MANY, GRAD_COLS, NORM) are flags the drivers read. The LM
+head's GEMMs are in _lm_head.py, what the log-probs forward keeps for its backward in
+_saved_state.py; this module walks the tokens (and, in low-memory mode, the vocabulary).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from __future__ import annotations
 import torch
 
 from .. import settings
-from ..types import acc_dtype
+from .._types import acc_dtype
+from . import _lm_head
+from ._lm_head import Head, fp32_logits, upcast
+from ._saved_state import kept_from, kept_rows, low_memory_for, norm_buffer, norm_rows, takes_norm
 
-# The public ops these drivers implement (entry points: mrtpo_kernels/_optable.py).
-OPS = (
+# The public ops these drivers implement (entry points: mrtpo_kernels/_catalog.py).
+CHUNK_DRIVEN_OPS = (
     "linear_logprobs",
     "logprobs_from_logits",
     "linear_js_distance",
@@ -88,134 +93,8 @@ def grad_spans(n: int, v: int, kept: int, separate: bool) -> list[tuple[int, int
     return first + [(s, e, False) for s, e in balanced(n - kept, cap)]
 
 
-def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def _logits(
-    h: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None, buf: torch.Tensor
-) -> torch.Tensor:
-    """fp32 logits of the rows h into buf[:rows] (one buffer reused by every chunk: a fresh
-    [C, V] allocation per chunk would page-fault and zero a few hundred MB each time)."""
-    h32 = _upcast(h)
-    out = buf[: h.shape[0]]
-    if b32 is None:
-        return torch.mm(h32, w32.t(), out=out)
-    return torch.addmm(b32, h32, w32.t(), out=out)
-
-
 def _buffer(rows: int, n: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((min(rows, n), v), dtype=dtype, device=like.device)
-
-
-# --------------------------------------------------------------------------- 16-bit GEMMs
-
-_LOW = (torch.bfloat16, torch.float16)
-_F32_OUT: dict[tuple[str, int | None, torch.dtype], bool] = {}
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (fp32) = a @ b for 16-bit a, b with fp32 accumulation and output."""
-    return torch.mm(a, b, out_dtype=torch.float32, out=out)
-
-
-def _addmm_f32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """c (fp32) += a @ b for 16-bit a, b, in place, fp32 accumulation."""
-    return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-
-
-def f32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch.mm / torch.addmm take 16-bit operands with out_dtype=float32 on this
-    device (torch 2.9+ on CUDA; not on CPU): tried once on tiny tensors, checked against
-    an fp32 product, cached."""
-    key = (device.type, device.index, dtype)
-    if key not in _F32_OUT:
-        ok = False
-        try:
-            a = torch.arange(6, device=device).reshape(2, 3).to(dtype)
-            b = torch.arange(12, device=device).reshape(3, 4).to(dtype) - 5
-            want = a.float() @ b.float()
-            out = torch.empty(2, 4, device=device)
-            ok = torch.equal(_mm_f32(a, b, out), want)
-            _addmm_f32(out, a, b)
-            ok = ok and torch.equal(out, 2 * want)
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _F32_OUT[key] = ok
-    return _F32_OUT[key]
-
-
-class _Head:
-    """The LM head's GEMMs for one call. 16-bit mode (the kernel has GRAD_OUT, the inputs
-    are 16-bit and the device has out_dtype): the weight is used as it is, logits come out
-    in fp32, and the kernel writes each row's logit gradient into a separate 16-bit
-    gradient buffer (``grad_buffer``), the operand of the dh and dW GEMMs. Otherwise fp32
-    operands (the weight upcast once when it is not fp32) and the gradient overwrites the
-    fp32 logits in place."""
-
-    def __init__(self, kern, hidden, weight, bias):
-        dt = hidden.dtype
-        self.low = kern.GRAD_OUT and dt in _LOW and f32_out_supported(hidden.device, dt)
-        self.dtype = dt
-        self.w = weight if self.low else _upcast(weight)
-        self.b32 = _upcast(bias)
-
-    def logits(self, h, buf, w=None, b32=None):
-        """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
-        w = self.w if w is None else w
-        b32 = self.b32 if b32 is None else b32
-        if not self.low:
-            return _logits(h, w, b32, buf)
-        out = buf[: h.shape[0]]
-        _mm_f32(h, w.t(), out)
-        if b32 is not None:
-            out += b32
-        return out
-
-    def grad_buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The separate 16-bit gradient buffer (rows, cols) in 16-bit mode, else None (the
-        gradient is written over the fp32 logits)."""
-        if not self.low:
-            return None
-        return like.new_empty((rows, cols), dtype=self.dtype)
-
-    def backward(self, g, h, dh_rows, dw, db, first):
-        """dh_rows = g W (in hidden's dtype) and dw = g^T h for the first gradient buffer of
-        the call, dw += g^T h after it (fp32, accumulated inside the GEMM); db += column
-        sums of g."""
-        if self.low:
-            torch.mm(g, self.w, out=dh_rows)
-            if first:
-                _mm_f32(g.t(), h, dw)
-            else:
-                _addmm_f32(dw, g.t(), h)
-            if db is not None:
-                db += g.sum(0, dtype=db.dtype)
-            return
-        h32 = _upcast(h)
-        if dh_rows.dtype == g.dtype:
-            torch.mm(g, self.w, out=dh_rows)
-        else:
-            dh_rows.copy_(g @ self.w)
-        if first:
-            torch.mm(g.t(), h32, out=dw)
-        else:
-            dw.addmm_(g.t(), h32)
-        if db is not None:
-            db += g.sum(0)
-
-
-def gemm_path(kern, device: torch.device, dtype: torch.dtype) -> str:
-    """Which GEMMs the driver runs for ``kern`` on ``dtype`` inputs on ``device``:
-    "16-bit, fp32 out" (the weight as it is, 16-bit gradient buffer), "fp32" (fp32 or
-    float64 inputs, or a kernel without GRAD_OUT) or "fp32 fallback" (16-bit inputs and a
-    kernel with GRAD_OUT, but torch has no out_dtype GEMM on the device: an fp32 copy of the
-    weight and fp32 GEMMs, several times slower on a GPU)."""
-    if dtype in _LOW and kern.GRAD_OUT:
-        return "16-bit, fp32 out" if f32_out_supported(device, dtype) else "fp32 fallback"
-    return "fp32"
 
 
 def _out(g, a, b) -> dict:
@@ -228,25 +107,6 @@ def _none_if_empty(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
-# --------------------------------------------------------------------------- saved state
-# What the log-probs backward needs from its forward travels as the forward's fourth
-# output, ``saved`` (the op saves it for the backward, mrtpo_kernels/logprobs.py), a flat fp32
-# tensor whose size says what it holds (saved_numel: the same rule for the op's fake):
-#   fast mode      the fp32 logits of the call's last kept_rows(n, V) rows, (k, V)
-#                  row-major: the backward takes them first and needs no recompute there
-#                  (in place mode overwrites them with the gradient: the op declares the
-#                  mutation, so a second backward of the same graph sees a new version and
-#                  passes no state, recomputing every row)
-#   low-memory     each row's raw max M and log s, (2, n), for the column kernel (kernels
-#                  that take ``norm=``), so log p never comes from the rounded lse
-#   otherwise      empty: the backward recomputes every row
-
-
-def kept_rows(n: int, v: int) -> int:
-    """Rows of fp32 logits the log-probs forward keeps for its backward (the last ones)."""
-    return min(n, settings.keep_logits_bytes() // (4 * max(v, 1)))
-
-
 def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     """The forward GEMM spans of the first n - k rows (the last k are kept): balanced, at
     most max(chunk_rows, k) rows each, so that a kept block also makes the GEMMs of the
@@ -255,45 +115,11 @@ def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     return balanced(n - k, max(chunk_rows(v), k))
 
 
-def saved_numel(kern, op: str, n: int, v: int, weight_numel: int) -> int:
-    """Elements of the log-probs forward's ``saved`` output for public op ``op`` (only
-    linear_logprobs saves anything), this kernel and shape (``contract.Backend``)."""
-    if op != "linear_logprobs":
-        return 0
-    if _low_memory_for(kern, weight_numel):
-        return 2 * n if _takes_norm(kern) else 0
-    return kept_rows(n, v) * v
-
-
-def _kept_from(saved, n: int, v: int):
-    """(kept logits (k, V) or None, k) from a fast-mode ``saved``; none for an empty or a
-    foreign one (a size that is not whole rows of at most n)."""
-    if saved is None or saved.numel() == 0 or v == 0 or saved.numel() % v:
-        return None, 0
-    k = saved.numel() // v
-    return (saved.view(k, v), k) if k <= n else (None, 0)
-
-
-def _takes_norm(kern) -> bool:
-    """Whether the kernel's stats and grad_cols_ take ``norm=`` (``RowKernel.NORM``)."""
-    return kern.NORM
-
-
-def _norm_buffer(kern, n, like) -> torch.Tensor | None:
-    """A (2, n) fp32 buffer for stats(..., norm=) where the kernel takes one, else None."""
-    return like.new_empty((2, n), dtype=torch.float32) if _takes_norm(kern) else None
-
-
-def _norm_rows(norm, a, b) -> dict:
-    """stats' keyword for rows [a, b): the column slice of the (2, N) buffer, or none."""
-    return {} if norm is None else {"norm": norm[:, a:b]}
-
-
 def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
     """(logp, entropy, lse, saved): ``saved`` is what the backward needs (above)."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    head = _Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias)
     inv_t = 1.0 / temperature
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
@@ -302,8 +128,8 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     low = _low_memory(kern, weight)
     k = 0 if low else kept_rows(n, v)
     # low-memory mode: each row's (raw max, log s) for the column kernel of the backward
-    saved = hidden.new_empty(2 * n if low and _takes_norm(kern) else k * v, dtype=acc)
-    norm = saved.view(2, n) if low and _takes_norm(kern) else None
+    saved = hidden.new_empty(2 * n if low and takes_norm(kern) else k * v, dtype=acc)
+    norm = saved.view(2, n) if low and takes_norm(kern) else None
     spans = logprobs_spans(n, v, k)
     span_rows = max([0] + [e - s for s, e in spans])
     kept = saved.view(k, v) if not low else saved[:0].view(0, v)
@@ -314,7 +140,7 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
         for a, b in balanced(e - s, c, s):
             lp, en, ls = kern.stats(
                 z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
-                **_norm_rows(norm, a, b),
+                **norm_rows(norm, a, b),
             )  # fmt: skip
             logp[a:b] = lp
             lse[a:b] = ls
@@ -337,16 +163,16 @@ def linear_logprobs_bwd(
     n, v = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
-    head = _Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias)
     if _low_memory(kern, weight):
         norm = None
-        if saved is not None and saved.numel() == 2 * n and _takes_norm(kern):
+        if saved is not None and saved.numel() == 2 * n and takes_norm(kern):
             norm = saved.view(2, n)
         return _backward_by_vocab(
             kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
             ignore_index, norm,
         )  # fmt: skip
-    kept, k = _kept_from(saved, n, v)
+    kept, k = kept_from(saved, n, v)
     spans = grad_spans(n, v, k, head.low)
 
     def grad(z, g, a, b):  # the kernel on rows [a, b): dL/dz in place, or into g
@@ -401,11 +227,7 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
 
 
 def _low_memory(kern, weight) -> bool:
-    return _low_memory_for(kern, weight.numel())
-
-
-def _low_memory_for(kern, weight_numel: int) -> bool:
-    return kern.GRAD_COLS and settings.low_memory(4 * weight_numel)
+    return low_memory_for(kern, weight.numel())
 
 
 def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
@@ -435,10 +257,10 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
                         **_out(g, 0, n), **nkw)  # fmt: skip
         if head.low:
             torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
-            _addmm_f32(dh32, g, w_c)
+            _lm_head.addmm_f32(dh32, g, w_c)
         else:
             g = z
-            dw[v0:v1] = g.t() @ _upcast(hidden)
+            dw[v0:v1] = g.t() @ upcast(hidden)
             dh32.addmm_(g, w_c)
         if bias is not None:
             db[v0:v1] = g.sum(0, dtype=acc)
@@ -451,17 +273,17 @@ def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
     v = weight.shape[0]
     if kern.JS_MANY:
         return _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature)
-    w32, b32 = _upcast(weight), _upcast(bias)
+    w32, b32 = upcast(weight), upcast(bias)
     inv_t = 1.0 / temperature
     out = hidden_p.new_empty((k, n), dtype=acc)
     c = chunk_rows(v, streams=2)
     buf_p = _buffer(c, n, v, hidden_p, acc)
     buf_q = _buffer(c, n, v, hidden_p, acc)
     for s, e in balanced(n, c):
-        zp = _logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
+        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
         lse_p = None
         for j in range(k):
-            zq = _logits(hidden_q[j, s:e], w32, b32, buf_q)
+            zq = fp32_logits(hidden_q[j, s:e], w32, b32, buf_q)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
     return out
@@ -477,7 +299,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
     out = hidden_p.new_empty((k, n), dtype=acc)
     if n == 0 or k == 0:
         return out
-    head = _Head(kern, hidden_p, weight, bias)
+    head = Head(kern, hidden_p, weight, bias)
     streams = 1 + k
     c = min(n, js_chunk_rows(v, k))
     a_buf = hidden_p.new_empty(streams * c * d)
@@ -500,7 +322,7 @@ def logprobs_from_logits_fwd(kern, logits, labels, temperature, ignore_index, wi
     lse = logits.new_empty(n, dtype=acc)
     ent = logits.new_empty(n if with_ent else 0, dtype=acc)
     for s, e in balanced(n, chunk_rows(v)):
-        z = _upcast(logits[s:e]).contiguous()
+        z = upcast(logits[s:e]).contiguous()
         lp, en, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, with_ent)
         logp[s:e] = lp
         lse[s:e] = ls
@@ -545,10 +367,10 @@ def js_distance(kern, logits_p, logits_q, temperature):
     inv_t = 1.0 / temperature
     out = logits_p.new_empty((k, n), dtype=acc)
     for s, e in balanced(n, chunk_rows(v, streams=2)):
-        zp = _upcast(logits_p[s:e]).contiguous()
+        zp = upcast(logits_p[s:e]).contiguous()
         lse_p = None
         for j in range(k):
-            zq = _upcast(logits_q[j, s:e]).contiguous()
+            zq = upcast(logits_q[j, s:e]).contiguous()
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
     return out
@@ -575,7 +397,7 @@ def linear_policy_loss(
 ):
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    head = _Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias)
     inv_t = 1.0 / temperature
     ref_logp = _none_if_empty(ref_logp)
     if need_grad and _low_memory(kern, weight):
@@ -613,12 +435,12 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref
     acc = acc_dtype(hidden)
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
-    norm = _norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
+    norm = norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
     c = chunk_rows(v)
     buf = _buffer(c, n, v, hidden, acc)
     for s, e in balanced(n, c):
         z = head.logits(hidden[s:e], buf)
-        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **_norm_rows(norm, s, e))
+        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **norm_rows(norm, s, e))
         logp[s:e] = lp
         lse[s:e] = ls
     del buf

@@ -2,7 +2,7 @@
 
 - ``Backend``: what the dispatcher (mrtpo_kernels/_dispatch.py) reads from a backend module.
 - One Protocol per public op with the entry points its custom op calls (``ENTRY_POINTS``:
-  public op -> Protocol; the op table, mrtpo_kernels/_optable.py, lists the same names). A
+  public op -> Protocol; the op table, mrtpo_kernels/_catalog.py, lists the same names). A
   backend defines the entry points of every op it declares in ``SERVES``.
 - ``RowKernel``: what the chunk driver (backends/_chunked.py) calls on a backend's row
   kernel, with its optional abilities declared as flags (defaults here, False).

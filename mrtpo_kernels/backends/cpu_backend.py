@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import FLOAT_DTYPES, Serves, _chunked
+from . import FLOAT_DTYPES, Serves, _chunked, _saved_state
 from .contract import RowKernel
 
 try:
@@ -88,13 +88,13 @@ class _CppChunkKernel(RowKernel):
         )
 
 
-SERVES = {op: Serves(("cpu",), FLOAT_DTYPES) for op in _chunked.OPS}
+SERVES = {op: Serves(("cpu",), FLOAT_DTYPES) for op in _chunked.CHUNK_DRIVEN_OPS}
 ROW_KERNEL = None
 
 if _C is not None:
     _K = _CppChunkKernel()
-    ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("cpu")
-    saved_numel = functools.partial(_chunked.saved_numel, _K)
+    ROW_KERNEL = _K  # public: mrtpo_kernels.chunk_plan.row_kernel("cpu")
+    saved_numel = functools.partial(_saved_state.saved_numel, _K)
     linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
     linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
     linear_js_distance = functools.partial(_chunked.linear_js_distance, _K)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .._token_terms import js_terms, policy_token_terms, scaled_diff
-from . import ANY_DEVICE, Serves, _chunked
+from . import ANY_DEVICE, Serves, _chunked, _saved_state
 from .contract import RowKernel
 
 LN2 = math.log(2.0)
@@ -137,9 +137,9 @@ class _TorchChunkKernel(RowKernel):
 
 
 _K = _TorchChunkKernel()
-ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("torch")
+ROW_KERNEL = _K  # public: mrtpo_kernels.chunk_plan.row_kernel("torch")
 
-SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.OPS} | {
+SERVES = {op: Serves((ANY_DEVICE,)) for op in _chunked.CHUNK_DRIVEN_OPS} | {
     "mrtpo_token_advantages": Serves((ANY_DEVICE,)),
     # computed by the public function itself in PyTorch ops (a few O(n K) reductions)
     "gdpo_advantages": Serves((ANY_DEVICE,)),
@@ -155,7 +155,7 @@ def unavailable_reason() -> str:
     return ""
 
 
-saved_numel = functools.partial(_chunked.saved_numel, _K)
+saved_numel = functools.partial(_saved_state.saved_numel, _K)
 linear_logprobs_fwd = functools.partial(_chunked.linear_logprobs_fwd, _K)
 linear_logprobs_bwd = functools.partial(_chunked.linear_logprobs_bwd, _K)
 linear_js_distance = functools.partial(_chunked.linear_js_distance, _K)

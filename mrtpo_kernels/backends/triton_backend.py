@@ -1,5 +1,5 @@
 """The "triton" backend: the chunk driver (backends/_chunked.py) with Triton row kernels
-(mrtpo_kernels/triton/rows.py), or the older fused-GEMM Triton kernels.
+(mrtpo_kernels/triton_kernels/rows.py), or the older fused-GEMM Triton kernels.
 
 Default variant (``MRTPO_TRITON_VARIANT=rows``): per token chunk, one cuBLAS GEMM
 (torch.mm with out_dtype=float32 where torch has it on the device, else fp32 operands)
@@ -7,7 +7,7 @@ into a reused fp32 buffer, one Triton row kernel (statistics, and the logit grad
 place), then dh_c = G W and dW += G^T h_c with fp32 accumulation: 3 GEMMs for a policy-loss
 step, no recompute; 1 + K stacked rows in one GEMM for JS. ``MRTPO_LOW_MEMORY`` switches
 the backward to vocabulary chunks (no fp32 dW accumulator, one GEMM more).
-``MRTPO_TRITON_VARIANT=fused``: the fused-GEMM kernels of triton/logprobs.py, policy_loss.py
+``MRTPO_TRITON_VARIANT=fused``: the fused-GEMM kernels of triton_kernels/logprobs.py, policy_loss.py
 and js.py (logits never leave the chip; 4 GEMMs for the policy loss), kept only until a
 GPU measurement compares the two (docs/kernels.md).
 
@@ -24,7 +24,7 @@ import functools
 import torch
 
 from .. import settings
-from . import KERNEL_DTYPES, Serves, _chunked
+from . import KERNEL_DTYPES, Serves, _chunked, _saved_state
 
 try:
     import triton  # noqa: F401
@@ -46,15 +46,15 @@ SERVES: dict[str, Serves] = {}
 ROW_KERNEL = None
 
 if _ERR is None:
-    from ..triton import js as _fused_js
-    from ..triton import logprobs as _fused_logprobs
-    from ..triton import policy_loss as _fused_policy
-    from ..triton._common import check_device, interpreting
-    from ..triton.advantages import mrtpo_token_advantages  # noqa: F401
-    from ..triton.rows import TritonRowKernel
+    from ..triton_kernels import js as _fused_js
+    from ..triton_kernels import logprobs as _fused_logprobs
+    from ..triton_kernels import policy_loss as _fused_policy
+    from ..triton_kernels._common import check_device, interpreting
+    from ..triton_kernels.advantages import mrtpo_token_advantages  # noqa: F401
+    from ..triton_kernels.rows import TritonRowKernel
 
     _K = TritonRowKernel()
-    ROW_KERNEL = _K  # public: mrtpo_kernels.stages.row_kernel("triton")
+    ROW_KERNEL = _K  # public: mrtpo_kernels.chunk_plan.row_kernel("triton")
 
     def _variant(name: str, fused, first_tensor_arg: str):
         """The entry point ``name``: the chunk driver with the row kernels, or the fused
@@ -90,8 +90,8 @@ if _ERR is None:
         """Elements of the log-probs forwards' ``saved`` output (mrtpo_kernels/_dispatch.py)."""
         if settings.triton_variant() == "fused":
             return _fused_logprobs.saved_numel(n)
-        return _chunked.saved_numel(_K, op, n, v, weight_numel)
+        return _saved_state.saved_numel(_K, op, n, v, weight_numel)
 
     _DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
-    SERVES = {op: Serves(_DEVICES, KERNEL_DTYPES) for op in _chunked.OPS}
+    SERVES = {op: Serves(_DEVICES, KERNEL_DTYPES) for op in _chunked.CHUNK_DRIVEN_OPS}
     SERVES["mrtpo_token_advantages"] = Serves(_DEVICES, (torch.float32, torch.float64))

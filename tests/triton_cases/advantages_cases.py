@@ -1,4 +1,4 @@
-"""Triton token-advantage kernel (mrtpo_kernels/triton/advantages.py) on CPU tensors under
+"""Triton token-advantage kernel (mrtpo_kernels/triton_kernels/advantages.py) on CPU tensors under
 the Triton interpreter, checked through the public API (backend="triton") against the
 float64 reference of mrtpo_kernels.reference.
 

@@ -6,10 +6,10 @@ float64 reference under the Triton interpreter (tests/test_triton_clip_extreme.p
 clip: the clipped flag (clip_fraction) is the reference's ratio A > clamp(ratio) A, strictly:
     a tie is not clipped and passes the whole gradient, a NaN is not clipped and gives a NaN
     loss and gradient (reference.policy_loss_ref and its autograd), in every Triton kernel:
-    the row kernel, the low-memory token terms (triton/rows.py) and the fused token kernel
-    (triton/policy_loss.py), through the public op in every variant.
+    the row kernel, the low-memory token terms (triton_kernels/rows.py) and the fused token kernel
+    (triton_kernels/policy_loss.py), through the public op in every variant.
 extreme: at large |z / tau| (~1e4, one logit dominating, a tiny temperature, |z / tau| past
-    float max) the fused variant (MRTPO_TRITON_VARIANT=fused: triton/logprobs.py and
+    float max) the fused variant (MRTPO_TRITON_VARIANT=fused: triton_kernels/logprobs.py and
     policy_loss.py) and the low-memory column kernel (rows.grad_cols_ with the (raw max,
     log s) of rows.stats) keep the row kernels' accuracy: log p is formed as
     (z/2 - M/2)(2/tau) - log s, never z / tau - lse from the rounded fp32 lse. Inputs are
@@ -36,7 +36,7 @@ from mrtpo_kernels.reference import (  # noqa: E402
     linear_policy_loss_ref,
     logprobs_from_logits_ref,
 )
-from mrtpo_kernels.triton import policy_loss, rows  # noqa: E402
+from mrtpo_kernels.triton_kernels import policy_loss, rows  # noqa: E402
 
 II = -100
 # exact inputs (powers of two times small integers): a tight default budget

@@ -1,4 +1,4 @@
-"""Triton JS-distance kernels (mrtpo_kernels/triton/js.py)
+"""Triton JS-distance kernels (mrtpo_kernels/triton_kernels/js.py)
 on CPU tensors under the Triton interpreter, checked through the public API
 (backend="triton") against the float64 references of mrtpo_kernels.reference.
 

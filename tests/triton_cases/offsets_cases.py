@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402
 
 from mrtpo_kernels import reference as ref  # noqa: E402
-from mrtpo_kernels.triton import rows  # noqa: E402
+from mrtpo_kernels.triton_kernels import rows  # noqa: E402
 
 STRIDE = 2**31 + 67  # elements between the two rows: the second one starts past 2^31
 V = 3001

@@ -1,4 +1,4 @@
-"""Triton fused policy-loss kernels (mrtpo_kernels/triton/policy_loss.py) on CPU tensors
+"""Triton fused policy-loss kernels (mrtpo_kernels/triton_kernels/policy_loss.py) on CPU tensors
 under the Triton interpreter, checked through the public API (backend="triton") against
 the float64 reference.
 

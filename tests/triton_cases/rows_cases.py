@@ -1,4 +1,4 @@
-"""The Triton row kernels (mrtpo_kernels/triton/rows.py) and the chunk driver
+"""The Triton row kernels (mrtpo_kernels/triton_kernels/rows.py) and the chunk driver
 (backends/_chunked.py) on CPU tensors under the Triton interpreter, against the float64
 references of mrtpo_kernels/reference.py.
 
@@ -27,8 +27,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from mrtpo_kernels import reference as ref  # noqa: E402
-from mrtpo_kernels.backends import _chunked, cpu_backend, torch_backend  # noqa: E402
-from mrtpo_kernels.triton import rows  # noqa: E402
+from mrtpo_kernels.backends import _chunked, _lm_head, cpu_backend, torch_backend  # noqa: E402
+from mrtpo_kernels.triton_kernels import rows  # noqa: E402
 
 II = -100
 # the row kernels against float64: atol + rtol max |want| (no plain-PyTorch term)
@@ -244,10 +244,10 @@ if cpu_backend.available():
 def _emulate_f32_out():
     """On CPU torch has no out_dtype GEMMs: emulate them so the driver's 16-bit path
     (16-bit gradient views, no fp32 weight copy) runs here as it will on CUDA."""
-    _chunked._F32_OUT.clear()
-    _chunked.f32_out_supported = lambda device, dtype: True
-    _chunked._mm_f32 = lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
-    _chunked._addmm_f32 = lambda c, a, b: c.addmm_(a.float(), b.float())
+    _lm_head._F32_OUT.clear()
+    _lm_head.f32_out_supported = lambda device, dtype: True
+    _lm_head.mm_f32 = lambda a, b, out: torch.mm(a.float(), b.float(), out=out)
+    _lm_head.addmm_f32 = lambda c, a, b: c.addmm_(a.float(), b.float())
 
 
 def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
@@ -376,7 +376,7 @@ def group_driver():
         for low in (False, True) if name == "triton" else (False,):
             check_driver(name, kern, 23, 1100, 16, torch.float32, 6, low, bias=True)
             check_driver(name, kern, 13, 700, 16, torch.bfloat16, 4, low, bias=False)
-    saved = (_chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32)
+    saved = (_lm_head.f32_out_supported, _lm_head.mm_f32, _lm_head.addmm_f32)
     _emulate_f32_out()
     try:
         for low in (False, True):
@@ -385,7 +385,7 @@ def group_driver():
                 bias=True,
             )  # fmt: skip
     finally:
-        _chunked.f32_out_supported, _chunked._mm_f32, _chunked._addmm_f32 = saved
+        _lm_head.f32_out_supported, _lm_head.mm_f32, _lm_head.addmm_f32 = saved
     check_low_memory_extreme()
 
 

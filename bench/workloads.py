@@ -1,6 +1,6 @@
-"""The benchmarked ops: names, synthetic inputs, and what a call returns.
+"""The benchmark workloads: names, synthetic inputs, and what a call returns.
 
-Ops (the ``op`` column of the results):
+Workloads (the ``op`` column of the results, ``python -m bench --ops``):
     linear_logprobs_fwd          log-probs, forward only (no grad)
     linear_logprobs_entropy      log-probs and entropy, forward only
     linear_logprobs_fwd_bwd      log-probs forward, then backward with a random upstream
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-OPS = (
+WORKLOADS = (
     "linear_logprobs_fwd",
     "linear_logprobs_entropy",
     "linear_logprobs_fwd_bwd",
@@ -27,14 +27,14 @@ OPS = (
     "advantages",
     "credit_assignment_step",
 )
-GRAD_OPS = ("linear_logprobs_fwd_bwd", "linear_policy_loss_fwd_bwd", "credit_assignment_step")
-K_OPS = ("linear_js_distance", "advantages", "credit_assignment_step")
+GRAD_WORKLOADS = ("linear_logprobs_fwd_bwd", "linear_policy_loss_fwd_bwd", "credit_assignment_step")
+K_WORKLOADS = ("linear_js_distance", "advantages", "credit_assignment_step")
 GROUP_SIZE = 8  # responses per prompt group in the synthetic advantage inputs
 
 
-def check_op(op: str) -> str:
-    if op not in OPS:
-        raise ValueError(f"op: expected one of {', '.join(OPS)}; got {op!r}")
+def check_workload(op: str) -> str:
+    if op not in WORKLOADS:
+        raise ValueError(f"op: expected one of {', '.join(WORKLOADS)}; got {op!r}")
     return op
 
 
@@ -71,7 +71,7 @@ def make_inputs(
     (weight scaled by 1/sqrt(d)); the Q streams are the P stream plus small noise, so the
     JS distances are small, as between a prompt with and without a constraint; the old
     log-probs sit near the current ones, so ratios are near 1 and some get clipped."""
-    check_op(op)
+    check_workload(op)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # the large tensors are drawn on the device itself (no gigabytes through the host)
     dgen = torch.Generator(device=device).manual_seed(seed)
@@ -107,7 +107,7 @@ def make_inputs(
     if op in ("linear_js_distance", "credit_assignment_step"):
         noise = torch.randn(k, n, d, generator=dgen, device=device) * 0.3
         t["hidden_q"] = (t["hidden"].float().unsqueeze(0) + noise).to(dtype)
-    if op in GRAD_OPS:
+    if op in GRAD_WORKLOADS:
         t["hidden"].requires_grad_(True)
         t["weight"].requires_grad_(True)
         leaves = ("hidden", "weight")

@@ -16,7 +16,7 @@ stage on its own so that a benchmark can time it alone:
   driver uses where torch.mm has ``out_dtype`` on the device.
 - ``row_kernel(backend)``: the backend's row kernel ("cpu", "torch" or "triton"); its
   methods ``stats``, ``grad_``, ``policy_`` (and on "triton" ``js_many``, ``grad_cols_``,
-  ``policy_terms``) are the contract documented in mrtpo_kernels/backends/_chunked.py.
+  ``policy_terms``) follow ``RowKernel`` in mrtpo_kernels/backends/contract.py.
 
 Everything here reads the same functions the driver does, so the plan cannot drift from
 what runs (tests/test_chunk_driver.py counts the GEMMs of real calls against it).
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .backends import _chunked
+from .backends import _chunked, _lm_head, _saved_state
 from .backends import load as _load
 from .backends import load_error as _load_error
 
@@ -57,12 +57,12 @@ chunk_rows = _chunked.chunk_rows
 grad_rows = _chunked.grad_rows
 balanced = _chunked.balanced
 grad_spans = _chunked.grad_spans
-kept_rows = _chunked.kept_rows
+kept_rows = _saved_state.kept_rows
 logprobs_spans = _chunked.logprobs_spans
 js_chunk_rows = _chunked.js_chunk_rows
-f32_out_supported = _chunked.f32_out_supported
-mm_f32 = _chunked._mm_f32
-addmm_f32 = _chunked._addmm_f32
+f32_out_supported = _lm_head.f32_out_supported
+mm_f32 = _lm_head.mm_f32
+addmm_f32 = _lm_head.addmm_f32
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def gemm_path(backend: str, device, dtype) -> str:
     print it in every row, so the slow path never hides."""
     import torch
 
-    return _chunked.gemm_path(row_kernel(backend), torch.device(device), dtype)
+    return _lm_head.gemm_path(row_kernel(backend), torch.device(device), dtype)
 
 
 def row_kernel(backend: str):

@@ -1,9 +1,10 @@
-"""The op table: for each public function, the backend entry points it calls, where each
-backend's kernel lives, its float64 reference, its tests and its benchmark ops.
+"""The catalog of the public ops, ``OPS`` (the op table): for each public function, the
+backend entry points it calls, where each backend's kernel lives, its float64 reference,
+its tests and the benchmark workloads that time it.
 
 Every backend that serves an op defines all of the op's entry points under these names
-(signatures in ``mrtpo_kernels/backends/__init__.py``) and says in its ``SERVES`` which
-devices and dtypes it takes; the dispatcher reads both. The README's "Backends and
+(signatures: the Protocols of ``mrtpo_kernels/backends/contract.py``) and says in its
+``SERVES`` which devices and dtypes it takes; the dispatcher reads both. The README's "Backends and
 dispatch" section shows this table (``markdown()``; a test keeps the two equal).
 """
 
@@ -18,12 +19,14 @@ from types import MappingProxyType
 class Op:
     """One public op of mrtpo_kernels.
 
-    name:         the public function, ``mrtpo_kernels.<name>``
-    entry_points: the backend functions it calls (same names on every backend)
-    kernels:      backend -> where that backend's kernel is (the file to read)
-    reference:    the float64 reference, ``mrtpo_kernels.reference.<reference>``
-    tests:        the test files, first the op's own, then the Triton one if any
-    bench_ops:    the benchmark ops (``python -m bench --ops ...``) that time it
+    name:            the public function, ``mrtpo_kernels.<name>``
+    entry_points:    the backend functions it calls (same names on every backend, named
+                     after the op)
+    kernels:         backend -> where that backend's kernel is (the file to read)
+    reference:       the float64 reference, ``mrtpo_kernels.reference.<reference>``
+    tests:           the test files, first the op's own, then the Triton one if any
+    bench_workloads: the benchmark workloads (bench/workloads.py, ``python -m bench
+                     --ops ...``) that time it
     """
 
     name: str
@@ -31,7 +34,7 @@ class Op:
     kernels: Mapping[str, str]
     reference: str
     tests: tuple[str, ...]
-    bench_ops: tuple[str, ...] = field(default=())
+    bench_workloads: tuple[str, ...] = field(default=())
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -46,12 +49,15 @@ class Op:
 _CHUNKED = "mrtpo_kernels/backends/_chunked.py"
 _TORCH = "mrtpo_kernels/backends/torch_backend.py"
 _CPU_ROWS = "csrc/cpu/row_kernels.h"
-# the default Triton variant; MRTPO_TRITON_VARIANT=fused: triton/logprobs.py, js.py, policy_loss.py
-_TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton/rows.py"
+# the default Triton variant; MRTPO_TRITON_VARIANT=fused: triton_kernels/logprobs.py, js.py,
+# policy_loss.py
+_TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton_kernels/rows.py"
 
 
-def _op(name, entry_points, kernels, reference, tests, bench_ops=()):
-    return Op(name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_ops)
+def _op(name, entry_points, kernels, reference, tests, bench_workloads=()):
+    return Op(
+        name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_workloads
+    )
 
 
 OPS: Mapping[str, Op] = MappingProxyType(
@@ -130,7 +136,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 ("mrtpo_token_advantages",),
                 {
                     "torch": _TORCH,
-                    "triton": "mrtpo_kernels/triton/advantages.py",
+                    "triton": "mrtpo_kernels/triton_kernels/advantages.py",
                     "cuda": "csrc/cuda/advantages.cu",
                 },
                 "mrtpo_token_advantages_ref",
@@ -157,7 +163,9 @@ def markdown() -> str:
     """The table as Markdown (the README shows this)."""
     backends = ("torch", "cpu", "triton", "cuda")
     lines = [
-        "| op | entry points | " + " | ".join(backends) + " | reference | tests | bench ops |",
+        "| op | entry points | "
+        + " | ".join(backends)
+        + " | reference | tests | bench workloads |",
         "|---" * (6 + len(backends) - 1) + "|",
     ]
     for op in OPS.values():
@@ -166,7 +174,7 @@ def markdown() -> str:
         cells += [
             f"`{op.reference}`",
             ", ".join(f"`{t}`" for t in op.tests),
-            ", ".join(f"`{b}`" for b in op.bench_ops) or "-",
+            ", ".join(f"`{b}`" for b in op.bench_workloads) or "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

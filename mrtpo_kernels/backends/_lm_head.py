@@ -1,0 +1,137 @@
+"""The LM head's GEMMs for the chunk driver (backends/_chunked.py): fp32 logits of row
+blocks, and dh = G W, dW (+)= G^T h from a block's logit gradient G.
+
+Two paths (``gemm_path`` names them): fp32 operands (fp32 or float64 inputs, a kernel
+without GRAD_OUT, or a device whose torch has no 16-bit GEMM with fp32 output: the weight
+upcast once), or 16-bit operands with fp32 accumulation and output (torch.mm's out_dtype;
+``f32_out_supported`` tries it once per device and dtype and caches the answer, the one
+table this module keeps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upcast(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def fp32_logits(
+    h: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None, buf: torch.Tensor
+) -> torch.Tensor:
+    """fp32 logits of the rows h into buf[:rows] (one buffer reused by every chunk: a fresh
+    [C, V] allocation per chunk would page-fault and zero a few hundred MB each time)."""
+    h32 = upcast(h)
+    out = buf[: h.shape[0]]
+    if b32 is None:
+        return torch.mm(h32, w32.t(), out=out)
+    return torch.addmm(b32, h32, w32.t(), out=out)
+
+
+LOW = (torch.bfloat16, torch.float16)  # 16-bit input dtypes
+_F32_OUT: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32) = a @ b for 16-bit a, b with fp32 accumulation and output."""
+    return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def addmm_f32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c (fp32) += a @ b for 16-bit a, b, in place, fp32 accumulation."""
+    return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+
+
+def f32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm / torch.addmm take 16-bit operands with out_dtype=float32 on this
+    device (torch 2.9+ on CUDA; not on CPU): tried once on tiny tensors, checked against
+    an fp32 product, cached."""
+    key = (device.type, device.index, dtype)
+    if key not in _F32_OUT:
+        ok = False
+        try:
+            a = torch.arange(6, device=device).reshape(2, 3).to(dtype)
+            b = torch.arange(12, device=device).reshape(3, 4).to(dtype) - 5
+            want = a.float() @ b.float()
+            out = torch.empty(2, 4, device=device)
+            ok = torch.equal(mm_f32(a, b, out), want)
+            addmm_f32(out, a, b)
+            ok = ok and torch.equal(out, 2 * want)
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _F32_OUT[key] = ok
+    return _F32_OUT[key]
+
+
+class Head:
+    """The LM head's GEMMs for one call. 16-bit mode (the kernel has GRAD_OUT, the inputs
+    are 16-bit and the device has out_dtype): the weight is used as it is, logits come out
+    in fp32, and the kernel writes each row's logit gradient into a separate 16-bit
+    gradient buffer (``grad_buffer``), the operand of the dh and dW GEMMs. Otherwise fp32
+    operands (the weight upcast once when it is not fp32) and the gradient overwrites the
+    fp32 logits in place."""
+
+    def __init__(self, kern, hidden, weight, bias):
+        dt = hidden.dtype
+        self.low = kern.GRAD_OUT and dt in LOW and f32_out_supported(hidden.device, dt)
+        self.dtype = dt
+        self.w = weight if self.low else upcast(weight)
+        self.b32 = upcast(bias)
+
+    def logits(self, h, buf, w=None, b32=None):
+        """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
+        w = self.w if w is None else w
+        b32 = self.b32 if b32 is None else b32
+        if not self.low:
+            return fp32_logits(h, w, b32, buf)
+        out = buf[: h.shape[0]]
+        mm_f32(h, w.t(), out)
+        if b32 is not None:
+            out += b32
+        return out
+
+    def grad_buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The separate 16-bit gradient buffer (rows, cols) in 16-bit mode, else None (the
+        gradient is written over the fp32 logits)."""
+        if not self.low:
+            return None
+        return like.new_empty((rows, cols), dtype=self.dtype)
+
+    def backward(self, g, h, dh_rows, dw, db, first):
+        """dh_rows = g W (in hidden's dtype) and dw = g^T h for the first gradient buffer of
+        the call, dw += g^T h after it (fp32, accumulated inside the GEMM); db += column
+        sums of g."""
+        if self.low:
+            torch.mm(g, self.w, out=dh_rows)
+            if first:
+                mm_f32(g.t(), h, dw)
+            else:
+                addmm_f32(dw, g.t(), h)
+            if db is not None:
+                db += g.sum(0, dtype=db.dtype)
+            return
+        h32 = upcast(h)
+        if dh_rows.dtype == g.dtype:
+            torch.mm(g, self.w, out=dh_rows)
+        else:
+            dh_rows.copy_(g @ self.w)
+        if first:
+            torch.mm(g.t(), h32, out=dw)
+        else:
+            dw.addmm_(g.t(), h32)
+        if db is not None:
+            db += g.sum(0)
+
+
+def gemm_path(kern, device: torch.device, dtype: torch.dtype) -> str:
+    """Which GEMMs the driver runs for ``kern`` on ``dtype`` inputs on ``device``:
+    "16-bit, fp32 out" (the weight as it is, 16-bit gradient buffer), "fp32" (fp32 or
+    float64 inputs, or a kernel without GRAD_OUT) or "fp32 fallback" (16-bit inputs and a
+    kernel with GRAD_OUT, but torch has no out_dtype GEMM on the device: an fp32 copy of the
+    weight and fp32 GEMMs, several times slower on a GPU)."""
+    if dtype in LOW and kern.GRAD_OUT:
+        return "16-bit, fp32 out" if f32_out_supported(device, dtype) else "fp32 fallback"
+    return "fp32"
