@@ -13,6 +13,8 @@ benchmark):
 - ``specific_relevance``: the sharper relevance of METHOD.md section 3b (specific, control).
 - ``ADVANTAGE_DEFAULTS`` (an ``AdvantageSettings``, frozen): the advantage ops'
   hyper-parameter defaults, defined once (the ops, their references, the adapters).
+- ``POLICY_LOSS_DEFAULTS`` (a ``PolicyLossSettings``, frozen): the policy loss's scalar
+  settings' defaults; ``TEMPERATURE`` and ``IGNORE_INDEX``: the defaults every op shares.
 
 Backend queries: ``available_backends``, ``resolve_backend``, ``backend_status``.
 Validation helper: ``check_tensor`` (ValueError naming the argument).
@@ -23,7 +25,16 @@ stages on their own, for benchmarks).
 
 from ._catalog import OPS, Op
 from ._dispatch import available_backends, backend_status, resolve_backend
-from ._types import ADVANTAGE_DEFAULTS, AdvantageSettings, GDPOAdvantages, TokenAdvantages
+from ._types import (
+    ADVANTAGE_DEFAULTS,
+    IGNORE_INDEX,
+    POLICY_LOSS_DEFAULTS,
+    TEMPERATURE,
+    AdvantageSettings,
+    GDPOAdvantages,
+    PolicyLossSettings,
+    TokenAdvantages,
+)
 from ._validation import check_tensor
 from .advantages import gdpo_advantages, mrtpo_token_advantages, specific_relevance
 from .js import js_distance, linear_js_distance
@@ -34,10 +45,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGE_DEFAULTS",
+    "IGNORE_INDEX",
     "OPS",
+    "POLICY_LOSS_DEFAULTS",
+    "TEMPERATURE",
     "AdvantageSettings",
     "GDPOAdvantages",
     "Op",
+    "PolicyLossSettings",
     "TokenAdvantages",
     "available_backends",
     "backend_status",

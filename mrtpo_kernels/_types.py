@@ -1,5 +1,5 @@
-"""Result types of the advantage ops, their hyper-parameters' defaults, and the one rule
-for the dtype of computed outputs.
+"""Result types of the advantage ops, the advantage and policy-loss settings with their
+defaults, and the one rule for the dtype of computed outputs.
 
 A leaf module: it imports nothing from the package, so the public ops, the references
 and the backends can all import it.
@@ -70,6 +70,39 @@ class AdvantageSettings:
 
 
 ADVANTAGE_DEFAULTS = AdvantageSettings()
+
+
+# the token conventions every op shares: the default temperature, and the label of tokens
+# that are not scored (PyTorch's cross-entropy convention)
+TEMPERATURE = 1.0
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The scalar settings of the clipped policy loss (docs/METHOD.md section 6), defined
+    once: ``linear_policy_loss`` and its float64 references take their keyword defaults
+    from ``POLICY_LOSS_DEFAULTS``, and a validated call's settings travel as one value to
+    the vocabulary-parallel path.
+
+    temperature: the sampling temperature.
+    clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+    beta: weight of the k3 KL penalty to the reference policy.
+    ignore_index: the label of tokens that are not scored.
+    clip_ratio_c: the dual clip, inf for none (the public keyword takes None for none).
+    kl_importance_weight: the KL term times the importance ratio.
+    """
+
+    temperature: float = TEMPERATURE
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    beta: float = 0.0
+    ignore_index: int = IGNORE_INDEX
+    clip_ratio_c: float = float("inf")
+    kl_importance_weight: bool = False
+
+
+POLICY_LOSS_DEFAULTS = PolicyLossSettings()
 
 
 def acc_dtype(t: torch.Tensor | torch.dtype) -> torch.dtype:

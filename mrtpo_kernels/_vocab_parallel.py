@@ -279,13 +279,14 @@ class _LinearPolicyLoss(torch.autograd.Function):
     gradient of sum_t c_t dL_t/dlogp_t logp_t through the sharded log-prob backward."""
 
     @staticmethod
-    def forward(ctx, h, w, b, lab, old, adv, coef, ref, cfg, group):
-        temperature, cl, ch, cc, beta, kl_iw, ignore_index, backend = cfg
+    def forward(ctx, h, w, b, lab, old, adv, coef, ref, cfg, backend, group):
+        temperature, ignore_index = cfg.temperature, cfg.ignore_index
         logp, _, saved = _forward(h, w, b, lab, temperature, ignore_index, False, backend, group)
         valid = saved[5]
         per_tok, dlogp, clipped = policy_token_terms(
-            logp, old, adv, ref if ref.numel() else None, cl, ch, cc, beta, kl_iw
-        )
+            logp, old, adv, ref if ref.numel() else None, cfg.clip_low, cfg.clip_high,
+            cfg.clip_ratio_c, cfg.beta, cfg.kl_importance_weight,
+        )  # fmt: skip
         zero = torch.zeros_like(logp)
         loss = torch.where(valid, per_tok * coef, zero).sum()
         clipped = torch.where(valid & clipped, 1.0, 0.0).to(logp.dtype)
@@ -299,7 +300,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_clipped):
-        none = (None,) * 7
+        none = (None,) * 8
         if g_loss is None:
             return (None, None, None) + none
         *saved, g = ctx.saved_tensors
@@ -311,11 +312,10 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return (dh, dw, db) + none
 
 
-def linear_policy_loss(h, w, b, lab, old, adv, coef, ref, cfg, group):
-    """(loss, logp, clipped) over the sharded head; the loss is differentiable.
-    cfg = (temperature, clip_low, clip_high, clip_ratio_c (inf: none), beta, kl_iw,
-    ignore_index, backend)."""
-    return _LinearPolicyLoss.apply(h, w, b, lab, old, adv, coef, ref, cfg, group)
+def linear_policy_loss(h, w, b, lab, old, adv, coef, ref, cfg, backend, group):
+    """(loss, logp, clipped) over the sharded head; the loss is differentiable. cfg: the
+    call's validated ``PolicyLossSettings``; backend: the log-prob kernels' backend."""
+    return _LinearPolicyLoss.apply(h, w, b, lab, old, adv, coef, ref, cfg, backend, group)
 
 
 @torch.no_grad()

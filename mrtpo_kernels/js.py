@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
-from ._types import acc_dtype
+from ._types import TEMPERATURE, acc_dtype
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
@@ -53,7 +53,7 @@ def linear_js_distance(
     weight: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float = TEMPERATURE,
     process_group=None,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -106,7 +106,7 @@ def js_distance(
     logits_p: torch.Tensor,
     logits_q: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float = TEMPERATURE,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Per-token JS distance from existing logits: logits_p (..., V), logits_q of the same

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
 from ._registration import empty_rows, keep_saved, saved_state
-from ._types import acc_dtype
+from ._types import IGNORE_INDEX, TEMPERATURE, acc_dtype
 
 
 def linear_logprobs(
@@ -26,8 +26,8 @@ def linear_logprobs(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
+    temperature: float = TEMPERATURE,
+    ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     process_group=None,
     backend: str | None = None,
@@ -93,8 +93,8 @@ def logprobs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
+    temperature: float = TEMPERATURE,
+    ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
     backend: str | None = None,
 ):

@@ -23,7 +23,8 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel, settings
 from . import _validation as check
 from ._token_terms import kl_k3
-from ._types import acc_dtype
+from ._types import POLICY_LOSS_DEFAULTS as _D
+from ._types import PolicyLossSettings, acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -63,17 +64,17 @@ def linear_policy_loss(
     advantages: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    ignore_index: int = -100,
+    temperature: float = _D.temperature,
+    clip_low: float = _D.clip_low,
+    clip_high: float = _D.clip_high,
+    ignore_index: int = _D.ignore_index,
     aggregation: str = "token-mean",
     ref_logprobs: torch.Tensor | None = None,
-    beta: float = 0.0,
+    beta: float = _D.beta,
     cu_seqlens: torch.Tensor | None = None,
     norm_len: float | None = None,
     clip_ratio_c: float | None = None,
-    kl_importance_weight: bool = False,
+    kl_importance_weight: bool = _D.kl_importance_weight,
     process_group=None,
     backend: str | None = None,
 ):
@@ -144,7 +145,12 @@ def linear_policy_loss(
                 f"clip_ratio_c: expected a finite number > 1 (the dual clip) or None, "
                 f"got {clip_ratio_c}"
             )
-    dual_c = math.inf if clip_ratio_c is None else clip_ratio_c
+    cfg = PolicyLossSettings(
+        temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
+        ignore_index=int(ignore_index),
+        clip_ratio_c=math.inf if clip_ratio_c is None else clip_ratio_c,
+        kl_importance_weight=bool(kl_importance_weight),
+    )  # fmt: skip
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
@@ -185,19 +191,17 @@ def linear_policy_loss(
     if process_group is not None:
         # the sharded head: the log-prob kernels on the shard, combined by all-reduce
         be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
-        cfg = (temperature, clip_low, clip_high, dual_c, beta, bool(kl_importance_weight),
-               int(ignore_index), be)  # fmt: skip
         loss, logp, clipped = _vocab_parallel.linear_policy_loss(
             h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg, process_group,
+            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg, be, process_group,
         )  # fmt: skip
     else:
         be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
         loss, logp, clipped, _, _, _ = linear_policy_loss_op(
             h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            lab.contiguous(), old, adv, coef.contiguous(), ref, temperature, clip_low,
-            clip_high, beta, int(ignore_index), bool(need_grad), dual_c,
-            bool(kl_importance_weight), be,
+            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg.temperature, cfg.clip_low,
+            cfg.clip_high, cfg.beta, cfg.ignore_index, bool(need_grad), cfg.clip_ratio_c,
+            cfg.kl_importance_weight, be,
         )  # fmt: skip
     with torch.no_grad():
         v = valid.to(acc)

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from ._types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages
+from ._types import ADVANTAGE_DEFAULTS, IGNORE_INDEX, TEMPERATURE, GDPOAdvantages, TokenAdvantages
+from ._types import POLICY_LOSS_DEFAULTS as _PD
 
 __all__ = [
     "GDPOAdvantages",
@@ -42,8 +43,8 @@ def logprobs_from_logits_ref(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
+    temperature: float = TEMPERATURE,
+    ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
 ):
     """log softmax(logits / temperature)[label] per row; 0 where label == ignore_index.
@@ -90,8 +91,8 @@ def linear_logprobs_ref(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
+    temperature: float = TEMPERATURE,
+    ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
 ):
     """logprobs_from_logits_ref(hidden @ weight.T + bias, ...). hidden (N, d), weight (V, d)."""
@@ -111,7 +112,7 @@ def linear_logprobs_ref(
 
 
 def js_distance_ref(
-    logits_p: torch.Tensor, logits_q: torch.Tensor, *, temperature: float = 1.0
+    logits_p: torch.Tensor, logits_q: torch.Tensor, *, temperature: float = TEMPERATURE
 ) -> torch.Tensor:
     """Per-row Jensen-Shannon distance sqrt(JSD / ln 2) in [0, 1] (METHOD.md section 3).
 
@@ -137,7 +138,7 @@ def linear_js_distance_ref(
     weight: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float = TEMPERATURE,
 ) -> torch.Tensor:
     """js_distance_ref of the two streams' logits through one LM head.
 
@@ -201,16 +202,16 @@ def policy_loss_ref(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_low: float = _PD.clip_low,
+    clip_high: float = _PD.clip_high,
     ref_logprobs: torch.Tensor | None = None,
-    beta: float = 0.0,
+    beta: float = _PD.beta,
     aggregation: str = "token-mean",
     seq_ids: torch.Tensor | None = None,
     num_seqs: int = 1,
     norm_len: float | None = None,
     clip_ratio_c: float | None = None,
-    kl_importance_weight: bool = False,
+    kl_importance_weight: bool = _PD.kl_importance_weight,
 ):
     """Token-level clipped surrogate (METHOD.md section 6) from per-token log-probs.
 
@@ -269,18 +270,18 @@ def linear_policy_loss_ref(
     advantages,
     *,
     bias=None,
-    temperature=1.0,
-    clip_low=0.2,
-    clip_high=0.2,
-    ignore_index=-100,
+    temperature=TEMPERATURE,
+    clip_low=_PD.clip_low,
+    clip_high=_PD.clip_high,
+    ignore_index=IGNORE_INDEX,
     ref_logprobs=None,
-    beta=0.0,
+    beta=_PD.beta,
     aggregation="token-mean",
     seq_ids=None,
     num_seqs=1,
     norm_len=None,
     clip_ratio_c=None,
-    kl_importance_weight=False,
+    kl_importance_weight=_PD.kl_importance_weight,
 ):
     """policy_loss_ref on linear_logprobs_ref(hidden, weight, labels). All (N, ...) packed."""
     logp = linear_logprobs_ref(

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, linear_policy_loss
+from mrtpo_kernels import (
+    ADVANTAGE_DEFAULTS,
+    POLICY_LOSS_DEFAULTS,
+    linear_logprobs,
+    linear_policy_loss,
+)
 
 from .common import (
     check_shape,
@@ -149,16 +154,16 @@ def fused_policy_loss(
     old_per_token_logps: torch.Tensor | None,
     advantages: torch.Tensor,
     *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    beta: float = 0.0,
+    epsilon_low: float = POLICY_LOSS_DEFAULTS.clip_low,
+    epsilon_high: float = POLICY_LOSS_DEFAULTS.clip_high,
+    beta: float = POLICY_LOSS_DEFAULTS.beta,
     ref_per_token_logps: torch.Tensor | None = None,
     loss_type: str = "grpo",
-    temperature: float = 1.0,
+    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
     max_completion_length: int | None = None,
     token_normalizer: float | torch.Tensor | None = None,
     lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
     use_bias_correction_kl: bool = False,
 ):
     """GRPOTrainer's clipped loss with the LM head fused in: no (B, T, V) logits.

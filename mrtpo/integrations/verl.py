@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, linear_policy_loss
+from mrtpo_kernels import (
+    ADVANTAGE_DEFAULTS,
+    POLICY_LOSS_DEFAULTS,
+    linear_logprobs,
+    linear_policy_loss,
+)
 
 from .common import (
     check_tensor,
@@ -256,11 +261,11 @@ def logprobs_from_hidden(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
     return_entropy: bool = False,
     *,
     lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
 ):
     """Per-token log-probs (and entropy) for verl's rmpad layout, never forming logits.
 
@@ -309,9 +314,9 @@ def policy_loss_from_hidden(
     loss_agg_mode: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     norm_len: float | None = None,
-    temperature: float = 1.0,
+    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
     lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
     process_group=None,
 ):
     """verl's vanilla PPO policy loss (dual clip included) with the LM head fused in.
@@ -407,7 +412,7 @@ def fused_causal_lm_forward(
     return_dict=None,
     cache_position=None,
     logits_to_keep=0,
-    temperature: float = 1.0,
+    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
     shift_labels=None,
     **unused,
 ):
