@@ -1,5 +1,5 @@
-"""bench/cost_model.py: the chunk plan's predicted cost (H200 figures) and the CPU check
-of predicted against measured time."""
+"""bench/cost_model.py and cost_model_cpu.py: the chunk plan's predicted cost (H200
+figures) and the CPU check of predicted against measured time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench import cell, cost_model
+from bench import cell, cost_model, cost_model_cpu
 from mrtpo_kernels import chunk_plan, settings
 
 _PLAN_VARS = (
@@ -105,7 +105,7 @@ def test_cpu_check_rows_are_complete():
     (`python -m bench.cost_model cpu-check`, reported with the load), not to a test, which a
     busy CI machine would fail (seen: out of band on an idle 2-core machine)."""
     shape = dict(n=192, v=4000, d=128, k=2, chunk_rows=48)
-    rows = cost_model.cpu_check(repeats=1, shape=shape)
+    rows = cost_model_cpu.cpu_check(repeats=1, shape=shape)
     assert {r["op"] for r in rows} >= {"linear_logprobs_fwd_bwd"}
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["gemms"] > 0, r
