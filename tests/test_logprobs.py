@@ -1,13 +1,68 @@
-"""linear_logprobs and logprobs_from_logits against the float64 reference (CPU backends)."""
+"""linear_logprobs and logprobs_from_logits: every check of the two ops in one place.
+
+- CPU backends (the ``backend`` fixture: cpu, torch) against the float64 reference.
+- Extreme inputs (more, shared with js_distance: tests/test_numerics_extreme.py).
+- Fuzz (hypothesis; shared machinery in tests/fuzzing.py): ``test_fuzz``, and the
+  ``slow``-marked ``test_fuzz_long``.
+- Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
+  must be set before triton is imported, so the ``group_*`` functions below run in a
+  subprocess per Triton variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row
+  kernels of triton_kernels/rows.py; fused: triton_kernels/logprobs.py), started by
+  tests/triton_cases/_harness.py: odd shapes, all tokens ignored, extreme logits,
+  temperature, bias, gradients with random upstream gradients, torch.library.opcheck. The
+  fused policy loss is in tests/test_policy_loss.py.
+- GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
+  against float64 references computed in row chunks, torch.compile(fullgraph=True) of a
+  caller, and N x V > 2^31.
+"""
 
 from __future__ import annotations
+
+import math
+import os
 
 import pytest
 import torch
 from conftest import assert_within_budget, max_err
+from fuzzing import (
+    DTYPES,
+    FAST,
+    INJECT,
+    LAYOUTS,
+    LONG,
+    TEMPS,
+    _acc,
+    _assert_matches,
+    _backends,
+    _body,
+    _gemm_tol,
+    _inject,
+    _linear_case,
+    _low,
+    _names_an_argument,
+    _run,
+    _scale,
+    _tensor,
+)
+from hypothesis import strategies as st
+from triton_cases import _harness
+from triton_cases._harness import (
+    VARIANTS,
+    close,
+    expect,
+    interpreted,
+    needs_triton,
+    opcheck,
+    run_groups,
+)
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
+from mrtpo_kernels.backends import cpu_backend
+from mrtpo_kernels.reference import (
+    linear_logprobs_ref,
+    logprobs_from_logits_ref,
+)
 
 SHAPES = [(n, v, d) for n in (1, 7, 129) for v in (1, 2, 1000, 50257) for d in (1, 3, 64)]
 
@@ -205,3 +260,462 @@ def test_masked_vocabulary_entries(backend):
     assert max_err(lp, rlp) < 1e-5 and max_err(ent, rent) < 1e-5
     assert max_err(x.grad[:, :200], r.grad) < 1e-5
     assert torch.equal(x.grad[:, 200:], torch.zeros(5, 100))
+
+
+# --------------------------------------------------------------------------- extreme inputs
+
+
+BACKENDS = ["torch"] + (["cpu"] if cpu_backend.available() else [])
+FMAX = torch.finfo(torch.float32).max
+V = 67
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflowing_spread_row(backend):
+    """Finite logits at both ends of the float range: z / T overflows both ways at T < 1."""
+    z = torch.zeros(2, V)
+    z[:, :3] = FMAX
+    z[:, 3:6] = -FMAX
+    y = torch.tensor([1, 4])
+    lp, en = mk.logprobs_from_logits(z, y, temperature=0.3, return_entropy=True, backend=backend)
+    rlp, ren = R.logprobs_from_logits_ref(z.double(), y, temperature=0.3, return_entropy=True)
+    assert rlp[0].item() == pytest.approx(-math.log(3)) and rlp[1].item() < -1e38
+    torch.testing.assert_close(lp[0].double(), rlp[0], rtol=0, atol=1e-6)
+    assert lp[1].item() == float("-inf") or abs(lp[1].item() / rlp[1].item() - 1) < 1e-6
+    torch.testing.assert_close(en.double(), ren, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@st.composite
+def _logits_case(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    backend = draw(st.sampled_from(_backends("logprobs_from_logits", dtype)))
+    n = draw(st.integers(1, 9))
+    v = draw(st.integers(1, 13))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    z = _tensor((n, v), dtype, scale=_scale(draw, dtype), layout=draw(LAYOUTS), gen=gen)
+    z = _inject(z, draw(INJECT), gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.2] = -100
+    bad = draw(st.sampled_from([None, None, None, v, -1, -101, 2**40]))
+    if bad is not None:
+        labels[int(torch.randint(0, n, (1,), generator=gen))] = bad
+    temp = draw(st.sampled_from(TEMPS))
+    return backend, z, labels, temp
+
+
+def _check_logprobs_from_logits(case):
+    backend, z, labels, temp = case
+    fn = mk.logprobs_from_logits
+    zz = z.detach().clone().requires_grad_()
+    try:
+        lp, en = fn(zz, labels, temperature=temp, return_entropy=True, backend=backend)
+    except ValueError as e:
+        assert _names_an_argument(e, fn), str(e)
+        in_range = (labels == -100) | ((labels >= 0) & (labels < z.shape[-1]))
+        assert not bool(in_range.all()), f"ValueError on valid input: {e}"
+        return
+    g = torch.linspace(-1, 1, z.shape[0])
+    (lp * g).sum().backward()
+    zr = z.detach().double().requires_grad_()
+    rlp, ren = R.logprobs_from_logits_ref(zr, labels, temperature=temp, return_entropy=True)
+    (rlp * g.double()).sum().backward()
+    plp, pen = R.logprobs_from_logits_ref(_low(z), labels, temperature=temp, return_entropy=True)
+    what = f"logprobs_from_logits[{backend}, {z.dtype}, T={temp}]"
+    _assert_matches(lp, rlp, plp, what + " logp", atol=2e-5)
+    _assert_matches(en, ren, pen, what + " entropy", atol=2e-5)
+    gscale = 1.0 / temp
+    zg = zr.grad.nan_to_num(0.0)
+    out_eps = torch.finfo(z.dtype).eps  # the gradient is returned in the logits' dtype
+    _assert_matches(zz.grad, zr.grad, zg, what + " grad", atol=4e-5 * gscale, rtol=out_eps)
+
+
+@_body(st.data())
+def _linear_logprobs_body(data):
+    backend, h, w, bias, temp, gen, draw = data.draw(_linear_case("linear_logprobs"))
+    n, v = h.shape[0], w.shape[0]
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.2] = -100
+    fn = mk.linear_logprobs
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    lp, en = fn(hh, ww, labels, bias=bias, temperature=temp, return_entropy=True,
+                backend=backend)  # fmt: skip
+    g = torch.linspace(-1, 1, n)
+    (lp * g).sum().backward()
+    hr = h.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    br = None if bias is None else bias.double()
+    rlp, ren = R.linear_logprobs_ref(hr, wr, labels, bias=br, temperature=temp,
+                                     return_entropy=True)  # fmt: skip
+    (rlp * g.double()).sum().backward()
+    bl = None if bias is None else _low(bias)
+    plp, pen = R.linear_logprobs_ref(_low(h), _low(w), labels, bias=bl, temperature=temp,
+                                     return_entropy=True)  # fmt: skip
+    what = f"linear_logprobs[{backend}, {h.dtype}, T={temp}]"
+    tol = 2e-5 + 2 * _gemm_tol(h, w, temp, _acc(h))
+    _assert_matches(lp, rlp, plp, what + " logp", atol=tol)
+    _assert_matches(en, ren, pen, what + " entropy", atol=2 * tol)
+    g_tol = 4e-5 / temp + tol / temp
+    wm = w.double().abs().amax().item()
+    hm = h.double().nan_to_num(0.0, 0.0, 0.0).abs().amax().item()
+    _assert_matches(hh.grad.float(), hr.grad, hr.grad, what + " dhidden", atol=4 * v * wm * g_tol,
+                    rtol=torch.finfo(h.dtype).eps)  # fmt: skip
+    _assert_matches(ww.grad.float(), wr.grad, wr.grad, what + " dweight", atol=4 * n * hm * g_tol,
+                    rtol=torch.finfo(h.dtype).eps)  # fmt: skip
+
+
+def _run_logits(case):
+    _check_logprobs_from_logits(case)
+
+
+@_body(_logits_case())
+def _logits_body(case):
+    _run_logits(case)
+
+
+FUZZ = {"logprobs_from_logits": _logits_body, "linear_logprobs": _linear_logprobs_body}
+
+
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz(op):
+    _run(FUZZ[op], FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz_long(op):
+    _run(FUZZ[op], LONG)
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+@interpreted
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_logprobs_under_interpreter(variant):
+    """The groups below (group_*), one subprocess per Triton variant."""
+    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": variant})
+
+
+@needs_triton
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
+)
+def test_triton_backend_rejects_cpu_tensors_without_interpreter():
+    from mrtpo_kernels.triton_kernels import logprobs
+
+    h, w = torch.randn(3, 4), torch.randn(5, 4)
+    lab = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="hidden"):
+        logprobs.linear_logprobs_fwd(h, w, None, lab, 1.0, -100, False)
+    with pytest.raises(ValueError, match="logits"):
+        logprobs.logprobs_from_logits_fwd(torch.randn(3, 5), lab, 1.0, -100, False)
+
+
+def _leaf(t, dtype):
+    return t.detach().to(dtype).requires_grad_()
+
+
+def _triton_linear_case(
+    n, v, d, *, bias, temp, entropy, scale=1.0, ignore_every=3, seed=0, tag="",
+    dtype=torch.float32,
+):  # fmt: skip
+    """Forward values and gradients (random upstream) of linear_logprobs vs the reference;
+    the inputs are rounded to ``dtype`` once so that every run sees the same values."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(v, d, generator=g) * (scale / d**0.5)).to(dtype)
+    b = torch.randn(v, generator=g).to(dtype) if bias else None
+    lab = torch.randint(0, v, (n,), generator=g)
+    if ignore_every:
+        lab[::ignore_every] = -100
+    g_lp = torch.randn(n, generator=g)
+    g_en = torch.randn(n, generator=g)
+    name = f"linear N={n} V={v} d={d} bias={bias} T={temp} ent={entropy} {dtype}{tag}"
+    runs = {}
+    for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        hh, ww = _leaf(h, dt), _leaf(w, dt)
+        bb = _leaf(b, dt) if bias else None
+        kw = dict(bias=bb, temperature=temp, return_entropy=entropy)
+        if key == "ours":
+            out = mk.linear_logprobs(hh, ww, lab, backend="triton", **kw)
+        else:
+            out = linear_logprobs_ref(hh, ww, lab, **kw)
+        lp, en = out if entropy else (out, None)
+        loss = (lp * g_lp.to(lp.dtype)).sum()
+        if entropy:
+            loss = loss + (en * g_en.to(en.dtype)).sum()
+        loss.backward()
+        runs[key] = (lp, en, hh.grad, ww.grad, bb.grad if bias else None)
+    ours, same, ref = runs["ours"], runs["same"], runs["ref"]
+    expect(name + " logp dtype", ours[0].dtype == torch.float32, str(ours[0].dtype))
+    expect(name + " grad dtype", ours[2].dtype == dtype, str(ours[2].dtype))
+    for i, what in enumerate(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias")):
+        if ref[i] is None:
+            continue
+        close(f"{name} {what}", ours[i], ref[i], same[i])
+    return ours
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def group_backend():
+    for op in ("linear_logprobs", "logprobs_from_logits"):
+        got = mk.resolve_backend(op, "cpu", torch.float32, "triton")
+        expect(f"resolve {op}", got == "triton", f"resolved to {got!r}")
+
+
+def group_linear_shapes():
+    for n in (1, 7, 129):
+        for v in (1, 1000, 5003):
+            for d in (3, 64):
+                _triton_linear_case(n, v, d, bias=(n + v) % 2 == 0, temp=0.7, entropy=True)
+
+
+def group_linear_flags():
+    _triton_linear_case(33, 1000, 64, bias=False, temp=1.0, entropy=False)
+    _triton_linear_case(33, 1000, 64, bias=True, temp=2.5, entropy=False, ignore_every=0)
+    _triton_linear_case(20, 700, 17, bias=True, temp=0.3, entropy=True, ignore_every=2)
+    _triton_linear_case(33, 1000, 64, bias=True, temp=0.9, entropy=True, dtype=torch.bfloat16)
+    _triton_linear_case(7, 300, 16, bias=False, temp=1.0, entropy=True, dtype=torch.float16)
+
+
+def group_linear_chunks():
+    """Backward over several vocabulary chunks (a tiny MRTPO_CHUNK_BYTES)."""
+    # 512 columns per vocabulary chunk (fused variant), 13 rows per token chunk (rows)
+    with _harness.env(MRTPO_CHUNK_BYTES=129 * 4 * 512):
+        _triton_linear_case(129, 5003, 64, bias=True, temp=0.9, entropy=True, tag=" chunked")
+
+
+def group_linear_extreme():
+    """Logits around +-1e4 (weights scaled by 1e4): finite, within the error budget."""
+    _triton_linear_case(7, 1000, 64, bias=False, temp=1.0, entropy=True, scale=1e4, tag=" extreme")
+    _triton_linear_case(7, 5003, 3, bias=True, temp=0.5, entropy=True, scale=1e4, tag=" extreme")
+
+
+def group_all_ignored():
+    n, v, d = 9, 1000, 64
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    b = torch.randn(v, requires_grad=True)
+    lab = torch.full((n,), -100)
+    lp, en = mk.linear_logprobs(h, w, lab, bias=b, return_entropy=True, backend="triton")
+    (lp * torch.randn(n) + en * torch.randn(n)).sum().backward()
+    for name, t in (("logp", lp), ("entropy", en), ("dh", h.grad), ("dw", w.grad)):
+        expect(f"all ignored {name}", bool((t == 0).all()), "expected exact zeros")
+    expect("all ignored db", bool((b.grad == 0).all()), "expected exact zeros")
+    z = torch.randn(n, v, requires_grad=True)
+    lp, en = mk.logprobs_from_logits(z, lab, return_entropy=True, backend="triton")
+    (lp + en).sum().backward()
+    expect("all ignored logits", bool((lp == 0).all() and (en == 0).all()), "nonzero")
+    expect("all ignored dlogits", bool((z.grad == 0).all()), "nonzero")
+
+
+def _triton_logits_case(n, v, dtype, *, temp, neg_inf=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    lab = torch.randint(0, v, (n,), generator=g)
+    lab[1::4] = -100
+    if neg_inf and v > 2:
+        z[:, 1::3] = float("-inf")  # a masked vocabulary
+        lab = torch.where(lab % 3 == 1, lab - 1, lab)
+    g_lp = torch.randn(n, generator=g)
+    g_en = torch.randn(n, generator=g)
+    name = f"logits N={n} V={v} {dtype} T={temp}" + (" -inf" if neg_inf else "")
+    zz = z.clone().requires_grad_()
+    lp, en = mk.logprobs_from_logits(
+        zz, lab, temperature=temp, return_entropy=True, backend="triton"
+    )
+    z64 = z.double().requires_grad_()
+    rl, re = logprobs_from_logits_ref(z64, lab, temperature=temp, return_entropy=True)
+    # ours upcasts to fp32 in registers: hold it to fp32 accuracy on the same input values
+    close(f"{name} logp", lp, rl, atol=1e-5, rtol=1e-6)
+    close(f"{name} entropy", en, re, atol=1e-5, rtol=1e-6)
+    if neg_inf:  # the reference's entropy gradient is undefined at p = 0: logp only
+        (lp * g_lp).sum().backward()
+        (rl * g_lp.double()).sum().backward()
+    else:
+        (lp * g_lp + en * g_en).sum().backward()
+        (rl * g_lp.double() + re * g_en.double()).sum().backward()
+    expect(f"{name} grad dtype", zz.grad.dtype == dtype, str(zz.grad.dtype))
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2  # the gradient is stored in dtype
+    close(f"{name} grad_logits", zz.grad, z64.grad, atol=1e-6, rtol=rtol)
+
+
+def group_logits():
+    for n in (1, 7, 129):
+        for v in (1, 1000, 5003):
+            _triton_logits_case(n, v, torch.float32, temp=1.3)
+    _triton_logits_case(7, 1000, torch.bfloat16, temp=0.8)
+    _triton_logits_case(7, 1000, torch.float16, temp=1.0)
+    _triton_logits_case(7, 1000, torch.float32, temp=1.0, neg_inf=True)
+    z = torch.randn(7, 100) * 1e4  # extreme logits
+    lab = torch.randint(0, 100, (7,))
+    lp, en = mk.logprobs_from_logits(z, lab, return_entropy=True, backend="triton")
+    rl, re = logprobs_from_logits_ref(z.double(), lab, return_entropy=True)
+    close("logits extreme logp", lp, rl, atol=1e-5, rtol=1e-6)
+    close("logits extreme entropy", en, re, atol=1e-5, rtol=1e-6)
+
+
+def group_float64():
+    """float64 inputs: the triton backend hands them to the torch backend (float64 out)."""
+    h = torch.randn(5, 8, dtype=torch.float64)
+    w = torch.randn(50, 8, dtype=torch.float64)
+    lab = torch.randint(0, 50, (5,))
+    lp = mk.linear_logprobs(h, w, lab, backend="triton")
+    expect("float64 dtype", lp.dtype == torch.float64, str(lp.dtype))
+    close("float64 logp", lp, linear_logprobs_ref(h, w, lab), atol=1e-12, rtol=1e-12)
+
+
+def group_opcheck():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(5, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True)
+    lab = torch.randint(0, 40, (5,), generator=g)
+    lab[0] = -100
+    z = torch.randn(5, 40, generator=g, requires_grad=True)
+    cases = [
+        ("linear_logprobs_fwd", (h, w, b, lab, 1.3, -100, True, "triton")),
+        ("linear_logprobs_fwd no bias", (h, w, None, lab, 1.0, -100, False, "triton")),
+        ("logprobs_from_logits_fwd", (z, lab, 0.7, -100, True, "triton")),
+    ]
+    for name, args in cases:
+        opcheck(name, getattr(torch.ops.mrtpo, name.split()[0]).default, args)
+
+
+GROUPS = {
+    name[len("group_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("group_")
+}
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def gpu_test(fn):
+    """Marked ``gpu`` (deselected by default) and skipped where CUDA is absent."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn)
+    return pytest.mark.gpu(fn)
+
+
+V_REAL = 151936
+DEV = "cuda"  # the GPU tests run on the first CUDA device
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _within_budget(ours, ref64, same, atol):
+    """The numerics contract: error <= 2 x plain PyTorch's in the same dtype + atol."""
+    e, base = _err(ours, ref64), _err(same, ref64)
+    assert e <= 2 * base + atol, f"error {e:.3e} > 2 x {base:.3e} + {atol:g}"
+
+
+def _rows_ref(h, w, lab, dtype, rows=1024, **kw):
+    """linear_logprobs_ref in ``dtype``, row chunk by row chunk (the rows are independent)."""
+    outs = []
+    wd = w.to(dtype)
+    for s in range(0, h.shape[0], rows):
+        out = linear_logprobs_ref(h[s : s + rows].to(dtype), wd, lab[s : s + rows], **kw)
+        outs.append(out if isinstance(out, tuple) else (out,))
+    return [torch.cat(parts) for parts in zip(*outs)]
+
+
+def _gpu_inputs(n, d, dtype, seed=0, v=V_REAL):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h = torch.randn(n, d, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(v, d, device=DEV, generator=g) / d**0.5).to(dtype)
+    lab = torch.randint(0, v, (n,), device=DEV, generator=g)
+    lab[::7] = -100
+    return h, w, lab
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n,d", [(16384, 896), (4096, 4096)])
+def test_gpu_linear_logprobs_real_shapes(n, d, dtype):
+    h, w, lab = _gpu_inputs(n, d, dtype)
+    kw = dict(temperature=0.9, return_entropy=True)
+    lp, en = mk.linear_logprobs(h, w, lab, backend="triton", **kw)
+    with torch.no_grad():
+        rl, re = _rows_ref(h, w, lab, torch.float64, **kw)
+        sl, se = _rows_ref(h, w, lab, dtype, **kw)
+    _within_budget(lp, rl, sl, atol=1e-4)
+    _within_budget(en, re, se, atol=1e-4)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_linear_logprobs_grad_real_shape(dtype):
+    n, d = 1024, 4096
+    h, w, lab = _gpu_inputs(n, d, dtype, seed=1)
+    b = torch.randn(V_REAL, device=DEV).to(dtype)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    g_lp = torch.randn(n, device=DEV, generator=g)
+    g_en = torch.randn(n, device=DEV, generator=g)
+    grads = {}
+    for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        hh, ww, bb = (t.detach().to(dt).requires_grad_() for t in (h, w, b))
+        kw = dict(bias=bb, temperature=1.1, return_entropy=True)
+        if key == "ours":
+            lp, en = mk.linear_logprobs(hh, ww, lab, backend="triton", **kw)
+        else:
+            lp, en = linear_logprobs_ref(hh, ww, lab, **kw)
+        ((lp.float() * g_lp).sum() + (en.float() * g_en).sum()).backward()
+        grads[key] = (hh.grad, ww.grad, bb.grad)
+        del lp, en
+    assert grads["ours"][0].dtype == dtype
+    for i in range(3):
+        _within_budget(grads["ours"][i], grads["ref"][i], grads["same"][i], atol=1e-5)
+
+
+@gpu_test
+def test_gpu_torch_compile_fullgraph():
+    h, w, lab = _gpu_inputs(300, 256, torch.bfloat16, seed=5, v=5003)
+    old = torch.full((300,), -8.0, device=DEV)
+    adv = torch.randn(300, device=DEV)
+
+    def caller(h, w):
+        lp, en = mk.linear_logprobs(h, w, lab, return_entropy=True, backend="triton")
+        loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
+        return lp.sum() + 0.1 * en.sum() + loss
+
+    compiled = torch.compile(caller, fullgraph=True)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    eager = caller(h1, w1)
+    eager.backward()
+    got = compiled(h2, w2)
+    got.backward()
+    torch.testing.assert_close(got, eager)
+    torch.testing.assert_close(h2.grad, h1.grad)
+    torch.testing.assert_close(w2.grad, w1.grad)
+
+
+@gpu_test
+def test_gpu_no_int32_overflow():
+    """N x V > 2^31 for both the logits path (5 GB of bf16 logits) and the fused path."""
+    n, v = 16384, V_REAL
+    assert n * v > 2**31
+    g = torch.Generator(device=DEV).manual_seed(6)
+    logits = torch.randn(n, v, device=DEV, generator=g).to(torch.bfloat16)
+    lab = torch.randint(0, v, (n,), device=DEV, generator=g)
+    z = logits.requires_grad_()
+    lp, en = mk.logprobs_from_logits(z, lab, return_entropy=True, backend="triton")
+    lp.sum().backward()
+    tail = slice(n - 8, n)  # rows whose element offsets are past 2^31
+    z64 = logits[tail].detach().double().requires_grad_()
+    rl, re = logprobs_from_logits_ref(z64, lab[tail], return_entropy=True)
+    rl.sum().backward()
+    assert _err(lp[tail], rl) < 1e-4 and _err(en[tail], re) < 1e-4
+    assert _err(z.grad[tail], z64.grad) < 1e-2
+    del z, logits, lp, en
+    h, w, lab = _gpu_inputs(n, 64, torch.bfloat16, seed=7)
+    lp = mk.linear_logprobs(h, w, lab, backend="triton")
+    rl = linear_logprobs_ref(h[tail].double(), w.double(), lab[tail])
+    assert _err(lp[tail], rl) < 1e-3

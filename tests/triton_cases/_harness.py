@@ -1,12 +1,22 @@
 """The one harness of the Triton interpreter checks (TRITON_INTERPRET=1 must be set before
 triton is imported, so the checks run as scripts in a subprocess of their own).
 
-pytest side (tests/test_triton_*.py, test_chunk_driver.py, test_numerics_extreme.py):
+An op's interpreter cases live in its test module (tests/test_<op>.py): functions named
+``group_<name>`` gathered in a module-level dict GROUPS. This module, run as a script,
+switches the interpreter on and only then imports that test module and runs its groups:
+
+    python tests/triton_cases/_harness.py tests/test_<op>.py [GROUP ...]   (default: all)
+
+pytest side (tests/test_<op>.py, test_chunk_driver.py, test_numerics_extreme.py, ...):
+    run_groups(test_file, *groups, env=None)   the groups of a test module, as above
     run_interpreted(*argv, env=None)   ``python *argv`` under the interpreter; asserts exit
                                        status 0 and a last summary line of 0 failures
+    interpreted(fn)                    marks a test ``triton`` and skips it without triton
+                                       (``make test-triton`` runs the marked tests alone)
 
-script side (tests/triton_cases/*_cases.py; import this module, call use_interpreter()
-before torch or triton is imported):
+script side (the groups of a test module; the cases files tests/triton_cases/*_cases.py
+shared by several ops, which import this module and call use_interpreter() before torch
+or triton is imported):
     close(name, ours, want, same=None, *, atol, rtol)   the error rule against float64
     expect(name, cond, detail)                          a plain check
     opcheck(name, op, args)                             torch.library.opcheck
@@ -50,6 +60,20 @@ def needs_triton(fn):
     return pytest.mark.skipif(missing, reason="triton is not installed")(fn)
 
 
+def interpreted(fn):
+    """A test that runs Triton-interpreter checks in a subprocess: marked ``triton`` and
+    skipped where triton is not installed."""
+    import pytest
+
+    return pytest.mark.triton(needs_triton(fn))
+
+
+def run_groups(test_file, *groups, env: dict | None = None, timeout: float = 900) -> str:
+    """Run the interpreter case groups of a test module (all by default) in a subprocess
+    (``python tests/triton_cases/_harness.py test_file *groups``); see run_interpreted."""
+    return run_interpreted(Path(__file__), Path(test_file), *groups, env=env, timeout=timeout)
+
+
 def run_interpreted(*argv, env: dict | None = None, timeout: float = 900) -> str:
     """Run ``python *argv`` (a script and its arguments, or "-c", code) from the repository
     root with TRITON_INTERPRET=1, one OpenMP thread, MRTPO_STRICT_BACKEND=1 and the root
@@ -75,6 +99,11 @@ def run_interpreted(*argv, env: dict | None = None, timeout: float = 900) -> str
     out = f"{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"interpreter checks: exit status {proc.returncode}\n{out}"
     found = _SUMMARY.findall(proc.stdout)
+    if os.environ.get("MRTPO_CHECKS_LOG"):  # the check count of every run, for a tally
+        last = [ln for ln in proc.stdout.splitlines() if _SUMMARY.match(ln)][-1:]
+        variant = (env or {}).get("MRTPO_TRITON_VARIANT", "")
+        with open(os.environ["MRTPO_CHECKS_LOG"], "a") as log:
+            log.write(f"{' '.join(map(str, argv))[:120]!r} {variant} {last}\n")
     assert found and found[-1] == "0", f"no summary line with 0 failures:\n{out}"
     return proc.stdout
 
@@ -252,3 +281,28 @@ def run(groups: dict, argv: list[str]) -> int:
     for line in FAILURES:
         print("FAIL", line)
     return 1 if FAILURES else 0
+
+
+def main(argv: list[str]) -> int:
+    """Script side of run_groups: switch the interpreter on, then import the test module
+    ``argv[0]`` (a path) and run its GROUPS named in ``argv[1:]``."""
+    import importlib.util
+
+    use_interpreter()
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    path = Path(argv[0]).resolve()
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return run(module.GROUPS, argv[1:])
+
+
+if __name__ == "__main__":
+    # the module as imported by the test modules (this file runs as __main__: a second copy
+    # would count the checks apart)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from triton_cases import _harness
+
+    sys.exit(_harness.main(sys.argv[1:]))
