@@ -1,17 +1,74 @@
-"""JS distance (fused with the LM head and from logits) against the reference and scipy."""
+"""js_distance and linear_js_distance: every check of the two ops in one place.
+
+- CPU backends (the ``backend`` fixture: cpu, torch) against the float64 reference and scipy
+  (extreme and non-finite inputs shared with the log-prob ops: tests/test_numerics_extreme.py).
+- Fuzz (hypothesis; shared machinery in tests/fuzzing.py): ``test_fuzz``, and the
+  ``slow``-marked ``test_fuzz_long``.
+- Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
+  must be on before triton is imported, so the ``group_*`` functions below run in
+  subprocesses started by tests/triton_cases/_harness.py, one per group on the default
+  variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the stacked row kernel) and all
+  groups in one more on the fused one (triton_kernels/js.py): odd shapes N = 1, 7, 129,
+  V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5, temperature, bias, extreme and -inf logits,
+  identical -> 0, disjoint -> 1, several token chunks, bf16/fp16; torch.library.opcheck;
+  torch.compile(fullgraph=True) with aot_eager. Error rule (README.md, "Numerics"): our
+  error against float64 is at most 2x that of the "torch" backend in the same dtype, plus a
+  small atol (_harness.close). The kernels' sm_90 build without a GPU.
+- GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): V = 151936, d = 896 and 4096, N up
+  to 16384, bf16 and fp32, K = 4, against float64 references computed in row chunks; offsets
+  beyond 2^31 elements; torch.compile(fullgraph=True) of a caller.
+The advantage kernel is in tests/test_advantages.py.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 from conftest import assert_within_budget, max_err
+from fuzzing import (
+    DTYPES,
+    FAST,
+    INJECT,
+    LAYOUTS,
+    LONG,
+    TEMPS,
+    _acc,
+    _assert_matches,
+    _backends,
+    _body,
+    _fmax,
+    _gemm_tol,
+    _inject,
+    _linear_case,
+    _low,
+    _run,
+    _scale,
+    _tensor,
+)
+from hypothesis import strategies as st
 from scipy.spatial.distance import jensenshannon
+from triton_cases import _harness
+from triton_cases._harness import (
+    close,
+    compile_check,
+    expect,
+    interpreted,
+    needs_triton,
+    opcheck,
+    run_groups,
+)
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
+from mrtpo_kernels.reference import (
+    js_distance_ref,
+    linear_js_distance_ref,
+)
 
 
 def _heads(n, v, d, k=None, dtype=torch.float32, seed=0):
@@ -169,3 +226,477 @@ def test_js_with_masked_vocabulary_entries(backend):
     assert torch.isfinite(d).all()
     assert max_err(d, ref) < 1e-6
     assert torch.equal(mk.js_distance(p, p, backend=backend), torch.zeros(6))
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@st.composite
+def _js_case(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    backend = draw(st.sampled_from(_backends("js_distance", dtype)))
+    n = draw(st.integers(1, 7))
+    v = draw(st.integers(1, 11))
+    k = draw(st.sampled_from([None, 1, 2, 3]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    scale = _scale(draw, dtype)
+    zp = _tensor((n, v), dtype, scale=scale, layout=draw(LAYOUTS), gen=gen)
+    qshape = (n, v) if k is None else (k, n, v)
+    zq = _tensor(qshape, dtype, scale=scale, layout=draw(LAYOUTS), gen=gen)
+    if draw(st.booleans()):  # close distributions: the hard case for JS
+        zq = zp.double() + 1e-3 * scale * torch.randn(qshape, generator=gen, dtype=torch.float64)
+        zq = zq.clamp(-_fmax(dtype), _fmax(dtype)).to(dtype)
+    zp = _inject(zp, draw(INJECT), gen)
+    zq = _inject(zq, draw(INJECT), gen)
+    return backend, zp, zq, draw(st.sampled_from(TEMPS))
+
+
+def _check_js(case):
+    backend, zp, zq, temp = case
+    d = mk.js_distance(zp, zq, temperature=temp, backend=backend)
+    rd = R.js_distance_ref(zp.double(), zq.double(), temperature=temp)
+    pd = R.js_distance_ref(_low(zp), _low(zq), temperature=temp)
+    # compare JSD ~ d^2 (d = sqrt(JSD) amplifies any error near 0)
+    what = f"js_distance[{backend}, {zp.dtype}, T={temp}]"
+    _assert_matches(d.double() ** 2, rd**2, pd.double() ** 2, what, atol=4e-6, rtol=2e-5)
+    assert bool((d[~d.isnan()] >= 0).all() and (d[~d.isnan()] <= 1).all()), what
+
+
+@_body(st.data())
+def _linear_js_body(data):
+    backend, hp, w, bias, temp, gen, draw = data.draw(_linear_case("linear_js_distance"))
+    k = draw(st.sampled_from([None, 1, 2]))
+    qshape = hp.shape if k is None else (k, *hp.shape)
+    hq = (hp.double() + 0.1 * torch.randn(qshape, generator=gen, dtype=torch.float64)).to(hp.dtype)
+    hq = _inject(hq, draw(INJECT), gen)
+    d = mk.linear_js_distance(hp, hq, w, bias=bias, temperature=temp, backend=backend)
+    br = None if bias is None else bias.double()
+    rd = R.linear_js_distance_ref(hp.double(), hq.double(), w.double(), bias=br, temperature=temp)
+    bl = None if bias is None else _low(bias)
+    pd = R.linear_js_distance_ref(_low(hp), _low(hq), _low(w), bias=bl, temperature=temp)
+    what = f"linear_js_distance[{backend}, {hp.dtype}, T={temp}]"
+    tol = 4e-6 + 4 * _gemm_tol(hq, w, temp, _acc(hp))
+    _assert_matches(d.double() ** 2, rd**2, pd.double() ** 2, what, atol=tol, rtol=2e-5)
+
+
+@_body(_js_case())
+def _js_body(case):
+    _check_js(case)
+
+
+FUZZ = {"js_distance": _js_body, "linear_js_distance": _linear_js_body}
+
+
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz(op):
+    _run(FUZZ[op], FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz_long(op):
+    _run(FUZZ[op], LONG)
+
+
+# ----------------------------------------------------------- Triton (interpreter, sm_90 build)
+
+
+ROWS_GROUPS = [  # one subprocess each on the default variant
+    "linear_shapes",
+    "linear_chunks_dtypes",
+    "linear_special",
+    "logits",
+    "opcheck",
+    "compile",
+]
+
+
+@interpreted
+@pytest.mark.parametrize("group", ROWS_GROUPS)
+def test_triton_js_under_interpreter(group):
+    run_groups(__file__, group, env={"MRTPO_TRITON_VARIANT": "rows"})
+
+
+@interpreted
+def test_triton_js_fused_variant_under_interpreter():
+    """Every group on MRTPO_TRITON_VARIANT=fused (triton_kernels/js.py), in one process: ~20 s."""
+    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": "fused"})
+
+
+@needs_triton
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
+)
+def test_triton_js_rejects_cpu_tensors_without_interpreter():
+    from mrtpo_kernels.triton_kernels import js
+
+    with pytest.raises(ValueError, match="hidden_p"):
+        js.linear_js_distance(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
+    with pytest.raises(ValueError, match="logits_p"):
+        js.js_distance(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
+
+
+# --------------------------------------------------------------------------- Hopper build
+
+
+def _compile_for_hopper(fn, signature, constexprs, div16=(), **options):
+    """Compile a kernel for sm_90 without a GPU (as a launch would: pointers and the named
+    integers marked divisible by 16); return the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(names)
+        if signature[name].startswith("*") or name in div16
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _nvidia_backend_present() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+@pytest.mark.skipif(not _nvidia_backend_present(), reason="triton's NVIDIA backend is absent")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled mode")
+def test_triton_js_kernels_compile_for_hopper():
+    """Every kernel builds for sm_90 (catches what the interpreter does not: types, layouts,
+    shared memory), and the GEMM at the default 16-bit tiles is a pipelined wgmma loop."""
+    from mrtpo_kernels.triton_kernels import js
+
+    cfg = js._gemm_configs(torch.bfloat16)[0]
+    gemm_sig = {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "z_ptr": "*fp32",
+        "part_ptr": "*fp32", "M": "i32", "D": "i32", "V": "i32", "n_vt": "i32",
+        "inv_t": "fp32", "stride_a": "i32", "stride_w": "i32", "HAS_BIAS": "constexpr",
+        "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr", "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+    }  # fmt: skip
+    k = _compile_for_hopper(
+        js._js_logits_kernel, gemm_sig,
+        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
+         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k},
+        div16=("M", "D", "V", "stride_a", "stride_w"), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    ttgir = k.asm["ttgir"]
+    assert "warp_group_dot" in ttgir, "the GEMM does not use wgmma"
+    assert "async_copy_global_to_local" in ttgir or "async_tma" in ttgir, "loads not pipelined"
+    assert k.metadata.shared <= 227 * 1024
+    gemm_sig.update(a_ptr="*fp32", w_ptr="*fp32", b_ptr="*fp32")
+    cfg32 = js._gemm_configs(torch.float32)[0]
+    _compile_for_hopper(
+        js._js_logits_kernel, gemm_sig,
+        {"HAS_BIAS": False, "DOT_PRECISION": "ieee", "UPCAST_DOT": False,
+         "BLOCK_M": cfg32.block_m, "BLOCK_N": cfg32.block_n, "BLOCK_K": cfg32.block_k},
+        num_warps=cfg32.num_warps, num_stages=cfg32.num_stages,
+    )  # fmt: skip
+    _compile_for_hopper(
+        js._row_lse_kernel,
+        {"x_ptr": "*bf16", "out_ptr": "*fp32", "cols": "i32", "stride_xs": "i64",
+         "stride_xr": "i32", "stride_os": "i32", "scale": "fp32", "BLOCK": "constexpr"},
+        {"BLOCK": 2048}, num_warps=8,
+    )  # fmt: skip
+    _compile_for_hopper(
+        js._js_sum_kernel,
+        {"zp_ptr": "*fp32", "zq_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32",
+         "K": "i32", "cols": "i32", "cols_per_split": "i32", "stride_p": "i32",
+         "stride_qk": "i64", "stride_q": "i32", "stride_ls": "i32", "stride_part_s": "i32",
+         "stride_part_k": "i32", "scale": "fp32", "BLOCK_K": "constexpr",
+         "BLOCK_V": "constexpr", "FAST_LOG": "constexpr"},
+        {"BLOCK_K": 4, "BLOCK_V": 1024, "FAST_LOG": True}, num_warps=8,
+    )  # fmt: skip
+    _compile_for_hopper(
+        js._js_finish_kernel,
+        {"part_ptr": "*fp32", "out_ptr": "*fp32", "K": "i32", "rows": "i32", "splits": "i32",
+         "row0": "i32", "stride_part_s": "i32", "stride_part_k": "i32",
+         "stride_out_k": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 1024}, num_warps=4,
+    )  # fmt: skip
+
+
+def in_unit_interval(name, d):
+    expect(name, bool(((d >= 0) & (d <= 1)).all()), f"values outside [0, 1]: {d.min()}, {d.max()}")
+
+
+# --------------------------------------------------------------------------- JS, linear
+
+
+def _triton_linear_case(n, v, d, k, *, dtype=torch.float32, bias=True, temp=0.7, noise=0.5, seed=0,
+                 squeeze=False, scale=3.0, tag=""):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    hp = torch.randn(n, d, generator=g)
+    hq = hp + noise * torch.randn(k, n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * (scale / d**0.5)
+    b = torch.randn(v, generator=g) if bias else None
+    if squeeze:
+        hq = hq[0]
+    hp, hq, w = hp.to(dtype), hq.to(dtype), w.to(dtype)
+    b = None if b is None else b.to(dtype)
+    kw = dict(bias=b, temperature=temp)
+    name = f"linear_js_distance n={n} v={v} d={d} k={k} {dtype} bias={bias} t={temp}{tag}"
+    ours = mk.linear_js_distance(hp, hq, w, backend="triton", **kw)
+    plain = mk.linear_js_distance(hp, hq, w, backend="torch", **kw)
+    b64 = None if b is None else b.double()
+    ref = linear_js_distance_ref(hp.double(), hq.double(), w.double(), bias=b64, temperature=temp)
+    expect(name + " dtype", ours.dtype == torch.float32, str(ours.dtype))
+    close(name, ours, ref, plain, atol=2e-6, rtol=0)
+    in_unit_interval(name, ours)
+
+
+def group_linear_shapes():
+    _triton_linear_case(1, 1, 3, 1)  # one token, one-word vocabulary: P = Q, d = 0
+    _triton_linear_case(1, 5003, 64, 3, temp=1.3)
+    _triton_linear_case(7, 1000, 3, 3, bias=False)
+    _triton_linear_case(7, 5003, 3, 1, temp=0.5, squeeze=True, tag=" hidden_q (N, d)")
+    _triton_linear_case(7, 1, 64, 3)
+    _triton_linear_case(129, 1000, 64, 3, temp=1.7)
+    _triton_linear_case(129, 5003, 3, 1, bias=False)
+
+
+def group_linear_chunks_dtypes():
+    # A small scratch budget: several token chunks, the last one shorter.
+    with _harness.env(MRTPO_JS_SCRATCH_BYTES=4 * 4 * 1000 * 40):  # C = 40 tokens at K = 3
+        _triton_linear_case(129, 1000, 64, 3, seed=1, tag=" chunks of 40")
+        _triton_linear_case(129, 1000, 3, 1, seed=2, bias=False, tag=" chunks")
+    _triton_linear_case(7, 1000, 64, 3, dtype=torch.bfloat16, seed=3)
+    _triton_linear_case(7, 1000, 64, 1, dtype=torch.float16, seed=4, temp=1.2)
+    # padded (B, T, d) layout
+    g = torch.Generator().manual_seed(5)
+    hp = torch.randn(2, 5, 16, generator=g)
+    hq = hp + torch.randn(3, 2, 5, 16, generator=g)
+    w = torch.randn(300, 16, generator=g)
+    ours = mk.linear_js_distance(hp, hq, w, temperature=0.9, backend="triton")
+    ref = linear_js_distance_ref(
+        hp.reshape(10, 16).double(), hq.reshape(3, 10, 16).double(), w.double(), temperature=0.9
+    ).reshape(3, 2, 5)
+    plain = mk.linear_js_distance(hp, hq, w, temperature=0.9, backend="torch")
+    close("linear_js_distance padded (K, B, T)", ours, ref, plain, atol=2e-6, rtol=0)
+
+
+def group_linear_special():
+    # Extreme logits (|z| ~ 1e4): near one-hot distributions.
+    _triton_linear_case(37, 1000, 64, 3, scale=1e4, noise=1e-3, seed=6, tag=" extreme")
+    # Close distributions: d ~ 1e-3 (the small-|delta| series branch).
+    _triton_linear_case(37, 1000, 64, 3, noise=1e-3, seed=7, tag=" close")
+    # Identical streams: exactly 0.
+    g = torch.Generator().manual_seed(8)
+    hp = torch.randn(9, 64, generator=g)
+    w = torch.randn(1000, 64, generator=g)
+    b = torch.randn(1000, generator=g)
+    out = mk.linear_js_distance(hp, hp.expand(3, 9, 64), w, bias=b, backend="triton")
+    expect("linear_js_distance identical -> 0", bool((out == 0).all()), f"max {out.abs().max()}")
+    # Disjoint supports: P puts all mass on token 0, Q on token 1 -> exactly 1.
+    w = torch.zeros(5, 3)
+    w[0, 0] = w[1, 1] = w[2, 2] = 1.0
+    b = torch.tensor([0.0, 0.0, 0.0, -1e4, -1e4])
+    hp = torch.tensor([[0.0, -1e4, -1e4]])
+    hq = torch.tensor([[[-1e4, 0.0, -1e4]], [[0.0, -1e4, -1e4]]])
+    out = mk.linear_js_distance(hp, hq, w, bias=b, temperature=0.8, backend="triton")
+    expect("linear_js_distance disjoint -> 1", out[0, 0].item() == 1.0, f"{out[0, 0].item()}")
+    expect("linear_js_distance same one-hot -> 0", out[1, 0].item() == 0.0, f"{out[1, 0].item()}")
+    # float64 inputs go to the torch backend and stay float64.
+    hp = torch.randn(5, 8, dtype=torch.float64, generator=g)
+    hq = torch.randn(2, 5, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(50, 8, dtype=torch.float64, generator=g)
+    out = mk.linear_js_distance(hp, hq, w, temperature=1.1, backend="triton")
+    ref = linear_js_distance_ref(hp, hq, w, temperature=1.1)
+    expect("linear_js_distance float64 dtype", out.dtype == torch.float64, str(out.dtype))
+    err = (out - ref).abs().max().item()
+    expect("linear_js_distance float64", err <= 1e-10, f"max error {err:.3e}")
+
+
+# --------------------------------------------------------------------------- JS, logits
+
+
+def _triton_logits_case(n, v, k, *, dtype=torch.float32, temp=1.3, scale=3.0, noise=1.0, seed=0,
+                 tag=""):  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    zp = torch.randn(n, v, generator=g) * scale
+    zq = zp + noise * torch.randn(k, n, v, generator=g)
+    zp, zq = zp.to(dtype), zq.to(dtype)
+    name = f"js_distance n={n} v={v} k={k} {dtype} t={temp}{tag}"
+    ours = mk.js_distance(zp, zq, temperature=temp, backend="triton")
+    plain = mk.js_distance(zp, zq, temperature=temp, backend="torch")
+    ref = js_distance_ref(zp.double(), zq.double(), temperature=temp)
+    close(name, ours, ref, plain, atol=1e-6, rtol=0)
+    in_unit_interval(name, ours)
+
+
+def group_logits():
+    for i, (n, v) in enumerate([(n, v) for n in (1, 7, 129) for v in (1, 1000, 5003)]):
+        _triton_logits_case(n, v, 1 if i % 2 else 3, seed=i)
+    _triton_logits_case(7, 5003, 3, dtype=torch.bfloat16, seed=20)
+    _triton_logits_case(7, 1000, 5, scale=1e4, noise=1.0, seed=21, tag=" extreme")
+    _triton_logits_case(7, 1000, 3, noise=1e-3, seed=22, tag=" close")
+    _triton_logits_case(7, 1000, 3, noise=0.25, seed=23, tag=" |delta| near 1/2")
+    g = torch.Generator().manual_seed(24)
+    # (V,) logits, one token
+    zp, zq = torch.randn(300, generator=g), torch.randn(2, 300, generator=g)
+    ours = mk.js_distance(zp, zq, backend="triton")
+    ref = js_distance_ref(zp[None].double(), zq[:, None].double())[:, 0]
+    close("js_distance (V,) input", ours, ref, mk.js_distance(zp, zq), atol=1e-6, rtol=0)
+    # -inf logits (a vocabulary mask), in one stream, in both, and in a whole block
+    zp = torch.randn(5, 3000, generator=g)
+    zq = torch.randn(2, 5, 3000, generator=g)
+    zp[:, ::3] = float("-inf")
+    zq[0, :, ::2] = float("-inf")
+    zq[1, :, 1000:2500] = float("-inf")
+    ours = mk.js_distance(zp, zq, backend="triton")
+    ref = js_distance_ref(zp.double(), zq.double())
+    close("js_distance with -inf logits", ours, ref, None, atol=2e-6, rtol=0)
+    # identical -> 0, disjoint -> 1
+    zp = torch.randn(6, 777, generator=g) * 5
+    out = mk.js_distance(zp, zp.expand(3, 6, 777), temperature=0.6, backend="triton")
+    expect("js_distance identical -> 0", bool((out == 0).all()), f"max {out.abs().max()}")
+    zp = torch.full((2, 40), -1e4)
+    zq = torch.full((2, 40), -1e4)
+    zp[:, :20] = 0.0
+    zq[:, 20:] = 0.0
+    out = mk.js_distance(zp, zq, backend="triton")  # 1 up to the fp32 rounding of the sums
+    expect("js_distance disjoint -> 1", bool(((out - 1).abs() <= 1e-6).all()), f"{out.tolist()}")
+
+
+# --------------------------------------------------------------------------- opcheck
+
+
+def group_opcheck():
+    g = torch.Generator().manual_seed(9)
+    hp = torch.randn(5, 16, generator=g)
+    hq = torch.randn(2, 5, 16, generator=g)
+    w = torch.randn(300, 16, generator=g)
+    b = torch.randn(300, generator=g)
+    zp = torch.randn(5, 300, generator=g)
+    zq = torch.randn(2, 5, 300, generator=g)
+    cases = [
+        ("linear_js_distance", (hp, hq, w, b, 0.8, "triton")),
+        ("linear_js_distance", (hp, hq, w, None, 1.0, "triton")),
+        ("js_distance", (zp, zq, 1.2, "triton")),
+    ]
+    for name, args in cases:
+        opcheck(name, getattr(torch.ops.mrtpo, name).default, args)
+
+
+def group_compile():
+    """torch.compile(fullgraph=True) of a caller traces the ops without a graph break
+    (aot_eager: no C++ code generation needed on this machine)."""
+    g = torch.Generator().manual_seed(11)
+    hp = torch.randn(6, 16, generator=g)
+    hq = torch.randn(2, 6, 16, generator=g)
+    w = torch.randn(200, 16, generator=g)
+    zp, zq = hp @ w.t(), hq @ w.t()
+
+    def caller(hp, hq, w, zp, zq):
+        d_lin = mk.linear_js_distance(hp, hq, w, temperature=0.8, backend="triton")
+        d_log = mk.js_distance(zp, zq, temperature=0.8, backend="triton")
+        return d_lin.sum() + d_log.sum()
+
+    compile_check("js", caller, (hp, hq, w, zp, zq))
+
+
+GROUPS = {k[len("group_") :]: f for k, f in sorted(globals().items()) if k.startswith("group_")}
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def gpu_test(fn):
+    """Marked ``gpu`` (deselected by default) and skipped where CUDA is absent."""
+    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn)
+    return pytest.mark.gpu(fn)
+
+
+V_REAL = 151936
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _within_budget(ours, ref64, same, atol):
+    e, base = _err(ours, ref64), _err(same, ref64)
+    assert e <= 2 * base + atol, f"error {e:.3e} > 2 x {base:.3e} + {atol:g}"
+
+
+def _linear_ref_rows(hp, hq, w, dtype, rows=256, **kw):
+    """linear_js_distance_ref in ``dtype``, row chunk by row chunk (rows are independent)."""
+    wd = w.to(dtype)
+    outs = [
+        linear_js_distance_ref(hp[s : s + rows].to(dtype), hq[:, s : s + rows].to(dtype), wd, **kw)
+        for s in range(0, hp.shape[0], rows)
+    ]
+    return torch.cat(outs, dim=-1)
+
+
+def _streams(n, d, k, dtype, v=V_REAL, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hp = torch.randn(n, d, device="cuda", generator=g)
+    hq = hp + 0.3 * torch.randn(k, n, d, device="cuda", generator=g)
+    w = torch.randn(v, d, device="cuda", generator=g) * (2.0 / d**0.5)
+    return hp.to(dtype), hq.to(dtype), w.to(dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,d", [(16384, 896), (2048, 4096)])
+def test_gpu_linear_js_real_shapes(n, d, dtype):
+    hp, hq, w = _streams(n, d, 4, dtype)
+    out = mk.linear_js_distance(hp, hq, w, temperature=0.9, backend="triton")
+    assert out.shape == (4, n) and out.dtype == torch.float32
+    # float64 reference on a strided subset of rows (all rows would take minutes)
+    idx = torch.arange(0, n, max(1, n // 512), device="cuda")
+    with torch.no_grad():
+        ref = _linear_ref_rows(hp[idx], hq[:, idx], w, torch.float64, temperature=0.9)
+        same = mk.linear_js_distance(hp[idx], hq[:, idx], w, temperature=0.9, backend="torch")
+    _within_budget(out[:, idx], ref, same, atol=1e-4)
+    assert _err(out[:, idx], ref) <= 1e-3
+
+
+@gpu_test
+def test_gpu_linear_js_bias_identical_and_chunks(monkeypatch):
+    hp, hq, w = _streams(1000, 896, 4, torch.bfloat16, seed=1)
+    b = torch.randn(V_REAL, device="cuda").to(torch.bfloat16)
+    hq[2] = hp  # one stream identical to P: exactly 0
+    monkeypatch.setenv("MRTPO_JS_SCRATCH_BYTES", str(64 << 20))  # several chunks
+    out = mk.linear_js_distance(hp, hq, w, bias=b, temperature=0.7, backend="triton")
+    assert bool((out[2] == 0).all())
+    with torch.no_grad():
+        ref = _linear_ref_rows(hp, hq, w, torch.float64, bias=b.double(), temperature=0.7)
+    assert _err(out, ref) <= 1e-3
+
+
+@gpu_test
+def test_gpu_logits_js_offsets_beyond_int32():
+    # K x N x V = 4 x 16384 x 151936 ~ 1.0e10 elements: every int32 offset would wrap.
+    n, k = 16384, 4
+    g = torch.Generator(device="cuda").manual_seed(2)
+    zp = (3 * torch.randn(n, V_REAL, device="cuda", generator=g)).to(torch.bfloat16)
+    zq = torch.empty((k, n, V_REAL), device="cuda", dtype=torch.bfloat16)
+    for j in range(k):
+        zq[j] = zp + torch.randn(n, V_REAL, device="cuda", generator=g).to(torch.bfloat16)
+    out = mk.js_distance(zp, zq, temperature=1.1, backend="triton")
+    rows = torch.cat([torch.arange(0, 64), torch.arange(n - 64, n)]).cuda()
+    with torch.no_grad():
+        ref = js_distance_ref(zp[rows].double(), zq[:, rows].double(), temperature=1.1)
+    assert _err(out[:, rows], ref) <= 1e-4
+
+
+@gpu_test
+def test_gpu_compile_fullgraph_caller():
+    hp, hq, w = _streams(300, 896, 2, torch.bfloat16, v=32000, seed=4)
+    zp, zq = (hp.float() @ w.float().t()), (hq.float() @ w.float().t())
+
+    def caller(hp, hq, w, zp, zq):
+        d_lin = mk.linear_js_distance(hp, hq, w, temperature=0.8, backend="triton")
+        d_log = mk.js_distance(zp, zq, temperature=0.8, backend="triton")
+        return d_lin.mean(0) + d_log.mean(0)
+
+    compiled = torch.compile(caller, fullgraph=True)
+    torch.testing.assert_close(compiled(hp, hq, w, zp, zq), caller(hp, hq, w, zp, zq))
