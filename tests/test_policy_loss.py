@@ -1,13 +1,51 @@
-"""linear_policy_loss: value, metrics and gradients against the float64 reference."""
+"""linear_policy_loss: every check of the op in one place.
+
+- CPU backends (the ``backend`` fixture: cpu, torch) against the float64 reference: value,
+  metrics and gradients; non-finite inputs and the k3 KL term's digits.
+- Fuzz (hypothesis; shared machinery in tests/fuzzing.py): ``test_fuzz``, and the
+  ``slow``-marked ``test_fuzz_long``; the clip-fraction rule on NaN and inf ratios.
+- Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
+  must be switched on before triton is imported, so the ``group_*`` functions below run in a
+  subprocess per Triton variant, started by tests/triton_cases/_harness.py
+  (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row kernels; fused:
+  triton_kernels/policy_loss.py, both of its modes: recompute and kept logits over several
+  token chunks): bias, KL term, the three aggregation rules, bf16, torch.library.opcheck,
+  the k3 KL term's digits. Error rule (README.md, "Numerics"): the kernel's error against
+  float64 may be at most 2x that of plain PyTorch in the same dtype, plus atol.
+- GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
+  against the float64 reference, both variants.
+The clip rule of every backend's token kernels is in tests/test_policy_clip_rule.py.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from conftest import assert_within_budget, max_err
+from fuzzing import (
+    FAST,
+    LONG,
+    _acc,
+    _assert_matches,
+    _backends,
+    _body,
+    _gemm_tol,
+    _linear_case,
+    _low,
+    _names_an_argument,
+    _run,
+)
+from hypothesis import strategies as st
+from test_logprobs import DEV, _gpu_inputs, _leaf, _within_budget, gpu_test
+from triton_cases import _harness
+from triton_cases._harness import VARIANTS, close, expect, interpreted, opcheck, run_groups
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
+from mrtpo_kernels.backends import cpu_backend
+from mrtpo_kernels.reference import linear_logprobs_ref, linear_policy_loss_ref
 
 
 def _case(b, t, v, d, seed=0, dtype=torch.float32):
@@ -437,3 +475,400 @@ def test_sum_norm_default_is_the_most_valid_tokens_of_a_sequence(backend):
     for name, got in (("padded", padded), ("padded wide", padded_wide), ("packed", packed),
                       ("packed spans", packed_spans)):  # fmt: skip
         assert abs(got.item() - want.item()) < 1e-5, (name, got.item(), want.item())
+
+
+# ------------------------------------------------------------ extreme inputs, the k3 KL term
+
+
+BACKENDS = ["torch"] + (["cpu"] if cpu_backend.available() else [])
+V = 67
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_policy_loss_is_nan(backend):
+    h = torch.randn(6, 8)
+    h[2, 0] = float("nan")
+    w = torch.randn(V, 8)
+    y = torch.tensor([1, 2, 3, 4, 5, 6])
+    hh = h.clone().requires_grad_()
+    loss, _ = mk.linear_policy_loss(
+        hh, w, y, torch.full((6,), -4.0), torch.ones(6), backend=backend
+    )
+    assert loss.isnan(), loss
+    h[2, 0] = 0.0
+    loss, _ = mk.linear_policy_loss(h, w, y, torch.full((6,), -4.0), torch.ones(6), backend=backend)
+    assert loss.isfinite(), loss
+
+
+# d = ref - logp: from far below float32's resolution of exp(d) - 1 to well past the series
+KL_DIFFS = [1e-12, -1e-12, 1e-7, -1e-7, 3e-6, -3e-6, 1e-5, -1e-5, 1e-3, -1e-3, 0.1, -0.1,
+            0.49, -0.49, 0.5, -0.5, 0.7, -0.7, 3.0, -3.0, 20.0, -20.0]  # fmt: skip
+
+
+def _k3_exact(d: float) -> float:
+    """exp(d) - d - 1 at 60 significant digits (decimal), rounded to float64."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        x = decimal.Decimal(d)
+        return float(x.exp() - x - 1)
+
+
+def test_kl_k3_reference_and_torch_form_keep_their_digits():
+    d = torch.tensor(KL_DIFFS, dtype=torch.float64)
+    exact = torch.tensor([_k3_exact(v) for v in KL_DIFFS], dtype=torch.float64)
+    assert bool(((R.kl_k3_ref(d) - exact).abs() <= 4e-16 * exact).all()), R.kl_k3_ref(d) / exact
+    from mrtpo_kernels._token_terms import kl_k3
+
+    d32 = d.float()
+    exact32 = torch.tensor([_k3_exact(float(v)) for v in d32], dtype=torch.float64)
+    got = kl_k3(d32).double()
+    assert bool(((got - exact32).abs() <= 4e-7 * exact32).all()), got / exact32
+    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0])
+    out = kl_k3(special)
+    assert out[0].isnan() and out[1].isnan() and out[2] == math.inf and out[3] == 0.0
+    assert torch.equal(R.kl_k3_ref(special.double()).isnan(), out.isnan())
+
+
+def _kl_loss_case(d: float, backend: str):
+    """A one-entry vocabulary: logp = 0 exactly on every backend, so ref - logp is d itself;
+    adv = 0: the loss is beta times the mean k3 term, as is metrics["kl"]."""
+    n = 6
+    h = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(1, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.zeros(n, dtype=torch.long)
+    ref = torch.full((n,), d, dtype=torch.float32)
+    loss, m = mk.linear_policy_loss(h, w, y, torch.zeros(n), torch.zeros(n), ref_logprobs=ref,
+                                    beta=1.0, backend=backend)  # fmt: skip
+    return loss, m["kl"], _k3_exact(float(ref[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_term_keeps_its_digits_in_loss_and_metric(backend):
+    """The k3 KL exp(d) - d - 1 for ref and policy log-probs a hair apart (d ~ 1e-12 ..
+    1e-5): the plain form cancels to 0 or noise in float32 (and in double at 1e-7); every
+    backend's loss and the kl metric hold it to float32 precision."""
+    for d in KL_DIFFS:
+        loss, kl, want = _kl_loss_case(d, backend)
+        for what, got in (("loss", loss), ("kl metric", kl)):
+            assert abs(got.item() - want) <= 2e-6 * want, f"d={d}: {what} {got.item()!r} {want!r}"
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@_body(st.data())
+def _policy_body(data):
+    backend, h, w, bias, temp, gen, draw = data.draw(_linear_case("linear_policy_loss"))
+    n, v = h.shape[0], w.shape[0]
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.25] = -100
+    with torch.no_grad():
+        lp64 = R.linear_logprobs_ref(h.double(), w.double(), labels, temperature=temp,
+                                     bias=None if bias is None else bias.double())  # fmt: skip
+    old = (lp64 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).float()
+    old = old.nan_to_num(0.0, 0.0, 0.0)
+    ignored = labels == -100
+    old[ignored] = draw(st.sampled_from([0.0, -math.inf, math.nan]))  # never read
+    adv = torch.randn(n, generator=gen)
+    beta = draw(st.sampled_from([0.0, 0.04]))
+    ref = (old + 0.1 * torch.randn(n, generator=gen)) if beta else None
+    if ref is not None:
+        ref[ignored] = 0.0
+    agg = draw(st.sampled_from(mk.policy_loss.AGGREGATIONS))
+    cut = sorted(draw(st.lists(st.integers(0, n), min_size=0, max_size=3)))
+    cu = torch.tensor([0, *cut, n])
+    bad = draw(st.sampled_from([None, None, None, "cu", "norm_len", "old", "adv", "label"]))
+    norm_len = draw(st.sampled_from([None, 3.0]))
+    if bad == "cu":
+        # not starting at 0, not monotone, not ending at N (dropping the last boundary is
+        # valid when the one before is N too: then end one short)
+        short = cu[:-1] if int(cu[-2]) != n else torch.cat([cu[:-1], cu[-1:] - 1])
+        cu = draw(st.sampled_from([cu + 1, cu.flip(0), short]))
+        agg = "seq-mean-token-mean"
+    elif bad == "norm_len":
+        norm_len = draw(st.sampled_from([0.0, -2.0, math.inf, math.nan]))
+    elif bad == "old" and bool((~ignored).any()):
+        old[(~ignored).nonzero()[0]] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    elif bad == "adv" and bool((~ignored).any()):
+        adv[(~ignored).nonzero()[0]] = draw(st.sampled_from([math.nan, math.inf]))
+    elif bad == "label":
+        labels[0] = v
+    fn = mk.linear_policy_loss
+    kw = dict(bias=bias, temperature=temp, aggregation=agg, cu_seqlens=cu, norm_len=norm_len,
+              ref_logprobs=ref, beta=beta, backend=backend)  # fmt: skip
+    try:
+        loss, metrics = fn(h.detach().clone().requires_grad_(), w, labels, old, adv, **kw)
+    except ValueError as e:
+        assert _names_an_argument(e, fn), str(e)
+        assert bad is not None, f"ValueError on valid input: {e}"
+        return
+    assert bad in (None, "old", "adv"), f"accepted bad {bad}"  # old/adv: only ignored ones
+    lens = cu[1:] - cu[:-1]
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    br = None if bias is None else bias.double()
+    # seq-mean-token-sum-norm's default normalizer: the most valid tokens of one sequence
+    valid_counts = torch.zeros(len(lens)).index_add_(0, seq_ids, (~ignored).float())
+    max_len = max(1.0, float(valid_counts.max()))
+    rloss, rmet = R.linear_policy_loss_ref(
+        h.double(), w.double(), labels, old.double(), adv.double(), bias=br, temperature=temp,
+        ref_logprobs=None if ref is None else ref.double(), beta=beta, aggregation=agg,
+        seq_ids=seq_ids, num_seqs=len(lens), norm_len=norm_len,
+    )  # fmt: skip
+    bl = None if bias is None else _low(bias)
+    ploss, pmet = R.linear_policy_loss_ref(
+        _low(h), _low(w), labels, old, adv, bias=bl, temperature=temp, ref_logprobs=ref,
+        beta=beta, aggregation=agg, seq_ids=seq_ids, num_seqs=len(lens), norm_len=norm_len,
+    )  # fmt: skip
+    what = f"linear_policy_loss[{backend}, {h.dtype}, {agg}, beta={beta}]"
+    # L_t = -min(r A, ...), r = exp(logp - old): an error e in logp moves L_t by ~ r |A| e
+    lp_tol = 2e-5 + 2 * _gemm_tol(h, w, temp, _acc(h))
+    r_max = torch.exp(lp64 - old.double()).nan_to_num(0.0, 0.0, 0.0)[~ignored]
+    scale = (r_max.abs().max().item() if r_max.numel() else 1.0) * adv.abs().max().item() + 1.0
+    tol = 4 * lp_tol * scale * max(1.0, n / (norm_len or max_len))
+    _assert_matches(loss, rloss, ploss, what + " loss", atol=tol, rtol=1e-5)
+    # clip_fraction counts r A > clamp(r) A strictly, as the reference; a token whose
+    # reference log-ratio lies within the log-prob error of a clip boundary may fall on
+    # the other side in the op: each such token may move the fraction by 1 / (valid tokens)
+    log_r = lp64 - old.double()
+    bounds = (math.log1p(0.2), math.log1p(-0.2))  # the default clip_low = clip_high = 0.2
+    assert "clip_low" not in kw and "clip_high" not in kw
+    near = ((log_r - bounds[0]).abs() <= lp_tol) | ((log_r - bounds[1]).abs() <= lp_tol)
+    near &= ~ignored
+    clip_tol = (int(near.sum()) + 1e-3) / max(1, int((~ignored).sum()))
+    for key in ("mean_ratio", "clip_fraction", "kl"):
+        if key in rmet:
+            assert key in metrics, f"{what}: metric {key} missing"
+            m_tol = tol if key != "clip_fraction" else clip_tol
+            _assert_matches(metrics[key], rmet[key], pmet[key], f"{what} {key}", atol=m_tol,
+                            rtol=1e-5)  # fmt: skip
+
+
+FUZZ = {"linear_policy_loss": _policy_body}
+
+
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz(op):
+    _run(FUZZ[op], FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz_long(op):
+    _run(FUZZ[op], LONG)
+
+
+# Regression: clip_fraction counts r A > clamp(r) A strictly, as the reference does, so a
+# NaN log-prob (a NaN hidden row) or a NaN product (r = inf with A = 0) is not clipped; the
+# C++ row kernel counted every token that was not "unclipped" (NaN included), the torch
+# kernel a NaN product.
+@pytest.mark.parametrize("backend", _backends("linear_policy_loss", torch.float32))
+def test_clip_fraction_strict_rule_on_nan_and_inf_ratio(backend):
+    gen = torch.Generator().manual_seed(3)
+    n, v, d = 6, 11, 4
+    h = torch.randn(n, d, generator=gen)
+    h[0, 1] = math.nan  # logp NaN: ratio NaN
+    w = torch.randn(v, d, generator=gen)
+    y = torch.randint(0, v, (n,), generator=gen)
+    lp = R.linear_logprobs_ref(h.double(), w.double(), y)
+    old = (lp + torch.tensor([0.0, -800.0, 0.5, -0.5, 0.01, 0.0])).float()  # token 1: r = inf
+    adv = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    old[0] = -1.0  # finite: only the log-prob is NaN
+    old[5] = -math.inf  # ignored token: never read
+    y[5] = -100
+    _, got = mk.linear_policy_loss(h, w, y, old, adv, backend=backend)
+    _, ref = R.linear_policy_loss_ref(
+        h.double(), w.double(), y, old.double(), adv.double(), seq_ids=None, num_seqs=1
+    )
+    # of the 5 scored tokens only token 3 (r = e^0.5 > 1.2, A > 0) is clipped; token 2 has
+    # r = e^-0.5 with A > 0 (r A is the minimum), token 4 r = e^-0.01 inside the range
+    assert float(ref["clip_fraction"]) == pytest.approx(0.2, abs=1e-12)
+    assert float(got["clip_fraction"]) == pytest.approx(float(ref["clip_fraction"]), abs=1e-7)
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+@interpreted
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_policy_loss_under_interpreter(variant):
+    """The groups below (group_*), one subprocess per Triton variant."""
+    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": variant})
+
+
+def group_backend():
+    got = mk.resolve_backend("linear_policy_loss", "cpu", torch.float32, "triton")
+    expect("resolve linear_policy_loss", got == "triton", f"resolved to {got!r}")
+
+
+def _triton_policy_case(
+    n,
+    v,
+    d,
+    *,
+    bias,
+    beta,
+    aggregation="token-mean",
+    temp=1.0,
+    seed=2,
+    dtype=torch.float32,
+    opts=None,
+):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(dtype).float()
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(dtype).float()
+    b = torch.randn(v, generator=g).to(dtype).float() if bias else None
+    lab = torch.randint(0, v, (n,), generator=g)
+    lab[::4] = -100
+    # old log-probs near the current ones so that both clip branches occur
+    with torch.no_grad():
+        cur = linear_logprobs_ref(h, w, lab, bias=b, temperature=temp)
+    old = (cur + 0.4 * torch.randn(n, generator=g)).to(dtype).float()
+    adv = torch.randn(n, generator=g).to(dtype).float()
+    ref_lp = (cur + 0.3 * torch.randn(n, generator=g)).to(dtype).float()
+    lengths = [n // 3, n // 3, n - 2 * (n // 3)]
+    cu = torch.tensor([0, lengths[0], lengths[0] + lengths[1], n])
+    seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    name = f"policy N={n} V={v} d={d} bias={bias} beta={beta} {aggregation} {dtype} {opts}"
+    runs = {}
+    for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        hh, ww = _leaf(h, dt), _leaf(w, dt)
+        bb = _leaf(b, dt) if bias else None
+        kw = dict(bias=bb, temperature=temp, clip_low=0.2, clip_high=0.28, **(opts or {}))
+        if beta:
+            kw.update(ref_logprobs=ref_lp.to(dt), beta=beta)
+        if key == "ours":
+            extra = {} if aggregation == "token-mean" else {"cu_seqlens": cu}
+            loss, met = mk.linear_policy_loss(
+                hh, ww, lab, old.to(dt), adv.to(dt), aggregation=aggregation,
+                backend="triton", **kw, **extra,
+            )  # fmt: skip
+        else:
+            loss, met = linear_policy_loss_ref(
+                hh, ww, lab, old.to(dt), adv.to(dt), aggregation=aggregation,
+                seq_ids=seq_ids, num_seqs=3, **kw,
+            )  # fmt: skip
+        loss.backward()
+        runs[key] = (loss, met, hh.grad, ww.grad, bb.grad if bias else None)
+    ours, same, ref = runs["ours"], runs["same"], runs["ref"]
+    close(f"{name} loss", ours[0], ref[0], same[0], atol=1e-6)
+    expect(f"{name} metric keys", set(ours[1]) == set(ref[1]), f"{set(ours[1])}")
+    for k in ref[1]:
+        close(f"{name} {k}", ours[1][k], ref[1][k], same[1][k], atol=1e-6)
+    for i, what in ((2, "grad_hidden"), (3, "grad_weight"), (4, "grad_bias")):
+        if ref[i] is not None:
+            close(f"{name} {what}", ours[i], ref[i], same[i], atol=1e-7)
+    clip = ours[1]["clip_fraction"].item()
+    expect(f"{name} both branches", 0.0 < clip < 1.0, f"clip_fraction {clip}")
+    if "dual_clip_fraction" in ref[1]:
+        dual = ref[1]["dual_clip_fraction"].item()
+        expect(f"{name} dual clip binds", 0.0 < dual < 1.0, f"dual_clip_fraction {dual}")
+
+
+def group_policy():
+    _triton_policy_case(37, 1000, 64, bias=True, beta=0.0)
+    _triton_policy_case(37, 1000, 64, bias=False, beta=0.1, temp=0.8)
+    _triton_policy_case(129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean")
+    _triton_policy_case(37, 1000, 64, bias=True, beta=0.1, dtype=torch.bfloat16)
+
+
+def group_policy_options():
+    """The dual clip (clip_ratio_c) and the importance-weighted KL term."""
+    _triton_policy_case(37, 1000, 64, bias=True, beta=0.1, opts=dict(clip_ratio_c=1.5))
+    _triton_policy_case(37, 1000, 64, bias=False, beta=0.1, opts=dict(kl_importance_weight=True))
+    _triton_policy_case(
+        129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean",
+        opts=dict(clip_ratio_c=1.5, kl_importance_weight=True),
+    )  # fmt: skip
+
+
+def group_policy_keep_logits():
+    """Variant (a): kept fp32 logits in token chunks (several chunks: a small budget)."""
+    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 1000 * 32):
+        _triton_policy_case(37, 1000, 64, bias=True, beta=0.1)  # 32 rows per chunk
+        _triton_policy_case(37, 1000, 64, bias=False, beta=0.0, dtype=torch.bfloat16)
+    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 5003 * 64):
+        _triton_policy_case(129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean")
+    # no gradient wanted: loss and metrics only
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(7, 16, generator=g), torch.randn(300, 16, generator=g)
+    lab = torch.randint(0, 300, (7,), generator=g)
+    old, adv = torch.randn(7, generator=g) - 5, torch.randn(7, generator=g)
+    with torch.no_grad():
+        loss, met = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
+    rl, rm = linear_policy_loss_ref(h.double(), w.double(), lab, old.double(), adv.double())
+    close("policy no-grad loss", loss, rl, atol=1e-6)
+    close("policy no-grad mean_ratio", met["mean_ratio"], rm["mean_ratio"], atol=1e-6)
+    # every token ignored: zero loss and zero gradients
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, met = mk.linear_policy_loss(hh, ww, torch.full((7,), -100), old, adv, backend="triton")
+    loss.backward()
+    expect("policy all ignored", loss.item() == 0.0 and bool((hh.grad == 0).all()), "nonzero")
+    expect("policy all ignored dw", bool((ww.grad == 0).all()), "nonzero")
+
+
+def group_opcheck():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(5, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)
+    b = torch.randn(40, generator=g, requires_grad=True)
+    lab = torch.randint(0, 40, (5,), generator=g)
+    lab[0] = -100
+    old, adv = torch.randn(5, generator=g) - 4, torch.randn(5, generator=g)
+    tw, ref = torch.full((5,), 0.25), torch.randn(5, generator=g) - 4
+    # need_grad=True only: with need_grad=False the op returns empty gradients, which its
+    # autograd formula (in policy_loss.py) cannot scale for inputs that require grad
+    args = (h, w, b, lab, old, adv, tw, ref, 0.9, 0.2, 0.28, 0.1, -100, True, 3.0, True, "triton")
+    opcheck("linear_policy_loss", torch.ops.mrtpo.linear_policy_loss.default, args)
+
+
+def group_kl_digits():
+    """The k3 KL term keeps its digits on the Triton policy kernels (the variant of the
+    process), as test_kl_term_keeps_its_digits_in_loss_and_metric on the CPU backends."""
+    for d in KL_DIFFS:
+        loss, kl, want = _kl_loss_case(d, "triton")
+        for what, got in (("loss", loss), ("kl", kl)):
+            expect(f"kl d={d} {what}", abs(got.item() - want) <= 2e-6 * want,
+                   f"{got.item()!r} want {want!r}")  # fmt: skip
+
+
+GROUPS = {
+    name[len("group_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("group_")
+}
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@gpu_test
+@pytest.mark.parametrize("keep_logits", ["0", "1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_linear_policy_loss_real_shape(dtype, keep_logits, monkeypatch):
+    """Both variants of triton_kernels/policy_loss.py: (b) recompute (default), (a) kept logits."""
+    monkeypatch.setenv("MRTPO_POLICY_KEEP_LOGITS", keep_logits)
+    n, d = 2048, 4096
+    h, w, lab = _gpu_inputs(n, d, dtype, seed=3)
+    with torch.no_grad():
+        cur = mk.linear_logprobs(h, w, lab, backend="triton")
+    g = torch.Generator(device=DEV).manual_seed(4)
+    # rounded to dtype once, so that every run sees the same input values
+    old = (cur + 0.3 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    adv = torch.randn(n, device=DEV, generator=g).to(dtype)
+    ref_lp = (cur + 0.3 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    out = {}
+    for key, dt in (("ours", dtype), ("same", dtype), ("ref", torch.float64)):
+        hh, ww = (t.detach().to(dt).requires_grad_() for t in (h, w))
+        args = (hh, ww, lab, old.to(dt), adv.to(dt))
+        kw = dict(ref_logprobs=ref_lp.to(dt), beta=0.05, clip_high=0.28)
+        if key == "ours":
+            loss, met = mk.linear_policy_loss(*args, backend="triton", **kw)
+        else:
+            loss, met = linear_policy_loss_ref(*args, **kw)
+        loss.backward()
+        out[key] = (loss, met, hh.grad, ww.grad)
+    _within_budget(out["ours"][0], out["ref"][0], out["same"][0], atol=1e-5)
+    for k in out["ref"][1]:
+        _within_budget(out["ours"][1][k], out["ref"][1][k], out["same"][1][k], atol=1e-5)
+    _within_budget(out["ours"][2], out["ref"][2], out["same"][2], atol=1e-6)
+    _within_budget(out["ours"][3], out["ref"][3], out["same"][3], atol=1e-6)
