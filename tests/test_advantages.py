@@ -1,15 +1,59 @@
-"""GDPO and MRTPO token advantages: METHOD.md section 5 invariants and the reference."""
+"""gdpo_advantages, mrtpo_token_advantages and specific_relevance: every check of the
+advantage ops in one place.
+
+- CPU (torch and the reference): GDPO, the token reallocation, their invariants (mass,
+  zero variance, all-zero and tiny relevance), the padded layout, NaN policy.
+- Fuzz (hypothesis; shared machinery in tests/fuzzing.py): ``test_fuzz``, and the
+  ``slow``-marked ``test_fuzz_long``.
+- Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
+  must be on before triton is imported, so the ``group_*`` functions below run one
+  subprocess per group, started by tests/triton_cases/_harness.py (alpha, gamma and clip
+  variants, mixed has_info, zero and negative relevance, the padded layout, float64, the
+  mass invariant; all-zero and tiny relevance; torch.library.opcheck;
+  torch.compile(fullgraph=True) with aot_eager). Error rule (README.md, "Numerics"): our
+  error against float64 is at most 2x that of the "torch" backend in the same dtype, plus
+  a small atol. The kernel also builds for sm_90.
+- GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): 512 responses up to 4096 tokens
+  against the float64 reference.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+from fuzzing import (
+    DTYPES,
+    FAST,
+    INJECT,
+    LONG,
+    _acc,
+    _assert_matches,
+    _body,
+    _fmax,
+    _inject,
+    _names_an_argument,
+    _run,
+    _scale,
+)
+from hypothesis import strategies as st
+from test_js import _compile_for_hopper, _err, _nvidia_backend_present, _within_budget, gpu_test
+from triton_cases._harness import (
+    close,
+    compile_check,
+    expect,
+    interpreted,
+    needs_triton,
+    opcheck,
+    run_groups,
+)
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import advantages
 from mrtpo_kernels import reference as R
+from mrtpo_kernels.reference import mrtpo_token_advantages_ref
 
 
 def _batch(n_groups=4, g=4, k=3, seed=0, max_len=9):
@@ -251,42 +295,10 @@ def test_tiny_relevance_keeps_the_mass_at_delta_zero(scale):
         assert moved == (scale * 4 / 3 >= 2.0**-126), (scale, out.allocation)
 
 
-_TRITON_ZERO_REL = """
-import torch
-import mrtpo_kernels as mk
-import test_advantages as A
-rewards, gid, rel, cu, has_info = A._all_zero_relevance_case()
-fails = 0
-for delta in (0.0, 1e-8):
-    for clip in (None, (0.2, 3.0)):
-        for dtype in (torch.float32, torch.float64):
-            kw = dict(has_info=has_info, cu_seqlens=cu, delta=delta, clip=clip)
-            r = rewards.to(dtype)
-            ours = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="triton", **kw)
-            want = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="torch", **kw)
-            ok = bool(ours.token.isfinite().all()) and torch.allclose(
-                ours.token, want.token, atol=1e-5) and torch.equal(
-                ours.allocation == 1, want.allocation == 1)
-            if not ok:
-                fails += 1
-                print("FAIL", delta, clip, dtype, ours.token)
-for scale in (1.401298464324817e-45, 2.0**-124):
-    rewards, gid, rel, cu, has_info = A._tiny_relevance_case(scale)
-    kw = dict(has_info=has_info, cu_seqlens=cu, delta=0.0)
-    ours = mk.mrtpo_token_advantages(rewards, gid, rel, backend="triton", **kw)
-    want = mk.mrtpo_token_advantages(rewards, gid, rel, backend="torch", **kw)
-    if not torch.allclose(ours.token, want.token, rtol=1e-6):
-        fails += 1
-        print("FAIL tiny", scale, ours.token, want.token)
-print(f"{fails} failures")
-"""
-
-
+@interpreted
 def test_all_zero_relevance_is_uniform_on_triton_under_interpreter():
-    pytest.importorskip("triton")
-    from triton_cases._harness import run_interpreted
-
-    run_interpreted("-c", _TRITON_ZERO_REL)
+    """group_zero_relevance below (all-zero and tiny relevance on the Triton kernel)."""
+    run_groups(__file__, "zero_relevance")
 
 
 def test_padded_layout_equals_packed():
@@ -357,3 +369,426 @@ def test_hyper_parameter_defaults_are_defined_once():
         None,
         "error",
     )  # METHOD.md's defaults
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@st.composite
+def _rewards_case(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    n = draw(st.integers(1, 9))
+    k = draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    scale = _scale(draw, dtype)
+    # verifier-like scores: a few levels (pass/fail/partial), then scaled
+    levels = torch.randint(0, 5, (n, k), generator=gen).double() / 4.0
+    rewards = (levels * scale).clamp(-_fmax(dtype), _fmax(dtype)).to(dtype)
+    layout = draw(st.sampled_from(["contiguous", "strided", "transposed"]))
+    if layout == "strided":
+        big = torch.zeros((2 * n, k), dtype=dtype)
+        big[::2] = rewards
+        rewards = big[::2]
+    elif layout == "transposed":
+        rewards = rewards.t().contiguous().t()
+    gsize = draw(st.integers(1, 4))
+    group_ids = torch.arange(n) // gsize
+    rewards = _inject(rewards, draw(INJECT), gen)
+    weights = draw(st.sampled_from([None, "w", "bad"]))
+    if weights == "w":
+        weights = torch.rand(k, generator=gen, dtype=torch.float64).to(dtype) + 0.5
+    elif weights == "bad":
+        weights = torch.ones(k, dtype=dtype)
+        weights[-1] = draw(st.sampled_from([math.nan, math.inf]))
+    eps = draw(st.sampled_from([0.0, 1e-6]))
+    eps_batch = draw(st.sampled_from([None, 0.0, 1e-6]))
+    nan = draw(st.sampled_from(["error", "zero"]))
+    return rewards, group_ids, weights, eps, eps_batch, nan, gen, draw
+
+
+def _gdpo_ref_inputs(rewards, weights, nan):
+    r = rewards.double()
+    if nan == "zero":
+        r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+    return r, None if weights is None else weights.double()
+
+
+def _rewards_bad(rewards, weights, nan):
+    bad_r = nan == "error" and not bool(torch.isfinite(rewards).all())
+    bad_w = weights is not None and not bool(torch.isfinite(weights).all())
+    return bad_r or bad_w
+
+
+def _adv_tol(rewards):
+    """float32 (or float64) rounding of normalized quantities: O(n) terms of size O(sqrt n)."""
+    eps = torch.finfo(_acc(rewards)).eps
+    return 64 * eps * rewards.shape[0]
+
+
+@_body(st.data())
+def _gdpo_body(data):
+    rewards, gid, weights, eps, eps_batch, nan, gen, draw = data.draw(_rewards_case())
+    batch_norm = draw(st.sampled_from(["sequence", "token"]))
+    n = rewards.shape[0]
+    lengths = torch.randint(1, 6, (n,), generator=gen) if batch_norm == "token" else None
+    bad_len = batch_norm == "token" and draw(st.booleans()) and draw(st.booleans())
+    if bad_len:
+        lengths = lengths.clone()
+        lengths[0] = draw(st.sampled_from([0, -3]))
+    fn = mk.gdpo_advantages
+    kw = dict(weights=weights, eps=eps, eps_batch=eps_batch, batch_norm=batch_norm,
+              lengths=lengths)  # fmt: skip
+    try:
+        out = fn(rewards, gid, nan=nan, **kw)
+    except ValueError as e:
+        assert _names_an_argument(e, fn), str(e)
+        assert _rewards_bad(rewards, weights, nan) or bad_len, f"ValueError on valid input: {e}"
+        return
+    assert not _rewards_bad(rewards, weights, nan) and not bad_len, "bad input accepted"
+    r, w = _gdpo_ref_inputs(rewards, weights, nan)
+    ref = R.gdpo_advantages_ref(r, gid, **dict(kw, weights=w))
+    tol = _adv_tol(rewards)
+    for name, a, b in zip(ref._fields, out, ref):
+        assert not bool(a.isnan().any()), f"gdpo {name}: NaN for finite input"
+        if name in ("mean", "std"):  # in reward units: relative
+            _assert_matches(a, b, b, f"gdpo {name}", atol=tol, rtol=tol)
+        else:
+            _assert_matches(a, b, b, f"gdpo {name}", atol=tol, rtol=0)
+
+
+def _relevance_case(draw, gen, n, k, dtype):
+    lengths = torch.randint(1, 5, (n,), generator=gen)
+    cu = torch.zeros(n + 1, dtype=torch.long)
+    cu[1:] = lengths.cumsum(0)
+    rel = torch.rand(k, int(cu[-1]), generator=gen, dtype=torch.float64)
+    if draw(st.booleans()):  # exact zeros: delta / uniform fallbacks
+        rel[rel < 0.3] = 0.0
+    rel = rel.to(dtype)
+    bad = draw(st.sampled_from([None, None, None, "nan", "inf", "neg"]))
+    if bad:
+        rel = rel.clone()
+        rel[0, 0] = {"nan": math.nan, "inf": math.inf, "neg": -0.5}[bad]
+    has_info = torch.rand(n, k, generator=gen) < 0.7
+    return rel, cu, has_info, bad
+
+
+@_body(st.data())
+def _token_adv_body(data):
+    rewards, gid, weights, eps, eps_batch, nan, gen, draw = data.draw(_rewards_case())
+    n, k = rewards.shape if rewards.dim() == 2 else (rewards.shape[0], 1)
+    rel, cu, has_info, bad_rel = _relevance_case(draw, gen, n, k, rewards.dtype)
+    padded = draw(st.booleans())
+    alpha = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    gamma = draw(st.sampled_from([1.0, 2.0, 0.5]))
+    clip = draw(st.sampled_from([None, (0.5, 2.0), (0.5,), (1.5, 2.0)]))
+    batch_norm = draw(st.sampled_from(["sequence", "token"]))
+    kw = dict(weights=weights, eps=eps, eps_batch=eps_batch, alpha=alpha, gamma=gamma,
+              clip=clip, batch_norm=batch_norm)  # fmt: skip
+    fn = mk.mrtpo_token_advantages
+    lengths = cu[1:] - cu[:-1]
+    if padded:
+        t = int(lengths.max())
+        mask = torch.arange(t)[None, :] < lengths[:, None]
+        rel_in = torch.full((k, n, t), math.nan, dtype=rel.dtype)  # padding is never read
+        rel_in[:, mask] = rel
+        args = dict(response_mask=mask)
+    else:
+        rel_in, args = rel, dict(cu_seqlens=cu)
+    bad_clip = clip is not None and (len(clip) != 2 or clip[0] > 1)
+    try:
+        out = fn(rewards, gid, rel_in, has_info=has_info, nan=nan, **args, **kw)
+    except ValueError as e:
+        assert _names_an_argument(e, fn), str(e)
+        assert _rewards_bad(rewards, weights, nan) or bad_rel or bad_clip, f"valid input: {e}"
+        return
+    assert not (_rewards_bad(rewards, weights, nan) or bad_rel or bad_clip), "accepted"
+    r, w = _gdpo_ref_inputs(rewards, weights, nan)
+    rel_list = [rel[:, int(cu[i]) : int(cu[i + 1])].double() for i in range(n)]
+    tok_ref, g_ref = R.mrtpo_token_advantages_ref(r, gid, rel_list, has_info=has_info,
+                                                 **dict(kw, weights=w))  # fmt: skip
+    tok = out.token[mask] if padded else out.token
+    tol = _adv_tol(rewards) * (1 + 4 * k)
+    what = f"mrtpo_token_advantages[{rewards.dtype}, padded={padded}]"
+    assert not bool(tok.isnan().any()), f"{what}: NaN for finite input"
+    # token values are O(per_reward * w_hat): w_hat up to T / (its share of the mass)
+    w_max = max(1.0, float(lengths.max()))
+    ref_cat = torch.cat(tok_ref)
+    _assert_matches(tok, ref_cat, ref_cat, what, atol=tol * w_max * 8, rtol=tol)
+    _assert_matches(out.sequence, g_ref.sequence, g_ref.sequence, what + " seq", atol=tol)
+
+
+@_body(st.data())
+def _specific_body(data):
+    draw = data.draw
+    dtype = draw(st.sampled_from(DTYPES))
+    n, k = draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    rel, cu, has_info, bad = _relevance_case(draw, gen, n, k, dtype)
+    control = None
+    if draw(st.booleans()):
+        control = torch.rand(rel.shape[1], generator=gen).to(dtype)
+    try:
+        out = mk.specific_relevance(rel, has_info, control=control, cu_seqlens=cu)
+    except ValueError as e:
+        assert _names_an_argument(e, mk.specific_relevance), str(e)
+        assert bad == "inf", f"ValueError on valid input: {e}"
+        return
+    assert bad != "inf", "infinite relevance accepted"
+    rel_list = [rel[:, int(cu[i]) : int(cu[i + 1])].double() for i in range(n)]
+    ctl = None
+    if control is not None:
+        ctl = [control[int(cu[i]) : int(cu[i + 1])].double() for i in range(n)]
+    ref = torch.cat(R.specific_relevance_ref(rel_list, has_info, control=ctl), dim=1)
+    plain = torch.cat(R.specific_relevance_ref(
+        [rel[:, int(cu[i]) : int(cu[i + 1])] for i in range(n)], has_info,
+        control=None if control is None else [control[int(cu[i]) : int(cu[i + 1])]
+                                              for i in range(n)]), dim=1)  # fmt: skip
+    what = f"specific_relevance[{dtype}, bad={bad}]"
+    eps = torch.finfo(dtype).eps
+    _assert_matches(out, ref, plain, what, atol=4 * eps, rtol=4 * eps)
+
+
+FUZZ = {
+    "gdpo_advantages": _gdpo_body,
+    "mrtpo_token_advantages": _token_adv_body,
+    "specific_relevance": _specific_body,
+}
+
+
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz(op):
+    _run(FUZZ[op], FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(FUZZ))
+def test_fuzz_long(op):
+    _run(FUZZ[op], LONG)
+
+
+# ----------------------------------------------------------- Triton (interpreter, sm_90 build)
+
+
+TRITON_GROUPS = ["packed", "opcheck", "compile"]  # one subprocess each
+
+
+@interpreted
+@pytest.mark.parametrize("group", TRITON_GROUPS)
+def test_triton_advantages_under_interpreter(group):
+    run_groups(__file__, group)
+
+
+@needs_triton
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
+)
+def test_triton_advantages_rejects_cpu_tensors_without_interpreter():
+    from mrtpo_kernels.triton_kernels import advantages
+
+    with pytest.raises(ValueError, match="relevance"):
+        advantages.mrtpo_token_advantages(
+            torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
+            torch.rand(1, 4), torch.tensor([0, 4]), torch.tensor(0.0), torch.tensor(1.0), 1.0,
+            1.0, 1e-6, 1e-8, 0.0, float("inf"),
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(not _nvidia_backend_present(), reason="triton's NVIDIA backend is absent")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled mode")
+def test_triton_advantages_kernel_compiles_for_hopper():
+    from mrtpo_kernels.triton_kernels import advantages
+
+    for dt in ("fp32", "fp64"):
+        sig = {name: f"*{dt}" for name in ("per_reward_ptr", "lam_ptr")}
+        sig.update(has_info_ptr="*u8", rel_ptr=f"*{dt}", cu_ptr="*i64", mean_ptr=f"*{dt}")
+        sig.update(std_ptr=f"*{dt}", params_ptr=f"*{dt}", token_ptr=f"*{dt}")
+        sig.update(alloc_ptr=f"*{dt}", K="i32", N="i32", GAMMA_ONE="constexpr")
+        sig.update(HAS_CLIP="constexpr", BLOCK_K="constexpr", BLOCK_T="constexpr")
+        for gamma_one, clip in ((True, False), (False, True)):
+            _compile_for_hopper(
+                advantages._reallocate_kernel, sig,
+                {"GAMMA_ONE": gamma_one, "HAS_CLIP": clip, "BLOCK_K": 4, "BLOCK_T": 256},
+                num_warps=4,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- reallocation
+
+
+def _packed_batch(lengths, k, seed, has_frac=0.7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    n = lengths.numel()
+    cu = torch.zeros(n + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lengths, 0)
+    rewards = torch.randn(n, k, generator=g)
+    group_ids = torch.arange(n) // 4
+    rel = torch.rand(k, int(cu[-1]), generator=g)
+    has_info = torch.rand(n, k, generator=g) < has_frac
+    return rewards, group_ids, rel, has_info, cu
+
+
+def _realloc_case(lengths, k, *, seed=0, dtype=torch.float32, tag="", edit=None, **kw):
+    rewards, gid, rel, has_info, cu = _packed_batch(lengths, k, seed)
+    if edit is not None:
+        edit(rewards, rel, has_info, cu)
+    rewards, rel = rewards.to(dtype), rel.to(dtype)
+    n = len(lengths)
+    name = f"reallocate n={n} k={k} {dtype} {kw}{tag}"
+    args = (rewards, gid, rel)
+    ours = mk.mrtpo_token_advantages(*args, has_info=has_info, cu_seqlens=cu, backend="triton",
+                                     **kw)  # fmt: skip
+    plain = mk.mrtpo_token_advantages(*args, has_info=has_info, cu_seqlens=cu, backend="torch",
+                                      **kw)  # fmt: skip
+    spans = [rel[:, cu[i] : cu[i + 1]].double() for i in range(n)]
+    ref_tok, ref_g = mrtpo_token_advantages_ref(rewards.double(), gid, spans, has_info=has_info,
+                                                **kw)  # fmt: skip
+    atol = 1e-12 if dtype == torch.float64 else 2e-6
+    close(name + " token", ours.token, torch.cat(ref_tok), plain.token, atol=atol, rtol=0)
+    close(name + " allocation", ours.allocation, plain.allocation, plain.allocation,
+          atol=atol * 4, rtol=0)  # fmt: skip
+    # Mass: each reward's weights average 1 over a response; sum_t A = T_i x GDPO advantage.
+    lengths_t = (cu[1:] - cu[:-1]).double()
+    seg = torch.repeat_interleave(torch.arange(n), cu[1:] - cu[:-1])
+    w_sum = torch.zeros(k, n, dtype=torch.float64).index_add_(1, seg, ours.allocation.double())
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    expect(name + " weights mean 1", bool(((w_sum / lengths_t - 1).abs() <= tol).all()),
+          f"max dev {(w_sum / lengths_t - 1).abs().max():.3e}")  # fmt: skip
+    a_sum = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, ours.token.double())
+    mass = lengths_t * ref_g.sequence.double()
+    dev = (a_sum - mass).abs().max().item()
+    expect(name + " mass", dev <= tol * (1 + mass.abs().max().item()), f"max dev {dev:.3e}")
+    return ours, ref_g, cu
+
+
+def group_packed():
+    lengths = [5, 1, 17, 40, 3, 9, 2500, 7, 33, 1, 64, 12]
+    _realloc_case(lengths, 3)
+    _realloc_case(lengths, 3, alpha=0.3, gamma=2.0, seed=1)
+    _realloc_case(lengths, 3, alpha=0.7, gamma=0.5, clip=(0.2, 3.0), seed=2)
+    _realloc_case(lengths, 3, clip=(0.0, 2.0), seed=3, dtype=torch.float64)
+    _realloc_case(lengths, 5, gamma=1.5, batch_norm="token", seed=4, weights=None)
+    _realloc_case([4, 9, 1, 30, 6, 2, 8, 8], 1, seed=5, weights=torch.tensor([0.5]))
+
+    def zero_spans(rewards, rel, has_info, cu):
+        has_info[:, 1] = False  # a reward whose verifier reads no span: plain GDPO broadcast
+        rel[0, cu[2] : cu[3]] = 0.0  # mean d below delta: uniform weights
+        rel[2, cu[5] : cu[6]] = 1e-9  # a span of tiny relevance (mean d below delta)
+        rewards[:4, 0] = 1.0  # zero variance in group 0 for reward 0: moves nothing
+
+    _realloc_case(lengths, 3, seed=6, edit=zero_spans, alpha=0.8, tag=" edge cases")
+    # relevance is a distance: a negative value is a ValueError naming it (both backends)
+    rewards, gid, rel, has_info, cu = _packed_batch(lengths, 3, 6)
+    rel[2, cu[5]] = -1e-3
+    for backend in ("triton", "torch"):
+        try:
+            mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu,
+                                      backend=backend)  # fmt: skip
+            raised = ""
+        except ValueError as exc:
+            raised = str(exc)
+        expect(f"reallocate negative relevance raises ({backend})", "relevance" in raised,
+              raised or "no error")  # fmt: skip
+    # alpha = 0: every token gets the GDPO sequence advantage of its response.
+    ours, g, cu = _realloc_case(lengths, 3, seed=7, alpha=0.0)
+    seq = torch.repeat_interleave(g.sequence, cu[1:] - cu[:-1]).double()
+    dev = (ours.token.double() - seq).abs().max().item()
+    expect("reallocate alpha=0 is GDPO", dev <= 1e-5, f"max dev {dev:.3e}")
+    # padded layout (K, n, T) with a response mask
+    rewards, gid, rel, has_info, _ = _packed_batch([1] * 6, 2, 8)
+    rel_p = torch.rand(2, 6, 11, generator=torch.Generator().manual_seed(10))
+    mask = torch.zeros(6, 11, dtype=torch.bool)
+    for i, t in enumerate([11, 3, 7, 1, 10, 5]):
+        mask[i, :t] = True
+    kw = dict(has_info=has_info, response_mask=mask, alpha=0.9)
+    ours = mk.mrtpo_token_advantages(rewards, gid, rel_p, backend="triton", **kw)
+    plain = mk.mrtpo_token_advantages(rewards, gid, rel_p, backend="torch", **kw)
+    spans = [rel_p[:, i, mask[i]].double() for i in range(6)]
+    ref_tok, _ = mrtpo_token_advantages_ref(rewards.double(), gid, spans, has_info=has_info,
+                                            alpha=0.9)  # fmt: skip
+    close("reallocate padded", ours.token[mask], torch.cat(ref_tok), plain.token[mask],
+          atol=2e-6, rtol=0)  # fmt: skip
+    expect("reallocate padded zeros", bool((ours.token[~mask] == 0).all()), "nonzero padding")
+
+
+def group_opcheck():
+    g = torch.Generator().manual_seed(9)
+    rel = torch.rand(2, 12, generator=g)
+    cu = torch.tensor([0, 3, 4, 12])
+    per = torch.randn(3, 2, generator=g)
+    has = torch.tensor([[True, False], [True, True], [False, True]])
+    mean, std = torch.tensor(0.1), torch.tensor(1.3)
+    args = (per, torch.ones(2), has, rel, cu, mean, std, 0.7, 1.5, 1e-6, 1e-8, 0.1, 4.0, "triton")
+    opcheck("mrtpo_token_advantages", torch.ops.mrtpo.mrtpo_token_advantages.default, args)
+
+
+def group_compile():
+    """torch.compile(fullgraph=True) of a caller traces the op without a graph break."""
+    g = torch.Generator().manual_seed(11)
+    rewards = torch.randn(4, 2, generator=g)
+    rel = torch.rand(2, 10, generator=g)
+    cu = torch.tensor([0, 3, 4, 9, 10])
+    has = torch.tensor([[True, False], [True, True], [False, True], [True, True]])
+
+    def realloc(rewards, rel):
+        return mk.mrtpo_token_advantages(
+            rewards, torch.tensor([0, 0, 1, 1]), rel, has_info=has, cu_seqlens=cu,
+            alpha=0.5, backend="triton",
+        ).token  # fmt: skip
+
+    compile_check("advantages", realloc, (rewards, rel))
+
+
+def group_zero_relevance():
+    """All-zero relevance is uniform whatever delta, tiny relevance keeps the mass at
+    delta 0: the Triton kernel as the torch backend (test_all_zero_relevance_is_uniform_
+    whatever_delta, test_tiny_relevance_keeps_the_mass_at_delta_zero)."""
+    rewards, gid, rel, cu, has_info = _all_zero_relevance_case()
+    for delta in (0.0, 1e-8):
+        for clip in (None, (0.2, 3.0)):
+            for dtype in (torch.float32, torch.float64):
+                kw = dict(has_info=has_info, cu_seqlens=cu, delta=delta, clip=clip)
+                r = rewards.to(dtype)
+                ours = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="triton", **kw)
+                want = mk.mrtpo_token_advantages(r, gid, rel.to(dtype), backend="torch", **kw)
+                ok = (
+                    bool(ours.token.isfinite().all())
+                    and torch.allclose(ours.token, want.token, atol=1e-5)
+                    and torch.equal(ours.allocation == 1, want.allocation == 1)
+                )
+                expect(f"zero relevance delta={delta} clip={clip} {dtype}", ok, str(ours.token))
+    for scale in (1.401298464324817e-45, 2.0**-124):
+        rewards, gid, rel, cu, has_info = _tiny_relevance_case(scale)
+        kw = dict(has_info=has_info, cu_seqlens=cu, delta=0.0)
+        ours = mk.mrtpo_token_advantages(rewards, gid, rel, backend="triton", **kw)
+        want = mk.mrtpo_token_advantages(rewards, gid, rel, backend="torch", **kw)
+        ok = torch.allclose(ours.token, want.token, rtol=1e-6)
+        expect(f"tiny relevance {scale}", ok, f"{ours.token} != {want.token}")
+
+
+GROUPS = {k[len("group_") :]: f for k, f in sorted(globals().items()) if k.startswith("group_")}
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@gpu_test
+def test_gpu_reallocate_matches_reference():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k = 512, 4
+    lengths = torch.randint(1, 4096, (n,), device="cuda", generator=g)
+    cu = torch.zeros(n + 1, dtype=torch.long, device="cuda")
+    cu[1:] = torch.cumsum(lengths, 0)
+    rewards = torch.randn(n, k, device="cuda", generator=g)
+    gid = torch.arange(n, device="cuda") // 8
+    rel = torch.rand(k, int(cu[-1]), device="cuda", generator=g)
+    has = torch.rand(n, k, device="cuda", generator=g) < 0.7
+    kw = dict(has_info=has, cu_seqlens=cu, alpha=0.8, gamma=1.5, clip=(0.1, 5.0))
+    ours = mk.mrtpo_token_advantages(rewards, gid, rel, backend="triton", **kw)
+    plain = mk.mrtpo_token_advantages(rewards, gid, rel, backend="torch", **kw)
+    spans = [rel[:, cu[i] : cu[i + 1]].double().cpu() for i in range(n)]
+    kw.pop("cu_seqlens")
+    kw["has_info"] = has.cpu()
+    ref, _ = mrtpo_token_advantages_ref(rewards.double().cpu(), gid.cpu(), spans, **kw)
+    _within_budget(ours.token.cpu(), torch.cat(ref), plain.token.cpu(), atol=1e-5)
+    assert _err(ours.allocation, plain.allocation) <= 1e-4

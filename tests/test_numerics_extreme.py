@@ -11,6 +11,9 @@
   does not kill pytest): a ValueError naming labels on CPU, memory intact afterwards.
 - The Triton kernels under TRITON_INTERPRET=1 (subprocess): NaN log-prob and zero gradient
   for an out-of-range label, NaN JS for a non-finite row.
+Here the cases that check several ops on the same inputs; those of one op are in its test
+module (tests/test_logprobs.py: a row overflowing both ways; tests/test_policy_loss.py:
+non-finite hidden states, the k3 KL term).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_cases._harness import needs_triton, run_interpreted
+from triton_cases._harness import interpreted, run_interpreted
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
@@ -122,21 +125,6 @@ def test_equal_rows_give_minus_log_v(backend, value):
         assert bool((d == 0).all()), d
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_overflowing_spread_row(backend):
-    """Finite logits at both ends of the float range: z / T overflows both ways at T < 1."""
-    z = torch.zeros(2, V)
-    z[:, :3] = FMAX
-    z[:, 3:6] = -FMAX
-    y = torch.tensor([1, 4])
-    lp, en = mk.logprobs_from_logits(z, y, temperature=0.3, return_entropy=True, backend=backend)
-    rlp, ren = R.logprobs_from_logits_ref(z.double(), y, temperature=0.3, return_entropy=True)
-    assert rlp[0].item() == pytest.approx(-math.log(3)) and rlp[1].item() < -1e38
-    torch.testing.assert_close(lp[0].double(), rlp[0], rtol=0, atol=1e-6)
-    assert lp[1].item() == float("-inf") or abs(lp[1].item() / rlp[1].item() - 1) < 1e-6
-    torch.testing.assert_close(en.double(), ren, rtol=0, atol=1e-6)
-
-
 def _nonfinite_rows():
     g = torch.Generator().manual_seed(7)
     z = torch.randn(7, V, generator=g)
@@ -186,22 +174,6 @@ def test_nonfinite_js_is_nan_never_zero(backend):
     w = torch.randn(V, 8)
     d = mk.linear_js_distance(h, hq, w, backend=backend)
     assert d[2].isnan() and bool(d[[0, 1, 3]].eq(0).all()), d
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nonfinite_policy_loss_is_nan(backend):
-    h = torch.randn(6, 8)
-    h[2, 0] = float("nan")
-    w = torch.randn(V, 8)
-    y = torch.tensor([1, 2, 3, 4, 5, 6])
-    hh = h.clone().requires_grad_()
-    loss, _ = mk.linear_policy_loss(
-        hh, w, y, torch.full((6,), -4.0), torch.ones(6), backend=backend
-    )
-    assert loss.isnan(), loss
-    h[2, 0] = 0.0
-    loss, _ = mk.linear_policy_loss(h, w, y, torch.full((6,), -4.0), torch.ones(6), backend=backend)
-    assert loss.isfinite(), loss
 
 
 _LABELS_SCRIPT = textwrap.dedent(
@@ -314,7 +286,7 @@ _TRITON_SCRIPT = textwrap.dedent(
 )
 
 
-@needs_triton
+@interpreted
 def test_triton_label_bound_and_nonfinite_under_interpreter():
     run_interpreted("-c", _TRITON_SCRIPT, timeout=600)
 
@@ -419,95 +391,13 @@ _TRITON_SWEEP = textwrap.dedent(
 )
 
 
-@needs_triton
+@interpreted
 def test_triton_row_kernels_scale_sweep_under_interpreter():
     """The scale sweep of test_scale_sweep_against_float64 on the Triton row kernels (the
     default "triton" variant: chunk driver + triton_kernels/rows.py) under TRITON_INTERPRET=1:
     log-probs, entropy and their gradient, JS (js_many), the policy loss and its gradient
     (through linear_policy_loss with an identity head, so the logits are exactly z)."""
     run_interpreted("-c", _TRITON_SWEEP, env={"MRTPO_TRITON_VARIANT": None})
-
-
-# --------------------------------------------------------------------------- the k3 KL term
-
-# d = ref - logp: from far below float32's resolution of exp(d) - 1 to well past the series
-KL_DIFFS = [1e-12, -1e-12, 1e-7, -1e-7, 3e-6, -3e-6, 1e-5, -1e-5, 1e-3, -1e-3, 0.1, -0.1,
-            0.49, -0.49, 0.5, -0.5, 0.7, -0.7, 3.0, -3.0, 20.0, -20.0]  # fmt: skip
-
-
-def _k3_exact(d: float) -> float:
-    """exp(d) - d - 1 at 60 significant digits (decimal), rounded to float64."""
-    import decimal
-
-    with decimal.localcontext() as ctx:
-        ctx.prec = 60
-        x = decimal.Decimal(d)
-        return float(x.exp() - x - 1)
-
-
-def test_kl_k3_reference_and_torch_form_keep_their_digits():
-    d = torch.tensor(KL_DIFFS, dtype=torch.float64)
-    exact = torch.tensor([_k3_exact(v) for v in KL_DIFFS], dtype=torch.float64)
-    assert bool(((R.kl_k3_ref(d) - exact).abs() <= 4e-16 * exact).all()), R.kl_k3_ref(d) / exact
-    from mrtpo_kernels._token_terms import kl_k3
-
-    d32 = d.float()
-    exact32 = torch.tensor([_k3_exact(float(v)) for v in d32], dtype=torch.float64)
-    got = kl_k3(d32).double()
-    assert bool(((got - exact32).abs() <= 4e-7 * exact32).all()), got / exact32
-    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0])
-    out = kl_k3(special)
-    assert out[0].isnan() and out[1].isnan() and out[2] == math.inf and out[3] == 0.0
-    assert torch.equal(R.kl_k3_ref(special.double()).isnan(), out.isnan())
-
-
-def _kl_loss_case(d: float, backend: str):
-    """A one-entry vocabulary: logp = 0 exactly on every backend, so ref - logp is d itself;
-    adv = 0: the loss is beta times the mean k3 term, as is metrics["kl"]."""
-    n = 6
-    h = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
-    w = torch.randn(1, 3, generator=torch.Generator().manual_seed(1))
-    y = torch.zeros(n, dtype=torch.long)
-    ref = torch.full((n,), d, dtype=torch.float32)
-    loss, m = mk.linear_policy_loss(h, w, y, torch.zeros(n), torch.zeros(n), ref_logprobs=ref,
-                                    beta=1.0, backend=backend)  # fmt: skip
-    return loss, m["kl"], _k3_exact(float(ref[0]))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_kl_term_keeps_its_digits_in_loss_and_metric(backend):
-    """The k3 KL exp(d) - d - 1 for ref and policy log-probs a hair apart (d ~ 1e-12 ..
-    1e-5): the plain form cancels to 0 or noise in float32 (and in double at 1e-7); every
-    backend's loss and the kl metric hold it to float32 precision."""
-    for d in KL_DIFFS:
-        loss, kl, want = _kl_loss_case(d, backend)
-        for what, got in (("loss", loss), ("kl metric", kl)):
-            assert abs(got.item() - want) <= 2e-6 * want, f"d={d}: {what} {got.item()!r} {want!r}"
-
-
-_TRITON_KL = textwrap.dedent(
-    """
-    import os
-    import test_numerics_extreme as T
-
-    fails = 0
-    for variant in ("rows", "fused"):
-        os.environ["MRTPO_TRITON_VARIANT"] = variant
-        for d in T.KL_DIFFS:
-            loss, kl, want = T._kl_loss_case(d, "triton")
-            for what, got in (("loss", loss), ("kl", kl)):
-                if not abs(got.item() - want) <= 2e-6 * want:
-                    fails += 1
-                    print(f"FAIL {variant} d={d} {what}: {got.item()!r} want {want!r}")
-    print(f"{fails} failures")
-    """
-)
-
-
-@needs_triton
-def test_triton_kl_term_keeps_its_digits_under_interpreter():
-    """The Triton policy kernels (both variants) under TRITON_INTERPRET=1, as above."""
-    run_interpreted("-c", _TRITON_KL, env={"MRTPO_TRITON_VARIANT": None})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
