@@ -9,7 +9,7 @@ BUILT := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup build run test test-fast test-frameworks lint bench gpu-check clean
+.PHONY: setup build run test test-fast test-triton test-frameworks lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(BUILT)
 
 test-fast: $(BUILT)
 	$(PY) -m pytest -q -x -m "not slow"
+
+# the Triton kernels under TRITON_INTERPRET=1 (marker triton; make test runs them too)
+test-triton: $(BUILT)
+	$(PY) -m pytest -q -ra -m "triton and not gpu"
 
 # verl and OpenRLHF pin other transformers versions than the project: their tests run in a
 # venv of their own (docs/integrations.md, "Tested inside the frameworks").

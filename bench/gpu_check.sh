@@ -106,7 +106,7 @@ step() {
 
 MICRO=("$PY" -m bench.gpu_micro --out "$FIGURES")
 # pytest per file, -v with a junit file each; the op tests first, torch.compile tests last
-GPU_TESTS="tests/test_triton_logprobs.py tests/test_triton_policy_loss.py tests/test_triton_js.py tests/test_triton_advantages.py tests/test_bench.py tests/test_cuda_build.py"
+GPU_TESTS="tests/test_logprobs.py tests/test_policy_loss.py tests/test_js.py tests/test_advantages.py tests/test_bench.py tests/test_cuda_build.py"
 PYTEST=("$PY" -m pytest -m gpu -o addopts= -p no:cacheprovider -v -rA --durations=15
         "--timeout=$TEST_TIMEOUT")
 

@@ -24,7 +24,8 @@ class Op:
                      after the op)
     kernels:         backend -> where that backend's kernel is (the file to read)
     reference:       the float64 reference, ``mrtpo_kernels.reference.<reference>``
-    tests:           the test files, first the op's own, then the Triton one if any
+    tests:           the test files, first the op's own (CPU, fuzz, Triton interpreter
+                     and GPU checks: tests/test_<op>.py)
     bench_workloads: the benchmark workloads (bench/workloads.py, ``python -m bench
                      --ops ...``) that time it
     """
@@ -73,7 +74,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_logprobs_ref",
-                ("tests/test_logprobs.py", "tests/test_triton_logprobs.py"),
+                ("tests/test_logprobs.py",),
                 ("linear_logprobs_fwd", "linear_logprobs_entropy", "linear_logprobs_fwd_bwd"),
             ),
             _op(
@@ -86,7 +87,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "cuda": "csrc/cuda/logprobs.cu",
                 },
                 "logprobs_from_logits_ref",
-                ("tests/test_logprobs.py", "tests/test_triton_logprobs.py"),
+                ("tests/test_logprobs.py",),
             ),
             _op(
                 "linear_js_distance",
@@ -97,7 +98,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_js_distance_ref",
-                ("tests/test_js.py", "tests/test_triton_js.py"),
+                ("tests/test_js.py",),
                 ("linear_js_distance", "credit_assignment_step"),
             ),
             _op(
@@ -110,7 +111,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "cuda": "csrc/cuda/js.cu",
                 },
                 "js_distance_ref",
-                ("tests/test_js.py", "tests/test_triton_js.py"),
+                ("tests/test_js.py",),
             ),
             _op(
                 "linear_policy_loss",
@@ -121,7 +122,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_policy_loss_ref",
-                ("tests/test_policy_loss.py", "tests/test_triton_policy_loss.py"),
+                ("tests/test_policy_loss.py",),
                 ("linear_policy_loss_fwd_bwd", "credit_assignment_step"),
             ),
             _op(
@@ -142,7 +143,6 @@ OPS: Mapping[str, Op] = MappingProxyType(
                 "mrtpo_token_advantages_ref",
                 (
                     "tests/test_advantages.py",
-                    "tests/test_triton_advantages.py",
                     "tests/test_bench_advantages.py",
                 ),
                 ("advantages",),  # credit_assignment_step runs it on the auto backend

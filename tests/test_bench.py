@@ -280,7 +280,7 @@ def test_gpu_check_dry_run(tmp_path):
     steps = (
         "env", "wheels", "build", "micro_cublas", "micro_rows", "micro_ops", "micro_ops_buf304",
         "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
-        "pytest_test_triton_logprobs", "pytest_test_cuda_build", "pytest_compile",
+        "pytest_test_logprobs", "pytest_test_cuda_build", "pytest_compile",
     )  # fmt: skip
     order = [out.index(f"== {s} ") for s in steps]
     assert order == sorted(order)  # the steps run in this order

@@ -16,12 +16,12 @@ import os
 
 import pytest
 import torch
-from triton_cases._harness import CASES, needs_triton, run_interpreted
+from triton_cases._harness import CASES, interpreted, run_interpreted
 
 from mrtpo_kernels.backends.contract import RowKernel
 
 
-@needs_triton
+@interpreted
 def test_row_kernels_and_chunk_driver_under_interpreter():
     run_interpreted(CASES / "rows_cases.py")
 

@@ -12,16 +12,16 @@ See the cases file for what each group checks.
 
 from __future__ import annotations
 
-from triton_cases._harness import CASES, needs_triton, run_interpreted
+from triton_cases._harness import CASES, interpreted, run_interpreted
 
 SCRIPT = CASES / "clip_extreme_cases.py"
 
 
-@needs_triton
+@interpreted
 def test_triton_clip_flag_follows_reference_under_interpreter():
     run_interpreted(SCRIPT, "clip")
 
 
-@needs_triton
+@interpreted
 def test_triton_extreme_logits_fused_and_low_memory_under_interpreter():
     run_interpreted(SCRIPT, "extreme")

@@ -1,6 +1,6 @@
 """The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels of
 the default variant (mrtpo_kernels/triton_kernels/rows.py) and the opt-in fused log-prob and
-policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_triton_js.py).
+policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_js.py).
 Their numerics are checked under the interpreter by tests/test_chunk_driver.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib.util
 import os
 
 import pytest
-from triton_cases._harness import CASES, needs_triton, run_interpreted
+from triton_cases._harness import CASES, interpreted, run_interpreted
 
 
 def _nvidia_backend_present() -> bool:
@@ -180,7 +180,7 @@ def test_fused_logprob_and_policy_kernels_compile_for_hopper():
              {p: (1024 if p == "BLOCK" else True) for p in params if p.isupper()})  # fmt: skip
 
 
-@needs_triton
+@interpreted
 def test_row_kernels_index_past_2_31_under_interpreter():
     """stats, grad_, policy_ and js_many on views whose second row (or stream) starts
     2^31 + 67 elements after the first, in a lazily allocated storage (only those rows are

@@ -172,7 +172,7 @@ def _gpu_check_modules() -> set[str]:
 
 def test_gpu_check_runs_every_module_with_gpu_tests():
     marked = _gpu_marked_modules()
-    assert {"tests/test_cuda_build.py", "tests/test_triton_logprobs.py"} <= marked
+    assert {"tests/test_cuda_build.py", "tests/test_logprobs.py"} <= marked
     assert marked <= _gpu_check_modules(), marked - _gpu_check_modules()
 
 
