@@ -34,7 +34,7 @@ test: $(BUILT)
 	$(PY) -m pytest -q -ra
 
 test-fast: $(BUILT)
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PY) -m pytest -q -x -m "not slow and not gpu"
 
 # the Triton kernels under TRITON_INTERPRET=1 (marker triton; make test runs them too)
 test-triton: $(BUILT)

@@ -132,6 +132,11 @@ if ls .whl/*.whl > /dev/null 2>&1 || [ "$DRY" = 1 ]; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
+# The op test files import hypothesis and scipy (their fuzz and CPU parts): where the image
+# lacks them, their wheels go in .whl/ too (hypothesis needs attrs and sortedcontainers).
+step test_deps 20 "$PY" -c "import hypothesis, scipy" \
+  || echo "hypothesis / scipy missing: the pytest steps cannot collect the op test files"
+
 # The CUDA extension builds in the background while the Triton measurements run; the
 # tests that need it wait for it (pip install -e . may have built it already).
 BUILD_CMD=(env MRTPO_SKIP_CPU_BUILD=1 "$PY" setup.py build_ext --inplace)

@@ -278,8 +278,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     steps = (
-        "env", "wheels", "build", "micro_cublas", "micro_rows", "micro_ops", "micro_ops_buf304",
-        "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
+        "env", "wheels", "test_deps", "build", "micro_cublas", "micro_rows", "micro_ops",
+        "micro_ops_buf304", "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
         "pytest_test_logprobs", "pytest_test_cuda_build", "pytest_compile",
     )  # fmt: skip
     order = [out.index(f"== {s} ") for s in steps]
