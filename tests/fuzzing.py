@@ -57,6 +57,24 @@ def _run(body, profile):
     settings(**profile)(given(body.strategy)(body))()
 
 
+def fuzz_tests(fuzz: dict):
+    """An op module's two fuzz tests over its ``FUZZ`` (op name -> body): ``test_fuzz``
+    (the FAST profile) and ``test_fuzz_long`` (LONG, marked slow). Bind both at module level:
+    ``test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)``."""
+    import pytest
+
+    @pytest.mark.parametrize("op", sorted(fuzz))
+    def test_fuzz(op):
+        _run(fuzz[op], FAST)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("op", sorted(fuzz))
+    def test_fuzz_long(op):
+        _run(fuzz[op], LONG)
+
+    return test_fuzz, test_fuzz_long
+
+
 # --------------------------------------------------------------------------- drawing
 
 

@@ -26,17 +26,15 @@ import pytest
 import torch
 from fuzzing import (
     DTYPES,
-    FAST,
     INJECT,
-    LONG,
     _acc,
     _assert_matches,
     _body,
     _fmax,
     _inject,
     _names_an_argument,
-    _run,
     _scale,
+    fuzz_tests,
 )
 from hypothesis import strategies as st
 from test_js import _compile_for_hopper, _err, _nvidia_backend_present, _within_budget, gpu_test
@@ -554,16 +552,7 @@ FUZZ = {
     "specific_relevance": _specific_body,
 }
 
-
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz(op):
-    _run(FUZZ[op], FAST)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz_long(op):
-    _run(FUZZ[op], LONG)
+test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 
 
 # ----------------------------------------------------------- Triton (interpreter, sm_90 build)

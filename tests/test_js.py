@@ -32,10 +32,8 @@ import torch
 from conftest import assert_within_budget, max_err
 from fuzzing import (
     DTYPES,
-    FAST,
     INJECT,
     LAYOUTS,
-    LONG,
     TEMPS,
     _acc,
     _assert_matches,
@@ -46,9 +44,9 @@ from fuzzing import (
     _inject,
     _linear_case,
     _low,
-    _run,
     _scale,
     _tensor,
+    fuzz_tests,
 )
 from hypothesis import strategies as st
 from scipy.spatial.distance import jensenshannon
@@ -286,16 +284,7 @@ def _js_body(case):
 
 FUZZ = {"js_distance": _js_body, "linear_js_distance": _linear_js_body}
 
-
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz(op):
-    _run(FUZZ[op], FAST)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz_long(op):
-    _run(FUZZ[op], LONG)
+test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 
 
 # ----------------------------------------------------------- Triton (interpreter, sm_90 build)

@@ -26,10 +26,8 @@ import torch
 from conftest import assert_within_budget, max_err
 from fuzzing import (
     DTYPES,
-    FAST,
     INJECT,
     LAYOUTS,
-    LONG,
     TEMPS,
     _acc,
     _assert_matches,
@@ -40,9 +38,9 @@ from fuzzing import (
     _linear_case,
     _low,
     _names_an_argument,
-    _run,
     _scale,
     _tensor,
+    fuzz_tests,
 )
 from hypothesis import strategies as st
 from triton_cases import _harness
@@ -378,16 +376,7 @@ def _logits_body(case):
 
 FUZZ = {"logprobs_from_logits": _logits_body, "linear_logprobs": _linear_logprobs_body}
 
-
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz(op):
-    _run(FUZZ[op], FAST)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz_long(op):
-    _run(FUZZ[op], LONG)
+test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 
 
 # --------------------------------------------------------------------------- Triton (interpreter)

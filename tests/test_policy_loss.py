@@ -25,8 +25,6 @@ import pytest
 import torch
 from conftest import assert_within_budget, max_err
 from fuzzing import (
-    FAST,
-    LONG,
     _acc,
     _assert_matches,
     _backends,
@@ -35,7 +33,7 @@ from fuzzing import (
     _linear_case,
     _low,
     _names_an_argument,
-    _run,
+    fuzz_tests,
 )
 from hypothesis import strategies as st
 from test_logprobs import DEV, _gpu_inputs, _leaf, _within_budget, gpu_test
@@ -647,16 +645,7 @@ def _policy_body(data):
 
 FUZZ = {"linear_policy_loss": _policy_body}
 
-
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz(op):
-    _run(FUZZ[op], FAST)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op", sorted(FUZZ))
-def test_fuzz_long(op):
-    _run(FUZZ[op], LONG)
+test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 
 
 # Regression: clip_fraction counts r A > clamp(r) A strictly, as the reference does, so a
