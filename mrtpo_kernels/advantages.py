@@ -79,6 +79,17 @@ FLAT_REL = 2.0**-40
 # and float64 inputs, and the reference, to one decision.
 MEAN_FLOOR = 2.0**-126
 
+# The token advantages' redistribution (sum_k lambda_k A_k w_k - S, zero mean per response)
+# is divided by D = max(std, CANCEL_FLOOR * u) + eps_batch, u the std S would have if the K
+# per-reward advantages were uncorrelated (METHOD.md section 5). Without the floor a batch
+# whose rewards cancel in S (one response passes reward a and fails b, its group-mates the
+# reverse: every S equal, std 0) divides a unit-scale redistribution by eps_batch alone
+# (1e6x token advantages), while eps_batch = 0 dropped it. std^2 = u^2 + 2 * covariances, so
+# at 1/2 the floor acts only when the rewards' anti-correlation removes over 3/4 of S's
+# variance; with K = 1 (std = u) or rewards that do not cancel, D = std + eps_batch as in
+# the paper.
+CANCEL_FLOOR = 0.5
+
 
 def _stat_dtype(rewards: torch.Tensor) -> torch.dtype:
     """GDPO statistics run in float64 (O(n K) work) wherever the device has it, so that the
@@ -87,7 +98,10 @@ def _stat_dtype(rewards: torch.Tensor) -> torch.dtype:
 
 
 def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
-    """Returns ((per_reward, sequence, mean, std) in the rewards' accumulation dtype, lam)."""
+    """Returns ((per_reward, sequence, mean, std) in the rewards' accumulation dtype, lam,
+    extra) with extra = (S, scale): the redistribution's divisor D of METHOD.md section 5 is
+    scale + eps_batch, scale = max(std, CANCEL_FLOOR * u) (std itself where the floor is
+    inactive)."""
     out = acc_dtype(rewards)
     r = rewards.to(_stat_dtype(rewards))
     n, k = r.shape
@@ -118,7 +132,20 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     mag = (a.abs() @ lam.abs()).amax()  # the largest |terms| summed into one S
     w = torch.ones_like(s) if batch_norm == "sequence" else lengths.to(r.dtype)
     parts = (a, *_batch_stats(s, w, eps_batch, mag))
-    return tuple(t.to(out) for t in parts), lam.to(out)
+    scale = torch.maximum(parts[3], CANCEL_FLOOR * _uncorrelated_std(a * lam, w))
+    extra = (s.to(out), scale.to(out))
+    return tuple(t.to(out) for t in parts), lam.to(out), extra
+
+
+def _uncorrelated_std(x, w):
+    """sqrt(sum_k var_w(x[:, k])): the batch std that S = sum_k x[:, k] would have if its K
+    terms were uncorrelated (the weighted, unbiased variance of ``_batch_stats``)."""
+    c = _pow2_scale(x.abs().amax()) if x.numel() else torch.ones((), dtype=x.dtype)
+    x = x / c
+    tot = w.sum()
+    mu = (w[:, None] * x).sum(0) / tot
+    var = (w[:, None] * (x - mu) ** 2).sum(0) / (tot - 1.0).clamp(min=1.0)
+    return torch.where(tot > 1, var.sum().sqrt(), torch.zeros_like(tot)) * c
 
 
 def _batch_stats(s, w, eps_batch, mag):
@@ -284,7 +311,9 @@ def mrtpo_token_advantages(
             raise ValueError(
                 f"response_mask/cu_seqlens: response {int(empty[0])} has no valid token"
             )
-    parts, lam = _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)
+    parts, lam, (s_seq, scale) = _gdpo(
+        rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths
+    )
     g = GDPOAdvantages(*parts)
     acc = acc_dtype(rel_packed)
     be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
@@ -295,7 +324,7 @@ def mrtpo_token_advantages(
         relevance=rel_packed.to(acc).contiguous(),
         cu_seqlens=cu,
         mean=g.mean.to(acc),
-        std=g.std.to(acc),
+        std=scale.to(acc),  # the kernels divide by std + eps_batch: D
         alpha=alpha,
         gamma=gamma,
         eps_batch=eps_batch,
@@ -311,10 +340,17 @@ def mrtpo_token_advantages(
     seg = torch.repeat_interleave(
         torch.arange(n, device=token.device), lengths, output_size=token.shape[0]
     )
+    # Where the floor acts (D > std + eps_batch) the kernels' (N - mean) / D holds
+    # (S - mean) / D of GDPO's part; it is swapped for GDPO's (S - mean) / (std + eps_batch),
+    # so that the mass invariant stays exact: sum_t A = T_i * sequence.
+    divisor = scale + eps_batch
+    floored = divisor > g.std + eps_batch
+    fix = torch.where(floored, g.sequence - (s_seq - g.mean) / divisor, torch.zeros_like(s_seq))
+    token = torch.where(floored, token + fix.to(token.dtype)[seg], token)
     untouched = (alloc == 1).all(0)  # K = 0: every token (all of nothing)
     token = torch.where(untouched, g.sequence.to(token.dtype)[seg], token)
-    # std + eps_batch = 0 (every S equal and eps_batch = 0): 0, as for the sequence
-    token = torch.where(g.std + eps_batch > 0, token, torch.zeros_like(token))
+    # D = 0 (every lambda_k A_k equal across the batch, eps_batch = 0): nothing to move
+    token = torch.where(divisor > 0, token, torch.zeros_like(token))
     if relevance.dim() == 3:
         token_p = torch.zeros(mask.shape, dtype=token.dtype, device=token.device)
         token_p[mask] = token

@@ -407,6 +407,20 @@ def mrtpo_token_advantages_ref(
     eps_batch = eps if eps_batch is None else eps_batch
     k = rewards.shape[1]
     lam = torch.ones(k, dtype=rewards.dtype) if weights is None else weights.to(rewards.dtype)
+    # the redistribution's divisor D = max(std, 1/2 * u) + eps_batch, u the std S would have
+    # if its K terms were uncorrelated (same weighting as the batch std)
+    v = torch.ones(len(relevance), dtype=rewards.dtype)
+    if batch_norm == "token":
+        v = lengths.to(rewards.dtype)
+    u2 = torch.zeros((), dtype=rewards.dtype)
+    c = (lam * g.per_reward).abs().max() if g.per_reward.numel() else 0.0
+    c = c if c > 0 else 1.0  # scaled by the largest |lambda_k A_k|: no square overflows
+    if v.sum() > 1:
+        for j in range(k):
+            x = lam[j] * g.per_reward[:, j] / c
+            m = (v * x).sum() / v.sum()
+            u2 = u2 + (v * (x - m) ** 2).sum() / (v.sum() - 1)
+    divisor = torch.maximum(g.std, 0.5 * u2.sqrt() * c) + eps_batch
     out = []
     for i, rel in enumerate(relevance):
         t = rel.shape[-1]
@@ -423,10 +437,10 @@ def mrtpo_token_advantages_ref(
                         w_hat = w_hat / w_hat.mean()
                     w = (1 - alpha) + alpha * w_hat
             total = total + lam[j] * g.per_reward[i, j] * w
-        if g.std + eps_batch == 0:  # every S equal and eps_batch = 0: 0, like the sequence
-            out.append(torch.zeros_like(total))
-        else:
-            out.append((total - g.mean) / (g.std + eps_batch))
+        s_i = (lam * g.per_reward[i]).sum()
+        # GDPO's value (0 where every S is equal) plus the zero-mean redistribution / D
+        moved = (total - s_i) / divisor if divisor > 0 else torch.zeros_like(total)
+        out.append(g.sequence[i] + moved)
     return out, g
 
 

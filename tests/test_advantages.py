@@ -191,6 +191,69 @@ def test_mass_is_conserved(alpha, gamma):
     assert torch.allclose(sums, lengths * out.sequence, atol=1e-9)
 
 
+def _cancelling_batch(seed=0):
+    """The batch of a real run's step (SmolLM2, constraints, K = 3): group 0 passes every
+    reward, in group 1 one response passes the keyword and fails the end phrase and its three
+    mates the reverse, so A_keyword = -A_end and every S is 0 (std 0)."""
+    rewards = torch.tensor(
+        [[1.0, 1, 1]] * 4 + [[1.0, 1, 0], [1.0, 0, 1], [1.0, 0, 1], [1.0, 0, 1]],
+        dtype=torch.float64,
+    )
+    gid = torch.tensor([0] * 4 + [1] * 4)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 30, (8,), generator=gen)
+    cu = torch.zeros(9, dtype=torch.long)
+    cu[1:] = lengths.cumsum(0)
+    rel = torch.rand(3, int(cu[-1]), generator=gen, dtype=torch.float64) ** 4  # peaked
+    return rewards, gid, rel, cu, torch.ones(8, 3, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("eps_batch", [0.0, 1e-6, 1e-3])
+def test_rewards_cancelling_in_s_keep_the_redistribution_at_unit_scale(eps_batch):
+    # every S equal: GDPO's advantages are 0, the token-level redistribution is not; its
+    # divisor is floored at 1/2 the rewards-uncorrelated std (METHOD.md section 5) instead of
+    # eps_batch alone (which gave |A| ~ 5e6 in that run; eps_batch = 0 dropped it)
+    rewards, gid, rel, cu, has_info = _cancelling_batch()
+    out = mk.mrtpo_token_advantages(
+        rewards, gid, rel, has_info=has_info, cu_seqlens=cu, eps_batch=eps_batch
+    )
+    assert float(out.std) == 0.0 and torch.equal(out.sequence, torch.zeros(8, dtype=torch.float64))
+    want, _ = mrtpo_token_advantages_ref(
+        rewards, gid, _split(rel, cu), has_info=has_info, eps_batch=eps_batch
+    )
+    assert torch.allclose(out.token, torch.cat(want), rtol=1e-12, atol=1e-12)
+    # each of A_keyword, A_end over the batch: (0 x4, +-1.5, -+0.5 x3), unbiased variance 3/7;
+    # u = sqrt(6/7) (times 0.5 / (0.5 + eps_group) from the group std's eps), D = u / 2 + eps_batch
+    d0 = float(out.per_reward.var(0).sum().sqrt()) / 2
+    assert d0 == pytest.approx(math.sqrt(6 / 7) / 2, rel=1e-5)
+    a = out.per_reward.abs().sum(1)  # |A_keyword| + |A_end| per response
+    moved = [t for t in _split(out.token, cu)]
+    for i in range(8):
+        t_i = float(cu[i + 1] - cu[i])
+        assert float(moved[i].abs().max()) <= float(a[i]) * t_i / d0 + 1e-9
+        assert abs(float(moved[i].sum())) <= 1e-12 * t_i  # mass: T_i * 0
+    assert float(out.token[cu[4] :].abs().max()) > 0.5  # group 1's credit still moves
+    assert float(out.token[: cu[4]].abs().max()) == 0.0  # group 0's rewards do not vary
+    # continuous in eps_batch (the divisor is d0 + eps_batch)
+    ref0 = mk.mrtpo_token_advantages(
+        rewards, gid, rel, has_info=has_info, cu_seqlens=cu, eps_batch=0.0
+    )
+    assert torch.allclose(out.token, ref0.token * d0 / (d0 + eps_batch), rtol=1e-12, atol=1e-15)
+
+
+def test_cancellation_floor_is_inactive_for_correlated_rewards():
+    # K identical reward columns (perfectly correlated): std = K * u / sqrt(K) >= u / 2, and the
+    # token advantages are METHOD.md's (sum_k A_k w_k - mu) / (std + eps_batch) verbatim
+    rewards, gid, rel, cu, has_info = _batch(seed=8)
+    rewards = rewards[:, :1].repeat(1, 3)
+    has_info[:] = True
+    out = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu)
+    w = out.allocation
+    seg = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    literal = ((out.per_reward.T[:, seg] * w).sum(0) - out.mean) / (out.std + 1e-6)
+    assert torch.allclose(out.token, literal, rtol=1e-12, atol=1e-12)
+
+
 def test_zero_variance_group_moves_nothing():
     rewards, gid, rel, cu, has_info = _batch(seed=6)
     has_info[:] = True
