@@ -1,0 +1,62 @@
+"""Train one run again with a recorded run's settings (its config.json), into another folder,
+with the current checkout's code: how a fix is checked against a recorded trajectory.
+
+    python docs/results/scripts/rerun_config.py RECORDED_RUN OUT [--steps N]
+
+Resumable: rerun the same command (it continues from OUT's checkpoint). Prints the recorded
+and the new run's metrics per window of 10 steps side by side at the end, and the first
+step whose metrics differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mrtpo.config import TrainConfig
+from mrtpo.trainer import train
+
+KEYS = ("response_len", "truncated", "all_pass", "grad_norm")
+
+
+def windows(rows, width=10):
+    for a in range(0, len(rows), width):
+        w = rows[a : a + width]
+        yield a + 1, {k: sum((r.get(k) or 0.0) for r in w) / len(w) for k in KEYS}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "recorded", type=Path, help="a finished run's folder (config.json, metrics.jsonl)"
+    )
+    ap.add_argument("out", type=Path, help="the new run's folder")
+    ap.add_argument("--steps", type=int, default=None, help="default: the recorded run's")
+    args = ap.parse_args()
+    d = json.loads((args.recorded / "config.json").read_text())
+    resume = (args.out / "checkpoint").exists()
+    d.update(out=str(args.out), resume=resume, overwrite=not resume)
+    if args.steps is not None:
+        d["steps"] = args.steps
+    train(TrainConfig.from_dict(d), progress=True)
+    old = [json.loads(x) for x in (args.recorded / "metrics.jsonl").read_text().splitlines()]
+    new = [json.loads(x) for x in (args.out / "metrics.jsonl").read_text().splitlines()]
+    first = next(
+        (
+            a["step"]
+            for a, b in zip(old, new)
+            if (a["all_pass"], a["grad_norm"]) != (b["all_pass"], b["grad_norm"])
+        ),
+        None,
+    )
+    print(f"first step that differs: {first}")
+    print("steps  | recorded: " + " ".join(KEYS) + " | rerun: same")
+    for (s, a), (_, b) in zip(windows(old), windows(new)):
+        fa = " ".join(f"{a[k]:.3g}" for k in KEYS)
+        fb = " ".join(f"{b[k]:.3g}" for k in KEYS)
+        print(f"{s:3d}-{s + 9:<3d} | {fa} | {fb}")
+
+
+if __name__ == "__main__":
+    main()
