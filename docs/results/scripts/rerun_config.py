@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from mrtpo.config import TrainConfig
 from mrtpo.trainer import train
 
@@ -39,6 +41,8 @@ def main():
     d.update(out=str(args.out), resume=resume, overwrite=not resume)
     if args.steps is not None:
         d["steps"] = args.steps
+    if d.get("threads"):  # as the CLI does: the recorded run's thread count
+        torch.set_num_threads(d["threads"])
     train(TrainConfig.from_dict(d), progress=True)
     old = [json.loads(x) for x in (args.recorded / "metrics.jsonl").read_text().splitlines()]
     new = [json.loads(x) for x in (args.out / "metrics.jsonl").read_text().splitlines()]
