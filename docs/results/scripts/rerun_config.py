@@ -1,7 +1,7 @@
 """Train one run again with a recorded run's settings (its config.json), into another folder,
 with the current checkout's code: how a fix is checked against a recorded trajectory.
 
-    python docs/results/scripts/rerun_config.py RECORDED_RUN OUT [--steps N]
+    python docs/results/scripts/rerun_config.py RECORDED_RUN OUT [--steps N] [--set KEY=VALUE]
 
 Resumable: rerun the same command (it continues from OUT's checkpoint). Prints the recorded
 and the new run's metrics per window of 10 steps side by side at the end, and the first
@@ -35,8 +35,23 @@ def main():
     )
     ap.add_argument("out", type=Path, help="the new run's folder")
     ap.add_argument("--steps", type=int, default=None, help="default: the recorded run's")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting (VALUE as JSON, else a string), e.g. --set algo=gdpo",
+    )
     args = ap.parse_args()
     d = json.loads((args.recorded / "config.json").read_text())
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in d:
+            raise SystemExit(f"--set: unknown setting {key!r}")
+        try:
+            d[key] = json.loads(value)
+        except ValueError:
+            d[key] = value
     resume = (args.out / "checkpoint").exists()
     d.update(out=str(args.out), resume=resume, overwrite=not resume)
     if args.steps is not None:
