@@ -365,6 +365,14 @@ class TrainConfig:
         choices=RELEVANCES,
         group="MRTPO",
     )
+    truncated_credit: str = setting(
+        "relevance",
+        "allocation on a response cut at --max-new-tokens: relevance (as any other) or "
+        "uniform (GDPO's broadcast for every reward: a cut answer's failure is the stop "
+        "decision, spread over its tokens, not where the relevance points)",
+        choices=("relevance", "uniform"),
+        group="MRTPO",
+    )
     batch_norm: str = setting(
         "sequence",
         "batch statistics over responses or over tokens",

@@ -294,8 +294,12 @@ class Trainer:
             rep, self.k, lengths, oracle=lambda: oracle_relevance(self.task, ro, lengths)
         )
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
+        alloc_info = has_info
+        if cfg.truncated_credit == "uniform" and ro.truncated:
+            cut = torch.tensor(ro.truncated, dtype=torch.bool)
+            alloc_info = has_info & ~cut[:, None]  # no spans: the GDPO broadcast
         adv, alloc = compute_advantages(
-            cfg.algo, ro.rewards, ro.group_ids, relevance, has_info, lengths, cfg, d_ctrl
+            cfg.algo, ro.rewards, ro.group_ids, relevance, alloc_info, lengths, cfg, d_ctrl
         )
         ref_logp = None
         if self.ref is not None:
