@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ def main():
     d = json.loads((args.recorded / "config.json").read_text())
     for item in args.set:
         key, _, value = item.partition("=")
-        if key not in d:
+        if key not in {f.name for f in fields(TrainConfig)}:
             raise SystemExit(f"--set: unknown setting {key!r}")
         try:
             d[key] = json.loads(value)
