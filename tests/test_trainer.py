@@ -168,6 +168,41 @@ def test_baseline_algorithms_run(tmp_path, algo):
     assert row["time"]["replays"] == 0
 
 
+@pytest.mark.parametrize("mode", ["relevance", "uniform"])
+def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monkeypatch, mode):
+    import mrtpo.trainer as trainer_mod
+
+    seen = {}
+    real_rollouts, real_adv = trainer_mod.generate_rollouts, trainer_mod.compute_advantages
+
+    def rollouts(*a, **kw):
+        seen["ro"] = real_rollouts(*a, **kw)
+        return seen["ro"]
+
+    def advantages(algo, rewards, group_ids, relevance, has_info, *a, **kw):
+        seen["has_info"] = has_info.clone()
+        out = real_adv(algo, rewards, group_ids, relevance, has_info, *a, **kw)
+        seen["alloc"] = out[1]
+        return out
+
+    monkeypatch.setattr(trainer_mod, "generate_rollouts", rollouts)
+    monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
+    cfg = tiny_config(tmp_path, steps=1, max_new_tokens=3, truncated_credit=mode)
+    Trainer(cfg, task=standin_task()).train_step()
+    cut = torch.tensor(seen["ro"].truncated)
+    spans = torch.tensor([[len(s) > 0 for s in row] for row in seen["ro"].spans])
+    assert cut.any() and spans.any()  # 3 tokens: answers are cut
+    want = spans & ~cut[:, None] if mode == "uniform" else spans
+    assert torch.equal(seen["has_info"], want)
+    lengths = torch.tensor([len(r) for r in seen["ro"].responses])
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    on_cut = seen["alloc"][:, cut[rows]]
+    if mode == "uniform":
+        assert torch.all(on_cut == 1)  # every reward broadcast on a cut answer
+    else:
+        assert not torch.all(on_cut == 1)
+
+
 def _toy_batch():
     torch.manual_seed(3)
     n, k = 6, 3
