@@ -373,6 +373,14 @@ class TrainConfig:
         choices=("relevance", "uniform"),
         group="MRTPO",
     )
+    stop_credit: str = setting(
+        "relevance",
+        "allocation on the stop token that ends a finished answer: relevance (as any other "
+        "token) or uniform (its weight is 1 for every reward, GDPO's share: its relevance is "
+        "set to the mean of the answer's other tokens)",
+        choices=("relevance", "uniform"),
+        group="MRTPO",
+    )
     batch_norm: str = setting(
         "sequence",
         "batch statistics over responses or over tokens",

@@ -84,16 +84,40 @@ def oracle_relevance(task, ro, lengths) -> torch.Tensor:
     return rel
 
 
-def compute_advantages(algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None):
+def stop_token_at_mean(relevance, lengths, finished, gamma):
+    """``relevance`` (K, N) with the last token of each finished response (``finished`` (n,)
+    bool, at least 2 tokens) set to (mean of d^gamma over the response's other tokens)^(1 /
+    gamma): its allocation weight becomes 1 for every reward (GDPO's share of the stop
+    decision), the mean of d^gamma over the response unchanged."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lengths, 0)
+    last = cu[1:] - 1
+    pick = finished & (lengths >= 2)
+    p = relevance.clamp(min=0).double() ** gamma
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    sums = torch.zeros(p.shape[0], len(lengths), dtype=p.dtype).index_add_(1, seg, p)
+    others = (sums - p[:, last]) / (lengths - 1).clamp(min=1)
+    out = relevance.clone()
+    out[:, last[pick]] = (others[:, pick] ** (1.0 / gamma)).to(out.dtype)
+    return out
+
+
+def compute_advantages(
+    algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None, finished=None
+):
     """Token advantages (N,) packed, and the allocation weights (K, N) actually applied.
     Under mrtpo, ``relevance`` (K, N) allocates as ``cfg.relevance``'s mode makes it
-    (``RelevanceMode.allocating``; ``control``: d_ctrl (N,) of the control mode)."""
+    (``RelevanceMode.allocating``; ``control``: d_ctrl (N,) of the control mode); with
+    ``cfg.stop_credit == "uniform"`` the stop token of each ``finished`` (n,) response
+    takes weight 1 (``stop_token_at_mean``)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
     k, n_tok = rewards.shape[1], int(cu[-1])
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
         relevance = relevance_mode(cfg.relevance).allocating(relevance, has_info, lengths, control)
+        if cfg.stop_credit == "uniform" and finished is not None:
+            relevance = stop_token_at_mean(relevance, lengths, finished, cfg.gamma)
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -298,8 +322,19 @@ class Trainer:
         if cfg.truncated_credit == "uniform" and ro.truncated:
             cut = torch.tensor(ro.truncated, dtype=torch.bool)
             alloc_info = has_info & ~cut[:, None]  # no spans: the GDPO broadcast
+        finished = None
+        if ro.truncated is not None:
+            finished = ~torch.tensor(ro.truncated, dtype=torch.bool)
         adv, alloc = compute_advantages(
-            cfg.algo, ro.rewards, ro.group_ids, relevance, alloc_info, lengths, cfg, d_ctrl
+            cfg.algo,
+            ro.rewards,
+            ro.group_ids,
+            relevance,
+            alloc_info,
+            lengths,
+            cfg,
+            d_ctrl,
+            finished=finished,
         )
         ref_logp = None
         if self.ref is not None:

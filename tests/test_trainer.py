@@ -225,6 +225,39 @@ def test_alpha_zero_is_gdpo():
     assert not torch.allclose(tok_m1, tok_g)
 
 
+@pytest.mark.parametrize("gamma", [1.0, 2.0])
+def test_stop_credit_uniform_gives_the_stop_token_weight_one(gamma):
+    rewards, groups, rel, has_info, lengths = _toy_batch()
+    finished = torch.tensor([True, False, True, True, True, True])
+    last = torch.cumsum(lengths, 0) - 1
+    cfg = TrainConfig(stop_credit="uniform", gamma=gamma)
+    tok, alloc = compute_advantages(
+        "mrtpo", rewards, groups, rel, has_info, lengths, cfg, finished=finished
+    )
+    _, plain = compute_advantages(
+        "mrtpo",
+        rewards,
+        groups,
+        rel,
+        has_info,
+        lengths,
+        TrainConfig(gamma=gamma),
+        finished=finished,
+    )
+    ends = last[finished & (lengths >= 2)]
+    torch.testing.assert_close(alloc[:2, ends], torch.ones(2, len(ends)))  # rewards with spans
+    assert not torch.allclose(plain[:2, ends], torch.ones(2, len(ends)))
+    # a cut response (1) and a one-token response (5) are left as they were
+    for i in (1, 5):
+        assert torch.equal(alloc[:, last[i]], plain[:, last[i]])
+    # every other token keeps its relevance: the weights stay proportional to d^gamma
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    a, b = int(last[0]) - int(lengths[0]) + 1, int(last[0])
+    ratio = alloc[0, a:b] / rel[0, a:b].double().pow(gamma).float()
+    torch.testing.assert_close(ratio, ratio[:1].expand_as(ratio))
+    assert seg.numel() == tok.numel()
+
+
 def test_credit_precision_against_hand_count():
     alloc = torch.tensor([[1.0, 3.0, 0.0, 2.0]])
     masks = [[torch.tensor([False, True, False])], [torch.tensor([True])]]
