@@ -23,7 +23,7 @@ from .pretrained import check_available, is_builtin
 ALGOS = ("grpo", "gdpo", "mrtpo")
 RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
-VARIANT_KEYS = ("relevance", "gamma", "alpha")
+VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
 TASKS = ("constraints", "constraints-full", "constraints-real", "sql", "tools")
 TASK_HELP = (
     "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
@@ -88,7 +88,8 @@ def parse_variant(label: str) -> tuple[str, dict]:
     """``mrtpo:specific:gamma=2`` -> ("mrtpo", {"relevance": "specific", "gamma": 2.0}).
 
     An algorithm, then optional ``:``-separated items: a relevance name (js, specific,
-    control) or ``key=value`` with key in relevance, gamma, alpha (MRTPO only)."""
+    control) or ``key=value`` with key in VARIANT_KEYS (MRTPO only), e.g.
+    ``mrtpo:specific:gamma=2:stop_credit=uniform``."""
     algo, *items = label.split(":")
     if algo not in ALGOS:
         raise ValueError(f"unknown algorithm {algo!r} in {label!r}")
@@ -101,9 +102,10 @@ def parse_variant(label: str) -> tuple[str, dict]:
             raise ValueError(f"unknown setting {key!r} in {label!r}; known: {VARIANT_KEYS}")
         if algo != "mrtpo":
             raise ValueError(f"{label!r}: only mrtpo takes settings")
-        if key == "relevance":
-            if value not in RELEVANCES:
-                raise ValueError(f"relevance {value!r} in {label!r}; expected one of {RELEVANCES}")
+        choices = next(f for f in fields(TrainConfig) if f.name == key).metadata.get("choices")
+        if choices:
+            if value not in choices:
+                raise ValueError(f"{key} {value!r} in {label!r}; expected one of {choices}")
             over[key] = value
         else:
             try:

@@ -62,7 +62,12 @@ def test_variant_labels():
         "mrtpo",
         {"relevance": "control", "gamma": 2.0},
     )
-    for bad in ("gdpo:specific", "mrtpo:sharp", "mrtpo:beta=1", "mrtpo:gamma=x", "foo"):
+    assert parse_variant("mrtpo:specific:gamma=2:stop_credit=uniform") == (
+        "mrtpo",
+        {"relevance": "specific", "gamma": 2.0, "stop_credit": "uniform"},
+    )
+    bad_labels = ("gdpo:specific", "mrtpo:sharp", "mrtpo:beta=1", "mrtpo:gamma=x", "foo")
+    for bad in (*bad_labels, "mrtpo:stop_credit=eos", "mrtpo:truncated_credit=1"):
         with pytest.raises(ValueError):
             parse_variant(bad)
     assert check_algos(("gdpo", "mrtpo:specific", "mrtpo:gamma=2")) is None
