@@ -1,7 +1,9 @@
 # The length experiments of docs/results/issue17_real_model.md ("Answers that grow to the
 # cap"): the sharper variant's recorded seeds rerun with the current code and one setting
-# changed, from a fixed checkout (git worktree at the commit named in the record) with
-# PYTHONPATH pointing at it, one thread each. Resumable: rerun a line as it is.
+# changed, from a fixed checkout (a git worktree) with PYTHONPATH pointing at it, one thread
+# each: the floor and cut-answer arms at 11b6305, the stop-token arm at ae98d00 (resumed at
+# f45ae42 and c4bf7f5, which change no training code; the JS rerun at 76c67b0). Resumable:
+# rerun a line as it is.
 R=runs/real-k4/constraints-real-start_phrase-keyword_include-end_phrase-letter_frequency
 S=docs/results/scripts/rerun_config.py
 # the cancellation floor only (the fix of ca11cf6); stopped at 25 / 24 steps, identical to the records
