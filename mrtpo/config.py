@@ -22,6 +22,7 @@ from .pretrained import check_available, is_builtin
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
 RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
+CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
 VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
 TASKS = ("constraints", "constraints-full", "constraints-real", "sql", "tools")
@@ -372,7 +373,7 @@ class TrainConfig:
         "allocation on a response cut at --max-new-tokens: relevance (as any other) or "
         "uniform (GDPO's broadcast for every reward: a cut answer's failure is the stop "
         "decision, spread over its tokens, not where the relevance points)",
-        choices=("relevance", "uniform"),
+        choices=CREDIT_MODES,
         group="MRTPO",
     )
     stop_credit: str = setting(
@@ -380,7 +381,7 @@ class TrainConfig:
         "allocation on the stop token that ends a finished answer: relevance (as any other "
         "token) or uniform (its weight is 1 for every reward, GDPO's share: its relevance is "
         "set to the mean of the answer's other tokens)",
-        choices=("relevance", "uniform"),
+        choices=CREDIT_MODES,
         group="MRTPO",
     )
     batch_norm: str = setting(

@@ -89,9 +89,7 @@ def stop_token_at_mean(relevance, lengths, finished, gamma):
     bool, at least 2 tokens) set to (mean of d^gamma over the response's other tokens)^(1 /
     gamma): its allocation weight becomes 1 for every reward (GDPO's share of the stop
     decision), the mean of d^gamma over the response unchanged."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(lengths, 0)
-    last = cu[1:] - 1
+    last = torch.cumsum(lengths, 0) - 1
     pick = finished & (lengths >= 2)
     p = relevance.clamp(min=0).double() ** gamma
     seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
@@ -318,13 +316,10 @@ class Trainer:
             rep, self.k, lengths, oracle=lambda: oracle_relevance(self.task, ro, lengths)
         )
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
+        cut = torch.tensor(ro.truncated or [False] * len(lengths), dtype=torch.bool)
         alloc_info = has_info
-        if cfg.truncated_credit == "uniform" and ro.truncated:
-            cut = torch.tensor(ro.truncated, dtype=torch.bool)
+        if cfg.truncated_credit == "uniform":
             alloc_info = has_info & ~cut[:, None]  # no spans: the GDPO broadcast
-        finished = None
-        if ro.truncated is not None:
-            finished = ~torch.tensor(ro.truncated, dtype=torch.bool)
         adv, alloc = compute_advantages(
             cfg.algo,
             ro.rewards,
@@ -334,7 +329,7 @@ class Trainer:
             lengths,
             cfg,
             d_ctrl,
-            finished=finished,
+            finished=None if ro.truncated is None else ~cut,  # unknown: no stop token moved
         )
         ref_logp = None
         if self.ref is not None:

@@ -137,15 +137,22 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     return tuple(t.to(out) for t in parts), lam.to(out), extra
 
 
+def _weighted_stats(x, w):
+    """Weighted mean and unbiased variance of x over dimension 0 (w: (n,) weights, as many
+    entries as a response counts): the batch statistics of S and of each lambda_k A_k."""
+    wx = w.reshape(-1, *([1] * (x.dim() - 1)))
+    tot = w.sum()
+    mu = (wx * x).sum(0) / tot
+    var = (wx * (x - mu) ** 2).sum(0) / (tot - 1.0).clamp(min=1.0)
+    return mu, var
+
+
 def _uncorrelated_std(x, w):
     """sqrt(sum_k var_w(x[:, k])): the batch std that S = sum_k x[:, k] would have if its K
-    terms were uncorrelated (the weighted, unbiased variance of ``_batch_stats``)."""
+    terms were uncorrelated (the statistics of ``_batch_stats``)."""
     c = _pow2_scale(x.abs().amax()) if x.numel() else torch.ones((), dtype=x.dtype)
-    x = x / c
-    tot = w.sum()
-    mu = (w[:, None] * x).sum(0) / tot
-    var = (w[:, None] * (x - mu) ** 2).sum(0) / (tot - 1.0).clamp(min=1.0)
-    return torch.where(tot > 1, var.sum().sqrt(), torch.zeros_like(tot)) * c
+    _, var = _weighted_stats(x / c, w)
+    return torch.where(w.sum() > 1, var.sum().sqrt(), torch.zeros((), dtype=x.dtype)) * c
 
 
 def _batch_stats(s, w, eps_batch, mag):
@@ -155,8 +162,7 @@ def _batch_stats(s, w, eps_batch, mag):
     cs = _pow2_scale(s.abs().amax())
     x = s / cs
     tot = w.sum()
-    mu = (w * x).sum() / tot
-    var = (w * (x - mu) ** 2).sum() / (tot - 1.0).clamp(min=1.0)
+    mu, var = _weighted_stats(x, w)
     flat = (x.amax() - x.amin()) <= FLAT_REL * (mag / cs)
     mu = torch.where(flat, x[0], mu)
     sd = torch.where(flat | (tot <= 1), torch.zeros_like(var), var.sqrt())
