@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .builtin_models import check_available, is_builtin
 from .cli_args import add_flags, flag_for_error
 from .cli_args import from_namespace as config_from_namespace
 from .config import COMPARE_FIXED, CompareConfig, TrainConfig
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
     try:
         cfg.validate()
+        _check_builtin_installed(cfg.train.model if isinstance(cfg, CompareConfig) else cfg.model)
     except ValueError as err:
         _refuse(parser, args.command, err, cfg)
     threads = cfg.train.threads if isinstance(cfg, CompareConfig) else cfg.threads
@@ -98,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         _refuse(parser, args.command, err, cfg)
     return 0
+
+
+def _check_builtin_installed(model) -> None:
+    """A ``--model`` that names a built-in model must be installed here (its extra), asked
+    before any model is built; a path was checked by the settings."""
+    if is_builtin(model):
+        problem = check_available(model)
+        if problem:
+            raise ValueError(f"model: {problem}")
 
 
 def _refuse(parser, command: str, err: ValueError, cfg) -> None:

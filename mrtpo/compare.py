@@ -20,11 +20,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .builtin_models import is_builtin
 from .checkpoint import write_atomic
 from .cli_args import command_line
 from .config import CompareConfig, task_slug
+from .initial_model import initial_folder
 from .model import default_model
-from .pretrained import initial_folder, is_builtin, stored_dtype
+from .pretrained import stored_dtype
 from .report import fmt, plot_compare, write_markdown
 from .stats import summarize_run
 from .tasks import load_task

@@ -17,8 +17,8 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from .builtin_models import is_builtin
 from .model_folder import check_model_folder
-from .pretrained import check_available, is_builtin
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
 RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
@@ -469,9 +469,9 @@ class TrainConfig:
         msg = _check_writable_dir(self.out)
         if msg:
             raise ValueError(f"out: {msg}")
-        if self.model is not None:
-            builtin = is_builtin(self.model)
-            msg = check_available(self.model) if builtin else check_model_folder(self.model)
+        if self.model is not None and not is_builtin(self.model):
+            # a built-in name's installed-here check is the CLI's (mrtpo.builtin_models)
+            msg = check_model_folder(self.model)
             if msg:
                 raise ValueError(f"model: {msg}")
         if self.model is None or is_builtin(self.model):

@@ -25,6 +25,7 @@ import torch
 from mrtpo_kernels import linear_logprobs
 
 from .config import TinyConfig
+from .model_folder import quiet_transformers, save_model
 from .prompting import ChatPrompter
 
 PAD, USER, ASSISTANT, SYSTEM, END = "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"
@@ -153,21 +154,6 @@ def _plain_sampling(model, tokenizer):
     gc.top_p = None
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def save_model(model, tokenizer, path: str | Path) -> Path:
-    _quiet_transformers()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def load_model(
     path: str | Path,
     *,
@@ -185,7 +171,7 @@ def load_model(
 
     from .pretrained import builtin_folder, is_builtin, stored_dtype
 
-    _quiet_transformers()
+    quiet_transformers()
     if is_builtin(path):
         path = builtin_folder(str(path), cache_dir, dtype=stored_dtype(dtype), log=log)
     path = Path(path)

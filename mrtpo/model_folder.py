@@ -1,15 +1,67 @@
-"""Checks that a folder holds a saved Hugging Face causal LM the trainer can load, before any
-model is built: one line naming what is wrong (an empty folder, an invalid ``config.json``,
-missing or truncated weights or shards, a tokenizer that does not load or has neither a pad
-nor an end-of-sequence token). Used for ``--model`` and for a checkpoint's ``model/``."""
+"""A saved Hugging Face causal LM's folder: writing one (``save_model``; ``publish_folder``
+swaps a finished one into place) and checking that one holds a model the trainer can load,
+before any model is built: one line naming what is wrong (an empty folder, an invalid
+``config.json``, missing or truncated weights or shards, a tokenizer that does not load or
+has neither a pad nor an end-of-sequence token). Used for ``--model`` and for a checkpoint's
+``model/``. Imports nothing of the project (a leaf shared by ``mrtpo.model`` and
+``mrtpo.pretrained``)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import shutil
 from pathlib import Path
 
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def quiet_transformers() -> None:
+    """No transformers progress bars (loads and saves of whole folders)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def save_model(model, tokenizer, path: str | Path) -> Path:
+    quiet_transformers()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Hold an exclusive lock on ``folder``'s build (a ``<folder>.lock`` file beside it) for
+    the ``with`` body: two processes that want the same cached folder build it once, the
+    second waiting and then finding it done (check again inside the body)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def publish_folder(folder: Path, save, marker: str, info: dict) -> None:
+    """Write a folder through ``save(tmp)`` into ``folder.tmp``, mark it complete with the
+    JSON ``marker`` file, and swap it into place (a kill leaves no finished-looking half).
+    Call it under ``build_lock(folder)`` where another process may build the same folder."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save(tmp)
+    (tmp / marker).write_text(json.dumps(info, indent=1))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
 
 
 def _safetensors_problem(path: Path) -> str | None:

@@ -37,12 +37,14 @@ from mrtpo_kernels import (
     mrtpo_token_advantages,
 )
 
+from .builtin_models import is_builtin
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
+from .initial_model import initial_folder
 from .metrics import format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .model_folder import check_model_folder
-from .pretrained import initial_folder, is_builtin, stored_dtype
+from .pretrained import stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
 from .replay import contrastive_replay

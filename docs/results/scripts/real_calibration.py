@@ -15,8 +15,8 @@ import time
 import torch
 
 from mrtpo.config import TrainConfig
+from mrtpo.initial_model import initial_folder
 from mrtpo.model import load_model
-from mrtpo.pretrained import initial_folder
 from mrtpo.prompting import ChatPrompter
 from mrtpo.rollouts import generate_rollouts
 from mrtpo.tasks import load_task

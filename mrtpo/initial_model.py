@@ -1,0 +1,105 @@
+"""The folder a run of a built-in pretrained model starts from: the converted model itself
+(``mrtpo.pretrained``), or that model after an optional supervised warm start on the task's
+references, cached under the cache directory keyed by everything that shapes it.
+
+A pretrained model is warm-started only when asked (``--warm-steps N``; default 0): a few
+dozen steps on the task's (optionally noisy, ``--warm-noise``) references calibrate the
+rewards' starting pass rates. Learning rate and batch suit a 135M-parameter model; they are
+part of the cache key and of the folder's warm_start.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .data.instructions import noisy_reference
+from .model import load_model, warm_start
+from .model_folder import build_lock, publish_folder, save_model
+from .pretrained import CONVERSION_VERSION, builtin_folder
+from .prompting import ChatPrompter
+
+PRETRAINED_WARM_LR = 5e-5
+PRETRAINED_WARM_BATCH = 8
+
+
+def warm_settings(task_name: str, seed: int, steps: int, noise: float, dtype: str) -> dict:
+    """Everything that shapes a warm-started folder: its cache key and its record."""
+    return {
+        "task": task_name,
+        "seed": seed,
+        "steps": steps,
+        "noise": noise,
+        "lr": PRETRAINED_WARM_LR,
+        "batch": PRETRAINED_WARM_BATCH,
+        "dtype": dtype,
+        "autocast": "forward",
+    }
+
+
+def warm_key(settings: dict) -> str:
+    blob = json.dumps({**settings, "version": CONVERSION_VERSION}, sort_keys=True).encode()
+    return hashlib.sha1(blob).hexdigest()[:10]
+
+
+def initial_folder(
+    name: str,
+    task,
+    *,
+    seed: int,
+    cache_dir: str | Path,
+    warm_steps: int | None,
+    warm_noise: float = 0.0,
+    dtype: str = "float32",
+    log=None,
+) -> Path:
+    """The folder a run of built-in ``name`` starts from: the converted model itself, or,
+    with ``warm_steps`` > 0, that model after a supervised warm start on ``task``'s
+    references (noisy with probability ``warm_noise`` per swappable constraint, seeded by
+    ``seed``), cached under ``cache_dir`` keyed by everything that shapes it."""
+    if not warm_steps:
+        return builtin_folder(name, cache_dir, dtype=dtype, log=log)
+    base = builtin_folder(name, cache_dir, dtype="float32", log=log)
+    settings = warm_settings(task.name, seed, warm_steps, warm_noise, dtype)
+    key = warm_key(settings)
+    folder = Path(cache_dir) / f"{name}-{task.name.replace(':', '_')}-seed{seed}-{key}"
+    if (folder / "warm_start.json").is_file():
+        return folder
+    with build_lock(folder):  # two processes that want the same folder build it once
+        if not (folder / "warm_start.json").is_file():  # else built while this one waited
+            _warm_start_into(folder, base, name, task, settings, log=log)
+    return folder
+
+
+def _warm_start_into(folder: Path, base: Path, name: str, task, settings: dict, *, log) -> None:
+    """Warm-start the converted model at ``base`` on ``task``'s references as ``settings``
+    say and publish it at ``folder``."""
+    seed, noise, dtype = settings["seed"], settings["noise"], settings["dtype"]
+    # float32 weights (bfloat16 ones would round small updates away), bf16 autocast forwards
+    # (the backward and optimizer step outside autocast)
+    model, tok = load_model(base, dtype=torch.float32)
+    examples = list(task.train)
+    if noise > 0:
+        rng = random.Random(seed + 7919)
+        examples = [replace(ex, reference=noisy_reference(rng, ex, noise)) for ex in examples]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss = warm_start(
+            model,
+            ChatPrompter(tok),
+            examples,
+            steps=settings["steps"],
+            batch=PRETRAINED_WARM_BATCH,
+            lr=PRETRAINED_WARM_LR,
+            seed=seed,
+            log=log,
+            autocast=torch.bfloat16,
+        )
+    info = {"model": name, **settings, "final_loss": loss}
+    publish_folder(folder, lambda tmp: save_model(model.to(getattr(torch, dtype)), tok, tmp),
+                   "warm_start.json", info)  # fmt: skip
