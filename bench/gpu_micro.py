@@ -147,6 +147,8 @@ def part_rows(torch, chunk_plan, cm, args, emit):
 def part_ops(torch, chunk_plan, cm, args, emit):
     import mrtpo_kernels as mk
 
+    from . import formulas
+
     dev, bf = args.device, torch.bfloat16
     n, d, v = args.n, args.d, args.v
     g = torch.Generator(device=dev).manual_seed(0)
@@ -192,7 +194,7 @@ def part_ops(torch, chunk_plan, cm, args, emit):
             if cuda:
                 torch.cuda.empty_cache()
             continue
-        fl = cm.formulas.flops(name, n, d, v, k)
+        fl = formulas.flops(name, n, d, v, k)
         pred = cm.predicted_ms(name, n, d, v, k, "cuda", "bfloat16")
         emit({**rec, "ms": ms, "tflops": fl / ms / 1e9, "pred_ms": pred,
               "target_tflops": cm.TARGETS.get(name), "extra_mem_mb": extra / 1e6})  # fmt: skip

@@ -228,7 +228,7 @@ def run_trl(args) -> dict:
     import trl
     from transformers import TrainerCallback
 
-    from mrtpo.integrations.trl import MRTPOGRPOTrainer
+    from mrtpo.integrations.trl_trainer import MRTPOGRPOTrainer
 
     texts = prompt_texts(args.prompts)
     base, tok = build_model(args, texts * 4 + [" ".join(WORDS + ENDS + STARTS)])

@@ -138,7 +138,7 @@ def main(argv=None):
     import datasets
     import trl
 
-    from mrtpo.integrations.trl import MRTPOGRPOTrainer
+    from mrtpo.integrations.trl_trainer import MRTPOGRPOTrainer
 
     torch.manual_seed(0)
     if args.model is None:

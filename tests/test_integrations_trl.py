@@ -12,7 +12,6 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from mrtpo.integrations import trl as mtrl  # noqa: E402
 from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 
@@ -65,7 +64,7 @@ def make_trainer(tmp_path, cls, **overrides):
 
 
 def checking_class(records):
-    base = mtrl.MRTPOGRPOTrainer
+    base = trl_trainer.MRTPOGRPOTrainer
 
     class Checking(base):
         def _compute_loss(self, model, inputs):
@@ -147,4 +146,23 @@ def test_grpo_trainer_refuses_aux_loss(tmp_path):
 
 def test_grpo_trainer_refuses_scale_rewards_batch(tmp_path):
     with pytest.raises(ValueError, match="scale_rewards"):
-        make_trainer(tmp_path, mtrl.MRTPOGRPOTrainer, scale_rewards="batch")
+        make_trainer(tmp_path, trl_trainer.MRTPOGRPOTrainer, scale_rewards="batch")
+
+
+def test_the_earlier_trainer_path_gives_the_same_class_and_loads_nothing_back():
+    """``from mrtpo.integrations.trl import MRTPOGRPOTrainer`` (the earlier path) is the
+    trainer module's class; importing ``trl.py`` alone loads neither the trainer's module
+    nor TRL (the trainer imports the functions' module, not the reverse)."""
+    import subprocess
+    import sys
+
+    from mrtpo.integrations.trl import MRTPOGRPOTrainer
+
+    assert MRTPOGRPOTrainer is trl_trainer.MRTPOGRPOTrainer
+    code = (
+        "import sys, mrtpo.integrations.trl as t; "
+        "print(sorted(m for m in ('mrtpo.integrations.trl_trainer', 'trl') if m in sys.modules)); "
+        "t.MRTPOGRPOTrainer; print('mrtpo.integrations.trl_trainer' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr

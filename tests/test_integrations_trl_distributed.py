@@ -43,11 +43,11 @@ def _rank_main(rank: int, port: int, out: str):
         word_spans,
     )
 
-    from mrtpo.integrations import trl as mtrl
+    from mrtpo.integrations import trl_trainer
 
     records = []
 
-    class Recording(mtrl.MRTPOGRPOTrainer):
+    class Recording(trl_trainer.MRTPOGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             state = copy.deepcopy(self.accelerator.unwrap_model(self.model).state_dict())
             o = super()._generate_and_score_completions(inputs)

@@ -13,7 +13,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from mrtpo.integrations import trl as mtrl  # noqa: E402
+from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 from mrtpo.prompting import ChatPrompter  # noqa: E402
 from mrtpo.replay import contrastive_replay  # noqa: E402
@@ -81,7 +81,7 @@ def tiny_model(seed=0):
 
 
 def recording_class(records):
-    class Recording(mtrl.MRTPOGRPOTrainer):
+    class Recording(trl_trainer.MRTPOGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             state = copy.deepcopy(self.accelerator.unwrap_model(self.model).state_dict())
             out = super()._generate_and_score_completions(inputs)
@@ -211,6 +211,6 @@ def test_trl_reward_spans_errors(tmp_path):
     common = dict(model=model, reward_funcs=[says_word, length], args=config, train_dataset=ds,
                   processing_class=tok)  # fmt: skip
     with pytest.raises(ValueError, match="reward_spans: expected a list of 2"):
-        mtrl.MRTPOGRPOTrainer(**common, reward_spans=[word_spans])
+        trl_trainer.MRTPOGRPOTrainer(**common, reward_spans=[word_spans])
     with pytest.raises(ValueError, match=r"reward_spans\[1\]: expected a callable"):
-        mtrl.MRTPOGRPOTrainer(**common, reward_spans=[word_spans, "x"])
+        trl_trainer.MRTPOGRPOTrainer(**common, reward_spans=[word_spans, "x"])

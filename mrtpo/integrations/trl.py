@@ -8,8 +8,11 @@ sequence advantage that its loss broadcasts over tokens. MRTPO replaces the (B,)
 by a (B, T) token advantage; ``fused_policy_loss`` takes (B, T) (or (B,)) advantages and
 the policy's last hidden states in place of logits. Nothing here imports TRL.
 
-``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, is in ``mrtpo.integrations.trl_trainer``
-and importable from here (TRL is imported then).
+``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, is ``mrtpo.integrations.trl_trainer``'s
+(which imports this module, never the other way at load). The earlier path,
+``from mrtpo.integrations.trl import MRTPOGRPOTrainer``, still gives it: the module's
+``__getattr__`` imports the trainer's module when the name is first asked for (TRL is
+imported then).
 """
 
 from __future__ import annotations
@@ -257,8 +260,8 @@ def fused_policy_loss(
 
 
 def __getattr__(name):
-    # the trainer lives in trl_trainer (it imports this module's functions); importing it
-    # here on first use keeps `from mrtpo.integrations.trl import MRTPOGRPOTrainer` working
+    # PEP 562: asked only for a name this loaded module lacks, so this import runs after both
+    # modules exist (no load-time circle); it keeps the earlier path of the trainer working
     if name == "MRTPOGRPOTrainer":
         from . import trl_trainer
 

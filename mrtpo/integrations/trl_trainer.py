@@ -4,8 +4,8 @@ LM head (the functions of ``mrtpo.integrations.trl``), and the wrapper that lets
 function name its prompt spans.
 
 ``MRTPOGRPOTrainer`` subclasses ``trl.GRPOTrainer``, so it is built on first use (TRL is
-imported only then); ``from mrtpo.integrations.trl import MRTPOGRPOTrainer`` gives the same
-class.
+imported only then): ``from mrtpo.integrations.trl_trainer import MRTPOGRPOTrainer``. The
+earlier ``from mrtpo.integrations.trl import MRTPOGRPOTrainer`` gives the same class.
 """
 
 from __future__ import annotations
