@@ -1,6 +1,6 @@
 """The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels of
-the default variant (mrtpo_kernels/triton_kernels/rows.py) and the opt-in fused log-prob and
-policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_js.py).
+the default variant (mrtpo_kernels/triton_kernels/rows.py, row_cols.py) and the opt-in fused
+log-prob and policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_js.py).
 Their numerics are checked under the interpreter by tests/test_chunk_driver.py."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ compiled_mode = pytest.mark.skipif(
 @compiled_mode
 @pytest.mark.parametrize("out_dtype", ["fp32", "bf16", "fp16"])
 def test_row_kernels_compile_for_hopper(out_dtype):
-    from mrtpo_kernels.triton_kernels import rows
+    from mrtpo_kernels.triton_kernels import row_cols, rows
 
     block = rows.row_block(151936) if os.environ.get("TRITON_INTERPRET") != "1" else 2048
     c = {"BLOCK": block}
@@ -74,14 +74,14 @@ def test_row_kernels_compile_for_hopper(out_dtype):
             dict(zip(("HAS_REF", "DUAL_CLIP", "KL_IW", "NEED_GRAD"), flags, strict=True), **c),
             **w)  # fmt: skip
     for has_norm in (True, False):
-        _compile(rows._grad_cols_kernel, {
+        _compile(row_cols._grad_cols_kernel, {
             "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
             "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
             "g_ent_ptr": "*fp32", "W": "i32", "v_lo": "i32", "V": "i32", "norm_stride": "i32",
             "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64",
             "HAS_NORM": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
             {"HAS_NORM": has_norm, "HAS_ENT": True, **c}, **w)  # fmt: skip
-    _compile(rows._policy_terms_kernel, {
+    _compile(row_cols._policy_terms_kernel, {
         "logp_ptr": "*fp32", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "tw_ptr": "*fp32", "ref_ptr": "*fp32", "loss_ptr": "*fp32", "clipped_ptr": "*fp32",
         "g_ptr": "*fp32", "N": "i32", "V": "i32", "clip_low": "fp32", "clip_high": "fp32",

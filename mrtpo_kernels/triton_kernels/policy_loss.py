@@ -51,7 +51,7 @@ import triton.language as tl
 from .. import settings
 from ._common import cdiv, check_device, chunk_bytes, interpreting
 from .logprobs import dlogits, linear_grad, lse_stats, matmul, tiles
-from .rows import _policy_terms
+from .row_math import _policy_terms
 
 __all__ = ["linear_policy_loss"]
 

@@ -1,8 +1,10 @@
 """Summarize the (algo, seed) runs of a `mrtpo compare` folder from their metrics.jsonl,
 finished or not: per run the steps done, steps to the target, AUC over the steps common to
-the compared runs, start / final pass rates, credit diagnostics and seconds per phase; then
-each algorithm against GDPO over the seeds both have (steps-to-target ratio and AUC
-difference with percentile bootstrap intervals, as `mrtpo compare` computes them).
+the compared runs, start / final pass rates, the share of answers cut at the token cap (mean
+of the last window, and the largest mean over any window), credit diagnostics and seconds
+per phase; then each algorithm against GDPO (or ``--base ALGO``) over the seeds both have
+(steps-to-target ratio and AUC difference with percentile bootstrap intervals, as
+`mrtpo compare` computes them).
 
     python docs/results/scripts/runs_summary.py runs/real/constraints-real --target 0.4
 """
@@ -42,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--window-final", type=int, default=10)
+    ap.add_argument("--base", default="gdpo", help="the algorithm the others are compared with")
     a = ap.parse_args(argv)
     runs = {}
     for d in sorted(a.folder.iterdir()):
@@ -58,7 +61,8 @@ def main(argv=None):
     print(f"steps common to every run: {common}; target {a.target}, window {a.window}\n")
     head = ["run", "steps", "to target", f"AUC@{common}", "start all", "final all"]
     head += [f"start/final {n}" for n in names]
-    head += ["credit prec / unif", "top-hit / chance", "rank AUC", "rollout/replay/update s"]
+    head += ["cut final / peak", "credit prec / unif", "top-hit / chance", "rank AUC"]
+    head += ["rollout/replay/update s"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     per = {}
@@ -76,6 +80,9 @@ def main(argv=None):
         for n in names:
             f = _mean([r[f"pass/{n}"] for r in tail])
             cells.append(f"{_fmt(rows[0][f'pass/{n}'])} / {_fmt(f)}")
+        cut = [r.get("truncated") or 0.0 for r in rows]
+        peak = max(_mean(cut[i : i + a.window_final]) for i in range(len(cut)))
+        cells.append(f"{_fmt(_mean(cut[-a.window_final :]))} / {_fmt(peak)}")
         cells.append(
             f"{_fmt(_mean([r.get('credit_precision') for r in rows]))} / "
             f"{_fmt(_mean([r.get('uniform_share') for r in rows]))}"
@@ -87,12 +94,12 @@ def main(argv=None):
         ph = [_mean([r["time"][p] for r in rows]) for p in ("rollout", "replay", "update")]
         cells.append(" / ".join(_fmt(x, 1) for x in ph))
         print("| " + " | ".join(cells) + " |")
-    base = per.get("gdpo")
+    base = per.get(a.base)
     if not base:
         return
     print()
     for algo, seeds in per.items():
-        if algo == "gdpo":
+        if algo == a.base:
             continue
         both = sorted(set(seeds) & set(base))
         if not both:
@@ -106,7 +113,7 @@ def main(argv=None):
         lo, hi = bootstrap_ratio(sa, sb)
         dlo, dhi = bootstrap_ratio(ra, rb, diff=True)
         print(
-            f"{algo} vs gdpo over seeds {both} (unreached = {budget} steps): steps ratio "
+            f"{algo} vs {a.base} over seeds {both} (unreached = {budget} steps): steps ratio "
             f"{ratio:.2f} (95% CI {lo:.2f}-{hi:.2f}); AUC {statistics.fmean(ra):.3f} vs "
             f"{statistics.fmean(rb):.3f}, diff {statistics.fmean(ra) - statistics.fmean(rb):+.3f}"
             f" (CI {dlo:+.3f} to {dhi:+.3f})"

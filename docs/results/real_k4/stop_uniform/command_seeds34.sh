@@ -1,5 +1,5 @@
-# Issue 25, item 1, seeds 3 and 4 of GDPO and of the JS form with --stop-credit uniform, K = 4,
-# from the same fixed checkout as command.sh (d4adf57 at /work/wt25); and a check that GDPO
+# Issue 25, item 1, seeds 3 and 4 of every arm (GDPO, the JS form, the JS form and the sharper
+# form with --stop-credit uniform), K = 4, from the same fixed checkout as command.sh (d4adf57 at /work/wt25); and a check that GDPO
 # at that checkout trains as the recorded GDPO runs did (a303fe0): seed 0 for 15 steps,
 # compared step by step with its record (all-pass and gradient norm; the script prints the
 # first step that differs). The recorded settings with the seed changed (init_seed stays 0:
@@ -16,7 +16,11 @@ run() { src=$1; dst=$2; shift 2
   $PY $S "$REC/$src" "runs/k4-stop/$dst" "$@" > "runs/k4-stop/$dst.log" 2>&1; }
 ( run gdpo-seed0 gdpo-seed0-check --steps 15
   run gdpo-seed0 gdpo-seed3 --steps 100 --set seed=3
-  run gdpo-seed0 gdpo-seed4 --steps 100 --set seed=4 ) &
+  run gdpo-seed0 gdpo-seed4 --steps 100 --set seed=4
+  run mrtpo-seed0 mrtpo-seed3 --steps 100 --set seed=3
+  run mrtpo-seed0 mrtpo-seed4 --steps 100 --set seed=4 ) &
 ( run mrtpo-seed0 mrtpo-stopuniform-seed3 --steps 100 --set stop_credit=uniform --set seed=3
-  run mrtpo-seed0 mrtpo-stopuniform-seed4 --steps 100 --set stop_credit=uniform --set seed=4 ) &
+  run mrtpo-seed0 mrtpo-stopuniform-seed4 --steps 100 --set stop_credit=uniform --set seed=4
+  run mrtpo-specific-gamma2-seed0 sharper-stopuniform-seed3 --steps 100 --set stop_credit=uniform --set seed=3
+  run mrtpo-specific-gamma2-seed0 sharper-stopuniform-seed4 --steps 100 --set stop_credit=uniform --set seed=4 ) &
 wait
