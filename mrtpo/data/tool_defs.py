@@ -8,6 +8,7 @@ so that a tiny model can learn it.
 
 from __future__ import annotations
 
+import json
 import random
 
 _STR = {"type": "string", "minLength": 1, "maxLength": 60}
@@ -105,13 +106,34 @@ TOOLS: dict[str, dict] = {
 
 def signature(name: str) -> str:
     """One line: ``name(arg: type, opt?: type, e: "a" | "b") - description``."""
-    params = TOOLS[name]["parameters"]
-    required = set(params.get("required", ()))
-    args = []
-    for arg, spec in params["properties"].items():
-        kind = " | ".join(f'"{v}"' for v in spec["enum"]) if "enum" in spec else spec["type"]
-        args.append(f"{arg}{'' if arg in required else '?'}: {kind}")
-    return f"{name}({', '.join(args)}) - {TOOLS[name]['description']}"
+    return signature_line(name, TOOLS[name]["description"], TOOLS[name]["parameters"])
+
+
+def signature_line(name: str, description: str, parameters: dict) -> str:
+    """The one-line signature of a function whose arguments follow the JSON schema
+    ``parameters`` (an object): ``name(arg: type, opt?: type, e: "a" | "b") - description``.
+    Arrays read ``array[item type]``, objects with properties ``{key: type, ...}``, a value
+    of no declared type ``any``."""
+    return f"{name}({_fields(parameters)}) - {description}"
+
+
+def _fields(schema: dict) -> str:
+    required = set(schema.get("required", ()))
+    return ", ".join(
+        f"{arg}{'' if arg in required else '?'}: {_kind(spec)}"
+        for arg, spec in schema.get("properties", {}).items()
+    )
+
+
+def _kind(spec: dict) -> str:
+    if "enum" in spec:
+        return " | ".join(json.dumps(v, ensure_ascii=False) for v in spec["enum"])
+    kind = spec.get("type", "any")
+    if kind == "array" and "items" in spec:
+        return f"array[{_kind(spec['items'])}]"
+    if kind == "object" and spec.get("properties"):
+        return "{" + _fields(spec) + "}"
+    return kind
 
 
 def sample_request(rng: random.Random) -> tuple[str, dict]:

@@ -26,7 +26,10 @@ Rewards (`tool_verifiers()`), reading these `Example.fields`:
 
 - ``tools``: ``{name: JSON schema of its arguments}`` for the tools shown in the prompt;
 - ``signature_spans``: ``{name: [start, end]}``, each tool's signature line in the prompt;
-- ``gold``: the gold call ``{"name": ..., "arguments": {...}}``;
+- ``gold``: the gold call ``{"name": ..., "arguments": {...}}``, or, where more than one
+  call is right, ``{"name": ..., "arguments_any": {arg: [value, ...]}, "optional": [arg,
+  ...]}``: each argument may take any of its listed values, and those in ``"optional"``
+  may also be left out (the ``tools-bfcl`` task's cases list their acceptable answers so);
 - ``request_span``: ``[start, end]``, the user's request in the prompt.
 
 - ``tool_format``: 1 when the response parses as a call; no spans.
@@ -35,7 +38,9 @@ Rewards (`tool_verifiers()`), reading these `Example.fields`:
 - ``tool_schema``: 1 when the arguments validate against the called tool's schema; spans:
   the called tool's signature (the gold tool's if it called one not in the prompt).
 - ``tool_args``: 1 when the call names the gold tool and its arguments equal the gold
-  call's (numbers compared by value); spans: the gold tool's signature and the request.
+  call's (numbers compared by value; with ``arguments_any``: every argument one of its
+  listed values, none besides those listed, none left out unless optional); spans: the
+  gold tool's signature and the request.
 """
 
 from __future__ import annotations
@@ -429,7 +434,8 @@ class ArgumentsValid(_ToolVerifier):
 
 
 class ArgumentsMatch(_ToolVerifier):
-    """Score 1 when the call's arguments equal the gold call's."""
+    """Score 1 when the call's arguments equal the gold call's (or, with ``arguments_any``,
+    are each one of the listed values, the optional ones possibly left out)."""
 
     name = "tool_args"
 
@@ -443,12 +449,25 @@ class ArgumentsMatch(_ToolVerifier):
         if name != example.fields["gold"]["name"]:
             # The same arguments to another tool do another thing: nothing to pay for.
             return 0.0, f"called {name[:80]!r}, not {example.fields['gold']['name']!r}"
-        gold = example.fields["gold"]["arguments"]
-        if _same(args, gold):
-            return 1.0, None
-        missing = sorted(set(gold) - set(args))
-        extra = sorted(set(args) - set(gold))
-        wrong = sorted(k for k in set(gold) & set(args) if not _same(args[k], gold[k]))
+        gold = example.fields["gold"]
+        if "arguments_any" in gold:
+            allowed = gold["arguments_any"]
+            missing = sorted(set(allowed) - set(args) - set(gold.get("optional", ())))
+            extra = sorted(set(args) - set(allowed))
+            wrong = sorted(
+                k
+                for k in set(allowed) & set(args)
+                if not any(_same(args[k], v) for v in allowed[k])
+            )
+            if not (missing or extra or wrong):
+                return 1.0, None
+        else:
+            gold = gold["arguments"]
+            if _same(args, gold):
+                return 1.0, None
+            missing = sorted(set(gold) - set(args))
+            extra = sorted(set(args) - set(gold))
+            wrong = sorted(k for k in set(gold) & set(args) if not _same(args[k], gold[k]))
         parts = [
             f"{label} {', '.join(map(str, ks))[:120]}"
             for label, ks in (("missing", missing), ("unexpected", extra), ("wrong", wrong))
