@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
-from mrtpo.data import tool_defs
+import pytest
+
+from mrtpo.data import bfcl, tool_defs
 from mrtpo.verifiers import Example
 from mrtpo.verifiers.tools import ArgumentsMatch
 
@@ -91,3 +93,119 @@ def test_arguments_any_accepts_each_listed_value_and_optional_omission():
     strict = {"name": "f", "arguments_any": {"n": [5], "u": ["km"]}}
     assert v(_example(strict, {"f": schema}), _call("f", {"n": 5})).score == 0.0
     assert v(_example(strict, {"f": schema}), _call("f", {"n": 5, "u": "km"})).score == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Converting BFCL cases, on hand-made ones
+
+
+def test_to_schema_maps_the_bfcl_types():
+    spec = {
+        "type": "dict",
+        "properties": {
+            "n": {"type": "integer", "description": "a count", "default": 3},
+            "x": {"type": "float"},
+            "pt": {"type": "tuple", "items": {"type": "float"}},
+            "data": {"type": "any"},
+            "unit": {"type": "string", "enum": ["a", "b"], "optional": True},
+            "rows": {
+                "type": "array",
+                "items": {"type": "dict", "properties": {"k": {"type": "string"}}},
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "x"],
+        "optional": [],
+    }
+    assert bfcl.to_schema(spec, top=True) == {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "x": {"type": "number"},
+            "pt": {"type": "array", "items": {"type": "number"}},
+            "data": {},
+            "unit": {"type": "string", "enum": ["a", "b"]},
+            "rows": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"k": {"type": "string"}}},
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "x"],
+        "additionalProperties": False,
+    }
+    with pytest.raises(bfcl.UnsupportedCase, match=r"p/q: type 'complex'"):
+        bfcl.to_schema({"type": "dict", "properties": {"q": {"type": "complex"}}}, "p")
+    with pytest.raises(bfcl.UnsupportedCase, match="a dict of parameters"):
+        bfcl.to_schema({"type": "string"}, top=True)
+
+
+def _line(answers, properties, required=()):
+    question = {
+        "id": "c1",
+        "question": [[{"role": "user", "content": "Do it."}]],
+        "function": [
+            {
+                "name": "f",
+                "description": "does  it\n well",
+                "parameters": {
+                    "type": "dict",
+                    "properties": properties,
+                    "required": list(required),
+                },
+            }
+        ],
+    }
+    return question, {"id": "c1", "ground_truth": [{"f": answers}]}
+
+
+def test_to_case_expands_nested_answers_and_keeps_the_schema_consistent():
+    props = {
+        "where": {
+            "type": "dict",
+            "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+        },
+        "unit": {"type": "string"},
+        "flag": {"type": "boolean"},
+        "limit": {"type": "integer"},
+    }
+    answers = {
+        "where": [{"a": ["x", "X"], "b": ["", 2]}],
+        "unit": ["km", "", True],  # True breaks the string schema: dropped
+        "flag": [True, ""],  # "" for a required parameter: ignored
+        "limit": [""],  # may only be left out
+    }
+    case = bfcl.to_case(*_line(answers, props, required=["where", "flag"]))
+    assert case.description == "does it well"
+    assert case.arguments_any == {
+        "where": [{"a": "x", "b": 2}, {"a": "x"}, {"a": "X", "b": 2}, {"a": "X"}],
+        "unit": ["km"],
+        "flag": [True],
+        "limit": [],
+    }
+    assert case.optional == ("unit", "limit")
+    assert case.reference() == {
+        "name": "f",
+        "arguments": {"where": {"a": "x", "b": 2}, "flag": True},
+    }
+    assert case.gold() == {
+        "name": "f",
+        "arguments_any": case.arguments_any,
+        "optional": ["unit", "limit"],
+    }
+
+
+@pytest.mark.parametrize(
+    "answers, required, why",
+    [
+        ({"n": ["one"]}, ["n"], "no acceptable value fits"),
+        ({"n": [1], "m": [2]}, ["n"], "does not have"),
+        ({}, ["n"], "no answers for required"),
+        ({"n": [{"k": 1}]}, ["n"], "expected a list of acceptable values"),
+        ({"n": [[{"k": list(range(9))}, {"k": list(range(9))}]]}, ["n"], "more than 64"),
+    ],
+)
+def test_to_case_refuses_what_it_cannot_express(answers, required, why):
+    props = {"n": {"type": "integer"}}
+    with pytest.raises(bfcl.UnsupportedCase, match=why):
+        bfcl.to_case(*_line(answers, props, required))
