@@ -25,12 +25,13 @@ RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
 CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
 VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
-TASKS = ("constraints", "constraints-full", "constraints-real", "sql", "tools")
+TASKS = ("constraints", "constraints-full", "constraints-real", "sql", "tools", "tools-bfcl")
 TASK_HELP = (
     "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
     "the 16 constraint kinds per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
     "constraints-real[:KIND,...] (the same asking for one sentence: sized for a pretrained "
-    "model such as smollm2-135m-instruct), sql or tools"
+    "model such as smollm2-135m-instruct), sql, tools, or tools-bfcl (the Berkeley Function "
+    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package)"
 )
 DTYPES = ("float32", "bfloat16", "float16")
 BATCH_NORMS = ("sequence", "token")

@@ -5,17 +5,35 @@ real cases need the ``bfcl-eval`` package (the [real] extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
+from mrtpo.config import check_task
 from mrtpo.data import bfcl, tool_defs
+from mrtpo.tasks import BFCL_DISTRACTORS, WARM_STEPS, default_warm_steps, load_task
 from mrtpo.verifiers import Example
-from mrtpo.verifiers.tools import ArgumentsMatch
+from mrtpo.verifiers.tools import (
+    ArgumentsMatch,
+    ArgumentsValid,
+    CallName,
+    tool_verifiers,
+    validate_subset,
+)
+
+HAVE_BFCL = importlib.util.find_spec(bfcl.PACKAGE) is not None
+needs_bfcl = pytest.mark.skipif(
+    not HAVE_BFCL, reason=f"the {bfcl.DIST} package (the [real] extra) is not installed"
+)
 
 
 def _call(name, args):
     return json.dumps({"name": name, "arguments": args})
+
+
+def _scores(ex, response):
+    return {v.name: v(ex, response).score for v in tool_verifiers()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,3 +227,192 @@ def test_to_case_refuses_what_it_cannot_express(answers, required, why):
     props = {"n": {"type": "integer"}}
     with pytest.raises(bfcl.UnsupportedCase, match=why):
         bfcl.to_case(*_line(answers, props, required))
+
+
+# --------------------------------------------------------------------------------------------
+# The task
+
+
+def test_missing_package_is_one_line_naming_it(monkeypatch):
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name == bfcl.PACKAGE else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(bfcl.importlib.util, "find_spec", fake)
+    with pytest.raises(ValueError) as err:
+        load_task("tools-bfcl")
+    msg = str(err.value)
+    assert msg.startswith("task: 'tools-bfcl' needs the package bfcl-eval; ")
+    assert "pip install --no-deps bfcl-eval==2026.3.23" in msg and "\n" not in msg
+
+
+def test_name_is_known_to_the_settings_and_the_warm_start():
+    assert check_task("tools-bfcl") is None
+    assert default_warm_steps("tools-bfcl") == WARM_STEPS["tools-bfcl"] == WARM_STEPS["tools"]
+    with pytest.raises(ValueError, match="'tools-bfcl'"):
+        load_task("tools-bfc")
+
+
+# --------------------------------------------------------------------------------------------
+# The real cases (the bfcl-eval package)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_task("tools-bfcl", seed=0)
+
+
+def _case_of(ex):
+    cases, _ = bfcl.load_cases()
+    return next(c for c in cases if f"tools-bfcl-{c.id}" == ex.id)
+
+
+@needs_bfcl
+def test_every_case_loads():
+    cases, skipped = bfcl.load_cases()
+    assert len(cases) == bfcl.N_CASES == 400
+    assert skipped == bfcl.SKIPPED == {}
+    assert len({c.id for c in cases}) == 400
+    by_id = {c.id: c for c in cases}
+    # the documented corrections where the schema and the answers disagree
+    assert by_id["simple_python_307"].arguments_any["venue"] == []
+    assert "venue" in by_id["simple_python_307"].optional
+    assert "formatted" not in by_id["simple_python_17"].optional
+    assert by_id["simple_python_358"].arguments_any["diet"] == [["Gluten Free"]]
+    assert by_id["simple_python_89"].arguments_any["conditions"] == [
+        {"department": "Science", "school": "Bluebird High School"},
+        {"department": "Science", "school": "Bluebird HS"},
+    ]
+    assert sum(len(c.optional) for c in cases) == 187
+
+
+@needs_bfcl
+def test_split_is_disjoint_complete_and_deterministic(task):
+    assert (len(task.train), len(task.eval)) == (320, 80)
+    ids = [e.id for e in task.train + task.eval]
+    assert sorted(ids) == sorted(f"tools-bfcl-simple_python_{i}" for i in range(400))
+    assert {e.prompt for e in task.train}.isdisjoint(e.prompt for e in task.eval)
+    again, other = load_task("tools-bfcl", seed=0), load_task("tools-bfcl", seed=1)
+
+    def key(t):
+        return [(e.id, e.prompt, e.reference) for e in t.train + t.eval]
+
+    assert key(again) == key(task)
+    assert key(other) != key(task)
+    assert {e.id for e in other.eval} != {e.id for e in task.eval}
+
+
+@needs_bfcl
+def test_every_reference_passes_all_four_rewards(task):
+    for ex in task.train + task.eval:
+        for v in task.verifiers:
+            out = v(ex, ex.reference)
+            assert out.score == 1.0, (ex.id, v.name, ex.reference, out)
+        # the subset validator (no jsonschema) agrees
+        name = ex.fields["gold"]["name"]
+        args = json.loads(ex.reference)["arguments"]
+        assert validate_subset(ex.fields["tools"][name], args) is None
+
+
+@needs_bfcl
+def test_prompt_shows_the_function_among_distractors(task):
+    positions = [0] * (1 + BFCL_DISTRACTORS)
+    for ex in task.train + task.eval:
+        tools, gold = ex.fields["tools"], ex.fields["gold"]["name"]
+        assert len(tools) == 1 + BFCL_DISTRACTORS and gold in tools
+        assert list(tools) == list(ex.fields["signature_spans"])
+        positions[list(tools).index(gold)] += 1
+    assert min(positions) > 100  # the gold function is anywhere, not first
+
+
+@needs_bfcl
+def test_spans_point_at_the_signatures_and_the_question(task):
+    cases, _ = bfcl.load_cases()
+    by_name = {}
+    for c in cases:
+        by_name.setdefault(c.name, c)
+    for ex in task.train[:50]:
+        case = _case_of(ex)
+        s, e = ex.fields["request_span"]
+        assert ex.prompt[s:e] == case.question and ex.prompt.endswith(case.question)
+        for name, (s, e) in ex.fields["signature_spans"].items():
+            shown = case if name == case.name else by_name[name]
+            assert ex.prompt[s:e] == tool_defs.signature_line(
+                name, shown.description, shown.parameters
+            )
+        sig = tuple(ex.fields["signature_spans"][case.name])
+        assert CallName()(ex, ex.reference).spans == (sig,)
+        assert ArgumentsMatch()(ex, ex.reference).spans == (sig, tuple(ex.fields["request_span"]))
+
+
+@needs_bfcl
+def test_a_wrong_function_name_fails_the_name_and_the_arguments(task):
+    for ex in task.train[:40]:
+        gold = ex.fields["gold"]["name"]
+        args = json.loads(ex.reference)["arguments"]
+        other = next(n for n in ex.fields["tools"] if n != gold)
+        out = _scores(ex, _call(other, args))
+        assert out["tool_format"] == 1.0
+        assert out["tool_name"] == 0.0 and out["tool_args"] == 0.0
+        assert _scores(ex, _call(gold + "_v2", args))["tool_schema"] == 0.0
+
+
+def _wrong(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + " extra"
+    if isinstance(value, list):
+        return value + value if value else [0]
+    return {**value, "zz_extra": 1}
+
+
+@needs_bfcl
+def test_any_listed_value_passes_and_another_value_fails(task):
+    tried = 0
+    for ex in task.train + task.eval:
+        gold = ex.fields["gold"]
+        ref = json.loads(ex.reference)["arguments"]
+        for param, values in gold["arguments_any"].items():
+            for value in values:
+                assert _scores(ex, _call(gold["name"], {**ref, param: value}))["tool_args"] == 1.0
+            if param in ref:
+                bad = _wrong(ref[param])
+                if not any(bad == v for v in values):
+                    out = ArgumentsMatch()(ex, _call(gold["name"], {**ref, param: bad}))
+                    assert out.score == 0.0 and f"wrong {param}" in out.reason, (ex.id, param)
+                    tried += 1
+    assert tried > 900
+
+
+@needs_bfcl
+def test_optional_parameters_may_be_left_out_required_ones_not(task):
+    left_out = dropped_required = 0
+    for ex in task.train + task.eval:
+        gold = ex.fields["gold"]
+        schema = ex.fields["tools"][gold["name"]]
+        ref = json.loads(ex.reference)["arguments"]
+        assert set(ref) == set(gold["arguments_any"]) - set(gold["optional"])
+        left_out += len(gold["optional"])  # the reference (which passes) leaves them all out
+        for param in ref:
+            rest = {k: v for k, v in ref.items() if k != param}
+            out = _scores(ex, _call(gold["name"], rest))
+            assert out["tool_args"] == 0.0, (ex.id, param)
+            if param in schema.get("required", ()):
+                assert out["tool_schema"] == 0.0, (ex.id, param)
+            dropped_required += 1
+    assert left_out == 187 and dropped_required > 900
+
+
+@needs_bfcl
+def test_a_required_parameter_the_answers_mark_omissible_stays_required(task):
+    ex = next(e for e in task.train + task.eval if e.id == "tools-bfcl-simple_python_17")
+    ref = json.loads(ex.reference)
+    assert ref["arguments"]["formatted"] is True
+    del ref["arguments"]["formatted"]
+    out = _scores(ex, json.dumps(ref))
+    assert out["tool_schema"] == 0.0 and out["tool_args"] == 0.0
+    assert ArgumentsValid()(ex, ex.reference).score == 1.0
