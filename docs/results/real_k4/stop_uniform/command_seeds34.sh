@@ -6,7 +6,9 @@
 # its record) differs from step 1 on, in its rollouts: the warm-started folder was rebuilt
 # in this session's cache (same settings and key) and does not equal the one the recorded
 # runs used bit for bit, so every arm is compared on runs made here from the same folder.
-# Resumable: rerun the script as it is.
+# Ordered so that whole seeds of every arm come first (seeds 0-3, then 4). Resumable: rerun
+# the script as it is. Stopped for time (2026-12-03 15:20 UTC) after seeds 0-3 of every arm:
+# gdpo-seed4, mrtpo-seed4 and mrtpo-stopuniform-seed4 have not run.
 set -u
 W=${W:-/work/wt25}
 PY=${PY:-/work/main/.venv/bin/python}
@@ -19,15 +21,15 @@ run() { src=$1; dst=$2; shift 2
   $PY $S "$REC/$src" "runs/k4-stop/$dst" "$@" > "runs/k4-stop/$dst.log" 2>&1; }
 ( run gdpo-seed0 gdpo-seed0-check --steps 15
   run mrtpo-seed2 mrtpo-seed2 --steps 100
+  run gdpo-seed2 gdpo-seed2 --steps 100
   run gdpo-seed0 gdpo-seed3 --steps 100 --set seed=3
   run mrtpo-seed0 mrtpo-seed3 --steps 100 --set seed=3
   run gdpo-seed0 gdpo-seed4 --steps 100 --set seed=4
-  run mrtpo-seed0 mrtpo-seed4 --steps 100 --set seed=4
-  run gdpo-seed2 gdpo-seed2 --steps 100 ) &
+  run mrtpo-seed0 mrtpo-seed4 --steps 100 --set seed=4 ) &
 ( run mrtpo-seed0 mrtpo-stopuniform-seed3 --steps 100 --set stop_credit=uniform --set seed=3
-  run mrtpo-seed0 mrtpo-stopuniform-seed4 --steps 100 --set stop_credit=uniform --set seed=4
   run mrtpo-seed0 mrtpo-seed0 --steps 100
-  run mrtpo-seed1 mrtpo-seed1 --steps 100
   run gdpo-seed0 gdpo-seed0 --steps 100
-  run gdpo-seed1 gdpo-seed1 --steps 100 ) &
+  run mrtpo-seed1 mrtpo-seed1 --steps 100
+  run gdpo-seed1 gdpo-seed1 --steps 100
+  run mrtpo-seed0 mrtpo-stopuniform-seed4 --steps 100 --set stop_credit=uniform --set seed=4 ) &
 wait
