@@ -1,0 +1,17 @@
+# Issue 25, item 2: seed 4 of both arms in a second lane, so that the 5 seeds finish within
+# one session once item 3's first pair had freed a core. The same runs `command.sh` would
+# make for seed 4 (each arm's seed-0 config.json from that compare folder with the seed set
+# to 4: same code, settings, warm start), trained by rerun_config.py into a folder of their
+# own; command.sh was stopped before it reached seed 4. Same fixed checkout (/work/wt26).
+# Resumable: rerun the script as it is.
+set -u
+W=${W:-/work/wt26}
+PY=${PY:-/work/main/.venv/bin/python}
+cd "$W"
+export PYTHONPATH="$W" OMP_NUM_THREADS=1
+S=docs/results/scripts/rerun_config.py
+C=runs/k3-100/constraints-real
+mkdir -p runs/k3-100-lane2
+for a in gdpo mrtpo; do
+  $PY $S "$C/$a-seed0" "runs/k3-100-lane2/$a-seed4" --set seed=4 > "runs/k3-100-lane2/$a-seed4.log" 2>&1
+done
