@@ -6,10 +6,6 @@
 # Resumable: rerun it as it is.
 set -u
 W=${W:-/work/wt26}
-PY=${PY:-/work/main/.venv/bin/python}
-algo=$1 seed=$2
 cd "$W"
 export PYTHONPATH="$W" OMP_NUM_THREADS=1
-mkdir -p runs/bfcl-100-lane2
-$PY docs/results/scripts/rerun_config.py "runs/bfcl-100/tools-bfcl/$algo-seed0" \
-  "runs/bfcl-100-lane2/$algo-seed$seed" --set seed="$seed" > "runs/bfcl-100-lane2/$algo-seed$seed.log" 2>&1
+bash /work/main/docs/results/scripts/lane_run.sh runs/bfcl-100/tools-bfcl runs/bfcl-100-lane2 "$1" "$2"

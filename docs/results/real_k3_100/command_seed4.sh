@@ -6,12 +6,8 @@
 # Resumable: rerun the script as it is.
 set -u
 W=${W:-/work/wt26}
-PY=${PY:-/work/main/.venv/bin/python}
 cd "$W"
 export PYTHONPATH="$W" OMP_NUM_THREADS=1
-S=docs/results/scripts/rerun_config.py
-C=runs/k3-100/constraints-real
-mkdir -p runs/k3-100-lane2
 for a in gdpo mrtpo; do
-  $PY $S "$C/$a-seed0" "runs/k3-100-lane2/$a-seed4" --set seed=4 > "runs/k3-100-lane2/$a-seed4.log" 2>&1
+  bash /work/main/docs/results/scripts/lane_run.sh runs/k3-100/constraints-real runs/k3-100-lane2 "$a" 4
 done
