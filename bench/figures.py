@@ -17,11 +17,14 @@ import sys
 _COLUMNS = {
     "cublas": ("name", "m", "n", "k", "ms", "pred_ms", "tflops", "error"),
     "rows": ("name", "rows", "ms", "pred_ms", "gb_per_s", "error"),
+    "rows-sweep": ("name", "rows", "block", "warps", "ms", "gb_per_s", "error"),
     "ops": (
         "name",
         "variant",
         "grad_buffer_mib",
         "chunk_mib",
+        "row_block",
+        "keep_logits",
         "gemm_path",
         "ms",
         "pred_ms",
@@ -82,10 +85,36 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines) if lines else "(no figures yet)"
 
 
+def best_row_block(records: list[dict]) -> str | None:
+    """ "COLUMNS,WARPS" of the rows-sweep configuration whose stats, grad and policy kernels
+    take the least time together (only configurations with all three timed), or None."""
+    total: dict[tuple[int, int], dict[str, float]] = {}
+    for r in records:
+        if r.get("part") == "rows-sweep" and "ms" in r:
+            total.setdefault((r["block"], r["warps"]), {})[r["name"]] = r["ms"]
+    full = {k: sum(v.values()) for k, v in total.items() if len(v) == 3}
+    if not full:
+        return None
+    block, warps = min(full, key=full.get)
+    return f"{block},{warps}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.figures", description=__doc__)
     ap.add_argument("path")
+    ap.add_argument(
+        "--best-row-block",
+        action="store_true",
+        help="print the rows-sweep's fastest COLUMNS,WARPS (for MRTPO_ROW_BLOCK) and exit; "
+        "status 1 where the file holds no complete sweep row",
+    )
     args = ap.parse_args(argv)
+    if args.best_row_block:
+        best = best_row_block(read(args.path))
+        if best is None:
+            return 1
+        print(best)
+        return 0
     print(markdown(read(args.path)))
     return 0
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one-call GPU check (v3), run after `pip install --no-deps --no-build-isolation -e .`,
 # about 8 minutes of command time (GPU_CHECK_BUDGET_S, default 480):
-#   env -> wheels (.whl/, if any) -> CUDA build started in the background -> micro parts
-#   (cuBLAS at the plan's shapes, the row kernels, the ops at 3 chunk plans and the fused
-#   variant, correctness beside) -> the benchmark at the target shapes (Liger and Cut
-#   Cross-Entropy rows where their wheels are) -> pytest per file, compile tests last.
+#   wheels (.whl/, if any) -> env -> CUDA build started in the background -> micro parts
+#   (cuBLAS at the plan's shapes, the row kernels and their block x warps grid, the ops at 3
+#   chunk plans and the fused variant, correctness beside) -> the benchmark at the target
+#   shapes (Liger and Cut Cross-Entropy rows where their wheels are) -> pytest per file,
+#   compile tests last.
 #
 #   bash bench/gpu_check.sh [--out DIR] [--dry-run]
 #
@@ -124,13 +125,14 @@ fi
 : > "$STEPS"
 write_summary
 
-step env 40 bash -c "nvidia-smi; \"$PY\" -m bench.envinfo --ceilings --out \"$OUT_DIR/env.json\""
-
-# Peer libraries (Liger, Cut Cross-Entropy) come along as wheels in .whl/ (no network).
+# Peer libraries (Liger, Cut Cross-Entropy) come along as wheels in .whl/ (no network);
+# installed first, so that env.json lists their versions.
 if ls .whl/*.whl > /dev/null 2>&1 || [ "$DRY" = 1 ]; then
   step wheels 40 "$PY" -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+
+step env 40 bash -c "nvidia-smi; \"$PY\" -m bench.envinfo --ceilings --out \"$OUT_DIR/env.json\""
 
 # The op test files import hypothesis and scipy (their fuzz and CPU parts): where the image
 # lacks them, their wheels go in .whl/ too (hypothesis needs attrs and sortedcontainers).
@@ -150,10 +152,12 @@ if [ "$DRY" = 0 ] && ! "$PY" -c "import mrtpo_kernels._cuda" > /dev/null 2>&1; t
   BUILD_PID=$!
 fi
 
-# Micro parts, each its own process: cuBLAS at the plan's shapes, the row kernels, then the
-# ops at the default plan, two other chunk plans and the fused variant; correctness beside.
+# Micro parts, each its own process: cuBLAS at the plan's shapes, the row kernels and their
+# block x warps grid, then the ops at the default plan, two other chunk plans and the fused
+# variant; correctness beside.
 step micro_cublas 40 "${MICRO[@]}" --part cublas
 step micro_rows 30 "${MICRO[@]}" --part rows
+step micro_rows_sweep 60 "${MICRO[@]}" --part rows-sweep
 step micro_ops 45 "${MICRO[@]}" --part ops
 step micro_ops_buf304 40 "${MICRO[@]}" --part ops --grad-buffer-mib 304
 step micro_ops_chunk128 40 "${MICRO[@]}" --part ops --chunk-mib 128 --grad-buffer-mib 800
@@ -163,7 +167,7 @@ step micro_correctness 30 "${MICRO[@]}" --part correctness
 # The benchmark at the target shapes (one process per provider; liger / cce rows where
 # their wheels were installed above); every row carries pred_ms and the GEMM path.
 # shellcheck disable=SC2086
-step bench 90 "$PY" -m bench --preset gpu-target --out "$WORK/bench" ${GPU_CHECK_BENCH_ARGS:-}
+step bench 150 "$PY" -m bench --preset gpu-target --out "$WORK/bench" ${GPU_CHECK_BENCH_ARGS:-}
 [ "$DRY" = 1 ] || cp "$WORK/bench/results.csv" "$WORK/bench/results.md" "$OUT_DIR/" 2>/dev/null
 
 if [ -n "$BUILD_PID" ]; then wait "$BUILD_PID"; BUILD_PID=""; write_summary; fi

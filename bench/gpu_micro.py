@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-PARTS = ("cublas", "rows", "ops", "correctness")
+PARTS = ("cublas", "rows", "rows-sweep", "ops", "correctness")
 
 
 def _emit(path: str, record: dict) -> None:
@@ -74,6 +74,8 @@ def _context(chunk_plan, args) -> dict:
     return {
         "N": args.n, "d": args.d, "V": args.v, "variant": args.variant,
         "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
+        "row_block": os.environ.get("MRTPO_ROW_BLOCK") or "default",
+        "keep_logits": os.environ.get("MRTPO_POLICY_KEEP_LOGITS") or "0",
         "gemm_path": chunk_plan.gemm_path("triton", args.device, torch.bfloat16),
     }  # fmt: skip
 
@@ -142,6 +144,44 @@ def part_rows(torch, chunk_plan, cm, args, emit):
     pred = cm.row_time(chunk_plan.RowPass("js", 5 * rows, v, 8), cm.H200) * 1e3
     emit({"part": "rows", "name": "js_many_k4", "rows": 5 * rows, "ms": ms,
           "gb_per_s": 8 * 5 * rows * v / 1e6 / ms, "pred_ms": pred})  # fmt: skip
+
+
+def part_rows_sweep(torch, chunk_plan, cm, args, emit):
+    """The row kernels of ``part_rows`` (stats, grad, policy) at each columns-per-step block
+    and warp count of a small grid, set through MRTPO_ROW_BLOCK (read at each launch). The
+    best row, by the three kernels' summed time, is the one to try in ``--part ops``."""
+    dev, v = args.device, args.v
+    c = chunk_plan.chunk_rows(v)
+    if dev == "cpu":  # the plumbing only: a few rows, the interpreter's small blocks
+        c, grid = 4, [(256, 4), (512, 4)]
+    else:
+        grid = [(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+    k = chunk_plan.row_kernel("triton")
+    z = torch.randn(c, v, device=dev) * 2
+    lab = torch.randint(0, v, (c,), device=dev)
+    one = torch.ones(c, device=dev)
+    out16 = torch.empty(c, v, device=dev, dtype=torch.bfloat16)
+    _, _, lse = k.stats(z, lab, 1.0, -100, False)
+    cases = {
+        "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
+        "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
+        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
+                                         -100, True, out=out16)),
+    }  # fmt: skip
+    before = os.environ.get("MRTPO_ROW_BLOCK")
+    try:
+        for block, warps in grid:
+            os.environ["MRTPO_ROW_BLOCK"] = f"{block},{warps}"
+            for name, (bytes_per, fn) in cases.items():
+                ms = _time_ms(torch, fn)
+                gb_per_s = bytes_per * c * v / 1e6 / ms
+                emit({"part": "rows-sweep", "name": name, "rows": c, "block": block,
+                      "warps": warps, "ms": ms, "gb_per_s": gb_per_s})  # fmt: skip
+    finally:
+        if before is None:
+            os.environ.pop("MRTPO_ROW_BLOCK", None)
+        else:
+            os.environ["MRTPO_ROW_BLOCK"] = before
 
 
 def part_ops(torch, chunk_plan, cm, args, emit):
@@ -276,7 +316,7 @@ def main(argv=None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
-    fn = globals()[f"part_{args.part}"]
+    fn = globals()[f"part_{args.part.replace('-', '_')}"]
     t0 = time.time()
     try:
         fn(torch, chunk_plan, cm, args, lambda rec: _emit(args.out, rec))

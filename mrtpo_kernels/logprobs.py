@@ -131,8 +131,12 @@ def logprobs_from_logits(
 # its kernel works in place): the backward op declares the mutation, which advances the
 # tensor's version, so a later backward of the same graph (retain_graph, gradcheck) passes
 # none and the backend recomputes. Traced code (torch.compile) passes none either: its
-# backward recomputes what it needs. The vocabulary-parallel path (_vocab_parallel.py)
-# calls the linear ops through ``torch.ops.mrtpo``.
+# backward recomputes what it needs. ``saved`` has no default on purpose: torch before 2.12
+# drops a trailing argument equal to its default before its ADInplaceOrView kernel indexes
+# the mutated arguments by position, so a defaulted ``saved`` that is None made every traced
+# backward fail there (IndexError, seen on the H200 under torch 2.11). The
+# vocabulary-parallel path (_vocab_parallel.py) calls the linear ops through
+# ``torch.ops.mrtpo``.
 
 
 @torch.library.custom_op("mrtpo::linear_logprobs_fwd", mutates_args=())
@@ -185,7 +189,7 @@ def linear_logprobs_bwd_op(
     temperature: float,
     ignore_index: int,
     backend: str,
-    saved: Tensor | None = None,
+    saved: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_bwd")
     return fn(
@@ -196,7 +200,7 @@ def linear_logprobs_bwd_op(
 
 @linear_logprobs_bwd_op.register_fake
 def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-      ignore_index, backend, saved=None):  # fmt: skip
+      ignore_index, backend, saved):  # fmt: skip
     return (
         torch.empty_like(hidden),
         weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
@@ -279,7 +283,7 @@ def logprobs_from_logits_bwd_op(
     temperature: float,
     ignore_index: int,
     backend: str,
-    saved: Tensor | None = None,
+    saved: Tensor | None,
 ) -> Tensor:
     fn = _dispatch.get(backend, "logprobs_from_logits_bwd")
     return fn(
@@ -289,7 +293,7 @@ def logprobs_from_logits_bwd_op(
 
 @logprobs_from_logits_bwd_op.register_fake
 def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend,
-      saved=None):  # fmt: skip
+      saved):  # fmt: skip
     return torch.empty_like(logits)
 
 

@@ -84,6 +84,13 @@ SETTINGS: dict[str, Setting] = {
             "the built-in list (for tuning on a GPU)",
         ),
         Setting(
+            "MRTPO_ROW_BLOCK",
+            "",
+            "COLUMNS,WARPS: the Triton row kernels' columns per step (a power of two, at "
+            "least 16) and warps per row program instead of the built-in 2048,8 (for tuning "
+            "on a GPU; bench.gpu_micro --part rows-sweep times a grid of them)",
+        ),
+        Setting(
             "MRTPO_POLICY_KEEP_LOGITS",
             "0",
             "1: the Triton policy loss keeps each token chunk's fp32 logits for the gradient "
@@ -203,6 +210,29 @@ def js_gemm() -> tuple[int, int, int, int, int] | None:
     if len(parts) != 5 or min(parts) <= 0:
         raise ValueError(
             f"MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got {value!r}"
+        )
+    return parts  # type: ignore[return-value]
+
+
+def row_block() -> tuple[int, int] | None:
+    """The MRTPO_ROW_BLOCK override as (columns per step, warps), or None."""
+    value = raw("MRTPO_ROW_BLOCK")
+    if not value:
+        return None
+    try:
+        parts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        parts = ()
+    ok = (
+        len(parts) == 2
+        and parts[0] >= 16
+        and parts[0] & (parts[0] - 1) == 0
+        and parts[1] in (1, 2, 4, 8, 16, 32)
+    )
+    if not ok:
+        raise ValueError(
+            "MRTPO_ROW_BLOCK: expected COLUMNS,WARPS (columns a power of two >= 16, warps "
+            f"1, 2, 4, 8, 16 or 32), got {value!r}"
         )
     return parts  # type: ignore[return-value]
 

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from triton_cases._harness import CASES, interpreted, run_interpreted
+from triton_cases._harness import CASES, interpreted, run_groups, run_interpreted
 
 from mrtpo_kernels.backends.contract import RowKernel
 
@@ -24,6 +24,21 @@ from mrtpo_kernels.backends.contract import RowKernel
 @interpreted
 def test_row_kernels_and_chunk_driver_under_interpreter():
     run_interpreted(CASES / "rows_cases.py")
+
+
+@interpreted
+def test_row_kernels_with_a_row_block_override(monkeypatch):
+    """MRTPO_ROW_BLOCK (the GPU tuning knob) reaches the launchers, and the row kernels keep
+    the float64 reference at a block smaller than the interpreter's default (64 columns, 2
+    warps: every row takes many steps)."""
+    from mrtpo_kernels.triton_kernels import row_math
+
+    monkeypatch.setenv("MRTPO_ROW_BLOCK", "64,2")
+    assert (row_math.row_block(151936), row_math._warps(64)) == (64, 2)
+    monkeypatch.delenv("MRTPO_ROW_BLOCK")
+    assert row_math.row_block(151936) in (1024, 2048)  # interpreter / GPU default
+    out = run_groups(CASES / "rows_cases.py", "row_kernels", env={"MRTPO_ROW_BLOCK": "64,2"})
+    assert "row_kernels" in out
 
 
 def test_low_memory_setting():

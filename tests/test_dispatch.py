@@ -341,6 +341,14 @@ def test_settings_reject_non_numbers(monkeypatch):
     monkeypatch.setenv("MRTPO_JS_GEMM", "128,256")
     with pytest.raises(ValueError, match="MRTPO_JS_GEMM"):
         settings.js_gemm()
+    for bad in ("2048", "3000,8", "2048,3", "8,4", "a,b"):
+        monkeypatch.setenv("MRTPO_ROW_BLOCK", bad)
+        with pytest.raises(ValueError, match="MRTPO_ROW_BLOCK"):
+            settings.row_block()
+    monkeypatch.setenv("MRTPO_ROW_BLOCK", "4096, 16")
+    assert settings.row_block() == (4096, 16)
+    monkeypatch.delenv("MRTPO_ROW_BLOCK")
+    assert settings.row_block() is None
     monkeypatch.setenv("MRTPO_CHUNK_BYTES", "lots")
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(3, 4, generator=g), torch.randn(7, 4, generator=g)

@@ -686,6 +686,23 @@ def test_gpu_torch_compile_fullgraph():
     torch.testing.assert_close(w2.grad, w1.grad)
 
 
+def test_mutated_op_arguments_have_no_default():
+    """A mutated custom-op argument with a default broke every traced backward under torch
+    2.11 (test_gpu_torch_compile_fullgraph on the H200, IndexError): before 2.12 the
+    dispatcher drops a trailing argument equal to its default, and the ADInplaceOrView
+    kernel then indexes the mutated arguments by position. The schemas show the cause on
+    any torch, this CPU one included."""
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mrtpo::"))
+    mutated = []
+    for name in names:
+        schema = getattr(torch.ops.mrtpo, name.split("::")[1].split(".")[0]).default._schema
+        for arg in schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                mutated.append(name)
+                assert not arg.has_default_value(), f"{name}: {arg.name} has a default"
+    assert mutated == ["mrtpo::linear_logprobs_bwd", "mrtpo::logprobs_from_logits_bwd"]
+
+
 @gpu_test
 def test_gpu_no_int32_overflow():
     """N x V > 2^31 for both the logits path (5 GB of bf16 logits) and the fused path."""

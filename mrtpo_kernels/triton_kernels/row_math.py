@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ._common import interpreting
 
 
@@ -182,13 +183,20 @@ def _policy_terms(
 
 def row_block(v: int) -> int:
     """Columns per step of a row program: 2048 on a GPU; under the interpreter at most 1024
-    (so rows of a few thousand columns still take several steps in the tests)."""
+    (so rows of a few thousand columns still take several steps in the tests). The
+    MRTPO_ROW_BLOCK override, where set, wins."""
+    override = settings.row_block()
+    if override is not None:
+        return override[0]
     if interpreting():
         return min(1024, triton.next_power_of_2(max(v, 16)))
     return 2048
 
 
 def _warps(block: int) -> int:
+    override = settings.row_block()
+    if override is not None:
+        return override[1]
     return 8 if block >= 2048 else 4
 
 
