@@ -25,6 +25,7 @@ _COLUMNS = {
         "chunk_mib",
         "row_block",
         "keep_logits",
+        "overlap_rows",
         "gemm_path",
         "ms",
         "pred_ms",

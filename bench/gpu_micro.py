@@ -76,6 +76,7 @@ def _context(chunk_plan, args) -> dict:
         "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
         "row_block": os.environ.get("MRTPO_ROW_BLOCK") or "default",
         "keep_logits": os.environ.get("MRTPO_POLICY_KEEP_LOGITS") or "0",
+        "overlap_rows": os.environ.get("MRTPO_OVERLAP_ROWS") or "0",
         "gemm_path": chunk_plan.gemm_path("triton", args.device, torch.bfloat16),
     }  # fmt: skip
 

@@ -91,6 +91,14 @@ SETTINGS: dict[str, Setting] = {
             "on a GPU; bench.gpu_micro --part rows-sweep times a grid of them)",
         ),
         Setting(
+            "MRTPO_OVERLAP_ROWS",
+            "0",
+            "1: on a CUDA device, the chunk driver's backward and policy loss (16-bit "
+            "gradient path) run each chunk's row kernel on a side stream while the next "
+            "chunk's logits GEMM runs (one fp32 logits chunk more of memory); an experiment, "
+            "off by default: not yet run on a GPU (bench/gpu_tune.sh measures it)",
+        ),
+        Setting(
             "MRTPO_POLICY_KEEP_LOGITS",
             "0",
             "1: the Triton policy loss keeps each token chunk's fp32 logits for the gradient "
@@ -246,6 +254,10 @@ def keep_logits_bytes() -> int:
     if number < 0:
         raise ValueError(f"MRTPO_KEEP_LOGITS_BYTES: expected a non-negative integer, got {value!r}")
     return number
+
+
+def overlap_rows() -> bool:
+    return flag("MRTPO_OVERLAP_ROWS")
 
 
 def policy_keep_logits() -> bool:

@@ -499,3 +499,92 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
         assert all((c is None) == (given is None) for c in kern.cols_norms)
         assert all(c is None or c.data_ptr() == saved.data_ptr() for c in kern.cols_norms)
     assert torch.equal(saved, before)
+
+
+def test_row_lanes_order_the_streams(monkeypatch):
+    """MRTPO_OVERLAP_ROWS's stream ordering, checked on the CPU with recording stand-ins for
+    CUDA streams and events (the GPU test compares it bitwise with the serial driver): each
+    row kernel waits for its own chunk's logits GEMM, a GEMM into a buffer waits for the row
+    kernel that last read that buffer, the two buffers alternate, and join makes the current
+    stream wait for the side stream."""
+    from mrtpo_kernels.backends import _chunked
+
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.id = Event.count
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    class Stream:
+        def __init__(self, name="side", device=None):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.id))
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc):
+            log.append(("exit", self.stream.name))
+
+    main = Stream("main")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    z_buf = torch.zeros(2, 3)
+    lanes = _chunked._RowLanes(z_buf, torch.zeros(1))
+    bufs = {id(b.untyped_storage()): i for i, b in enumerate(lanes.bufs)}
+    seen = []
+
+    def gemm(zb, chunk):
+        log.append(("gemm", bufs[id(zb.untyped_storage())]))
+        return zb.fill_(chunk)
+
+    def row_fn(z, g, a, b):
+        log.append(("row", a))
+        seen.append((a, z[0, 0].item()))
+
+    for chunk in range(4):
+        lanes.run(lambda zb, c=chunk: gemm(zb, c), row_fn, None, chunk, chunk + 1)
+    lanes.join()
+    assert seen == [(c, float(c)) for c in range(4)]  # each row kernel saw its own chunk
+    gemms = [e[1] for e in log if e[0] == "gemm"]
+    assert gemms == [0, 1, 0, 1]
+    # per chunk: [wait for the buffer's last reader], gemm, record ready on main, enter side,
+    # side waits for ready, row kernel, record done on side, exit
+    ready = {}
+    done = {}
+    i = 0
+    for chunk in range(4):
+        if chunk >= 2:
+            assert log[i] == ("wait", "main", done[chunk - 2])
+            i += 1
+        assert log[i] == ("gemm", chunk % 2)
+        kind, stream, ready[chunk] = log[i + 1]
+        assert (kind, stream) == ("record", "main")
+        assert log[i + 2] == ("enter", "side")
+        assert log[i + 3] == ("wait", "side", ready[chunk])
+        assert log[i + 4] == ("row", chunk)
+        kind, stream, done[chunk] = log[i + 5]
+        assert (kind, stream) == ("record", "side")
+        assert log[i + 6] == ("exit", "side")
+        i += 7
+    assert log[i:] == [("wait_stream", "main", "side")]
+    # off the GPU, or with the setting off, the driver keeps its serial loop
+    monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "1")
+    assert _chunked._RowLanes.make(True, z_buf, torch.zeros(1)) is None  # a CPU tensor

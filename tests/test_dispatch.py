@@ -345,6 +345,11 @@ def test_settings_reject_non_numbers(monkeypatch):
         monkeypatch.setenv("MRTPO_ROW_BLOCK", bad)
         with pytest.raises(ValueError, match="MRTPO_ROW_BLOCK"):
             settings.row_block()
+    monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "sometimes")
+    with pytest.raises(ValueError, match="MRTPO_OVERLAP_ROWS"):
+        settings.overlap_rows()
+    monkeypatch.delenv("MRTPO_OVERLAP_ROWS")
+    assert settings.overlap_rows() is False
     monkeypatch.setenv("MRTPO_ROW_BLOCK", "4096, 16")
     assert settings.row_block() == (4096, 16)
     monkeypatch.delenv("MRTPO_ROW_BLOCK")

@@ -206,6 +206,7 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
     # the fp32 logits chunk: a slice of rows in the 16-bit path, a whole buffer in place
     rows = [e - s for s, e, fk in spans if not (sep and fk)]
     z_buf = _buffer(min(c, max(rows)) if sep else max(rows), n, v, hidden, acc) if rows else None
+    lanes = _RowLanes.make(sep and rows, z_buf, hidden)
     first = True
     for s, e, from_kept in spans:
         z_span = None
@@ -217,13 +218,64 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
             z_span = head.logits(hidden[s:e], z_buf)
         g = None if g_buf is None else g_buf[: e - s]
         for a, b in balanced(e - s, c, s):
-            z = z_span[a - s : b - s] if z_span is not None else head.logits(hidden[a:b], z_buf)
-            row_fn(z, None if g is None else g[a - s : b - s], a, b)
+            gs = None if g is None else g[a - s : b - s]
+            if z_span is not None:
+                row_fn(z_span[a - s : b - s], gs, a, b)
+            elif lanes is not None:
+                lanes.run(lambda zb, a=a, b=b: head.logits(hidden[a:b], zb), row_fn, gs, a, b)
+            else:
+                row_fn(head.logits(hidden[a:b], z_buf), gs, a, b)
+        if lanes is not None:
+            lanes.join()  # the gradient buffer is complete before dh and dW read it
         if need_dw:
             gd = g if sep else z_span
             head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None, first)
             first = False
+    if lanes is not None:
+        lanes.join()
     return dh, dw, db
+
+
+class _RowLanes:
+    """MRTPO_OVERLAP_ROWS=1 on a CUDA device (16-bit gradient path): each chunk's row kernel
+    runs on a side stream while the current stream's GEMM makes the next chunk's logits into
+    the other of two fp32 chunk buffers (one chunk buffer more of memory). Ordering, by
+    events: a chunk's row kernel waits for its logits GEMM (and so for all earlier work of
+    the current stream: its inputs, and the dh / dW GEMMs that read the gradient buffer it
+    writes); a GEMM into a buffer waits for the row kernel that last read it; ``join`` makes
+    the current stream wait for every row kernel (before dh / dW, and before returning, so
+    the outputs the row kernels write are ready for the caller's stream)."""
+
+    def __init__(self, z_buf, hidden):
+        self.bufs = [z_buf, torch.empty_like(z_buf)]
+        self.main = torch.cuda.current_stream(hidden.device)
+        self.side = torch.cuda.Stream(device=hidden.device)
+        self.free = [None, None]  # per buffer: the event after the row kernel that read it
+        self.turn = 0
+
+    @classmethod
+    def make(cls, wanted, z_buf, hidden):
+        if not wanted or z_buf is None or not hidden.is_cuda or not settings.overlap_rows():
+            return None
+        return cls(z_buf, hidden)
+
+    def run(self, logits_into, row_fn, g, a, b):
+        j = self.turn
+        self.turn ^= 1
+        if self.free[j] is not None:
+            self.main.wait_event(self.free[j])
+        z = logits_into(self.bufs[j])
+        ready = torch.cuda.Event()
+        ready.record(self.main)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)
+            row_fn(z, g, a, b)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        self.free[j] = done
+
+    def join(self):
+        self.main.wait_stream(self.side)
 
 
 def _low_memory(kern, weight) -> bool:
