@@ -206,41 +206,38 @@ def js_scratch_bytes() -> int:
     return positive_int("MRTPO_JS_SCRATCH_BYTES")
 
 
-def js_gemm() -> tuple[int, int, int, int, int] | None:
-    """The MRTPO_JS_GEMM override as (BM, BN, BK, warps, stages), or None."""
-    value = raw("MRTPO_JS_GEMM")
+def _int_list(name: str) -> tuple[int, ...] | None:
+    """A comma-separated list of integers, () where one is not an integer, None if unset."""
+    value = raw(name)
     if not value:
         return None
     try:
-        parts = tuple(int(x) for x in value.split(","))
+        return tuple(int(x) for x in value.split(","))
     except ValueError:
-        parts = ()
-    if len(parts) != 5 or min(parts) <= 0:
+        return ()
+
+
+def js_gemm() -> tuple[int, int, int, int, int] | None:
+    """The MRTPO_JS_GEMM override as (BM, BN, BK, warps, stages), or None."""
+    parts = _int_list("MRTPO_JS_GEMM")
+    if parts is not None and (len(parts) != 5 or min(parts) <= 0):
         raise ValueError(
-            f"MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got {value!r}"
+            "MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got "
+            f"{raw('MRTPO_JS_GEMM')!r}"
         )
     return parts  # type: ignore[return-value]
 
 
 def row_block() -> tuple[int, int] | None:
     """The MRTPO_ROW_BLOCK override as (columns per step, warps), or None."""
-    value = raw("MRTPO_ROW_BLOCK")
-    if not value:
+    parts = _int_list("MRTPO_ROW_BLOCK")
+    if parts is None:
         return None
-    try:
-        parts = tuple(int(x) for x in value.split(","))
-    except ValueError:
-        parts = ()
-    ok = (
-        len(parts) == 2
-        and parts[0] >= 16
-        and parts[0] & (parts[0] - 1) == 0
-        and parts[1] in (1, 2, 4, 8, 16, 32)
-    )
-    if not ok:
+    cols_ok = len(parts) == 2 and parts[0] >= 16 and parts[0] & (parts[0] - 1) == 0
+    if not (cols_ok and parts[1] in (1, 2, 4, 8, 16, 32)):
         raise ValueError(
             "MRTPO_ROW_BLOCK: expected COLUMNS,WARPS (columns a power of two >= 16, warps "
-            f"1, 2, 4, 8, 16 or 32), got {value!r}"
+            f"1, 2, 4, 8, 16 or 32), got {raw('MRTPO_ROW_BLOCK')!r}"
         )
     return parts  # type: ignore[return-value]
 
