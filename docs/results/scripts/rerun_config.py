@@ -60,6 +60,9 @@ def main():
     if d.get("threads"):  # as the CLI does: the recorded run's thread count
         torch.set_num_threads(d["threads"])
     train(TrainConfig.from_dict(d), progress=True)
+    if not (args.recorded / "metrics.jsonl").exists():  # a config alone (a lane's seed source)
+        print(f"{args.recorded} has no metrics.jsonl: nothing to compare the run with")
+        return
     old = [json.loads(x) for x in (args.recorded / "metrics.jsonl").read_text().splitlines()]
     new = [json.loads(x) for x in (args.out / "metrics.jsonl").read_text().splitlines()]
     first = next(
