@@ -118,15 +118,16 @@ def part_cublas(torch, chunk_plan, cm, args, emit):
 
 
 def _row_cases(torch, chunk_plan, dev, c, v):
-    """The three row kernels on one chunk of c random rows: {name: (bytes per element, call)}
-    (the stats pass reads 4 bytes per element, the gradient passes read 8 and write 2)."""
+    """The Triton row kernel and its three passes on one chunk of c random rows:
+    (kernel, {name: (bytes per element, call)}) (the stats pass reads 4 bytes per element,
+    the gradient passes read 8 and write 2)."""
     k = chunk_plan.row_kernel("triton")
     z = torch.randn(c, v, device=dev) * 2
     lab = torch.randint(0, v, (c,), device=dev)
     one = torch.ones(c, device=dev)
     out16 = torch.empty(c, v, device=dev, dtype=torch.bfloat16)
     _, _, lse = k.stats(z, lab, 1.0, -100, False)
-    return {
+    return k, {
         "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
         "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
         "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
@@ -138,8 +139,7 @@ def part_rows(torch, chunk_plan, cm, args, emit):
     dev = args.device
     v = args.v
     c = chunk_plan.chunk_rows(v)
-    k = chunk_plan.row_kernel("triton")
-    cases = _row_cases(torch, chunk_plan, dev, c, v)
+    k, cases = _row_cases(torch, chunk_plan, dev, c, v)
     for name, (bytes_per, fn) in cases.items():
         ms = _time_ms(torch, fn)
         gb = bytes_per * c * v / 1e9
@@ -164,7 +164,7 @@ def part_rows_sweep(torch, chunk_plan, cm, args, emit):
         c, grid = 4, [(256, 4), (512, 4)]
     else:
         grid = [(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
-    cases = _row_cases(torch, chunk_plan, dev, c, v)
+    _, cases = _row_cases(torch, chunk_plan, dev, c, v)
     before = os.environ.get("MRTPO_ROW_BLOCK")
     try:
         for block, warps in grid:

@@ -206,7 +206,7 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
     # the fp32 logits chunk: a slice of rows in the 16-bit path, a whole buffer in place
     rows = [e - s for s, e, fk in spans if not (sep and fk)]
     z_buf = _buffer(min(c, max(rows)) if sep else max(rows), n, v, hidden, acc) if rows else None
-    lanes = _RowLanes.make(sep and rows, z_buf, hidden)
+    lanes = _RowLanes.make(sep, z_buf, hidden)
     first = True
     for s, e, from_kept in spans:
         z_span = None
@@ -255,6 +255,8 @@ class _RowLanes:
 
     @classmethod
     def make(cls, wanted, z_buf, hidden):
+        """The lanes where wanted (the 16-bit gradient path with a logits chunk to fill) on a
+        CUDA device with MRTPO_OVERLAP_ROWS=1, else None (the serial loop)."""
         if not wanted or z_buf is None or not hidden.is_cuda or not settings.overlap_rows():
             return None
         return cls(z_buf, hidden)
