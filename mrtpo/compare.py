@@ -64,6 +64,20 @@ def code_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+def model_fingerprint(folder) -> str:
+    """A hash of a model folder's content (every file's name and bytes: weights, config,
+    tokenizer): a run is reused only from the same model, not from the same path after the
+    model in it was replaced."""
+    digest = hashlib.sha1()
+    root = Path(folder)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def run_key(run_cfg) -> dict:
     """Every setting that changes what a run computes, as JSON: the trajectory settings,
     the number of steps, the device and CPU threads it computes with (they change the
@@ -79,6 +93,8 @@ def run_key(run_cfg) -> dict:
     key["device"] = str(resolve_device(run_cfg.device))
     key["threads"] = run_cfg.threads or torch.get_num_threads()
     key["code"] = code_fingerprint()
+    if run_cfg.model is not None and not is_builtin(run_cfg.model):
+        key["model_content"] = model_fingerprint(run_cfg.model)
     key["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     return key
 
@@ -225,8 +241,16 @@ def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
         names = d["names"]
         runs[d["algo"]].append(s)
         reached = s["steps_to_target"] or f">{cfg.steps}"
+        h = s.get("heldout")
+        held = ""
+        if h is not None:
+            h_reached = h["steps_to_target"]
+            held = (
+                f"held-out: steps to target {f'>{cfg.steps}' if h_reached is None else h_reached}"
+                f", AUC {fmt(h['auc'])}, final all-pass {fmt(h['final_all_pass'])}; training: "
+            )
         log(
-            f"{d['algo']} seed {s['seed']}: steps to target {reached}, AUC {fmt(s['auc'])}, "
+            f"{d['algo']} seed {s['seed']}: {held}steps to target {reached}, AUC {fmt(s['auc'])}, "
             f"final all-pass {fmt(s['final_all_pass'])}, credit precision "
             f"{fmt(s['credit_precision'])} (uniform {fmt(s['uniform_share'])}), "
             f"{s['wall_s']:.0f} s" + (f" ({d['how']})" if d["how"] != "trained" else "")
@@ -280,6 +304,11 @@ def _settings(cfg: CompareConfig) -> dict:
         "alpha": t.alpha,
         "gamma": t.gamma,
         "relevance": t.relevance,
+        "baseline_replay": t.replay_for_baselines,
+        "eval_every": t.eval_every,
+        "eval_prompts": t.eval_prompts,
+        "eval_samples": t.eval_samples,
+        "eval_seed": t.eval_seed,
         "warm_steps": t.tiny.for_task(cfg.task).warm_steps,
         "warm_noise": t.tiny.warm_noise,
         "model": t.model,

@@ -397,6 +397,22 @@ class TrainConfig:
         flag="--no-baseline-replay",
         group="MRTPO",
     )
+    eval_every: int = setting(
+        10,
+        "steps between held-out evaluations (also before the first step and after the last); "
+        "0 = none. The evaluation samples --eval-samples answers to each of the first "
+        "--eval-prompts prompts of the task's eval split with a fixed seed, in a random state "
+        "of its own (the training run is the same with or without it)",
+        lo=0,
+        group="eval",
+    )
+    eval_prompts: int = _pos(
+        32, "held-out prompts per evaluation (the first N of the eval split)", group="eval"
+    )
+    eval_samples: int = _pos(2, "sampled answers per held-out prompt", group="eval")
+    eval_seed: int = setting(
+        0, "sampling seed of every held-out evaluation", lo=0, hi=2**63 - 1, group="eval"
+    )
     checkpoint_every: int = _pos(
         10, "steps between checkpoints", group="run", resume_may_change=True
     )

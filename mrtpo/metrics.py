@@ -222,3 +222,13 @@ def format_step(row: dict, names, total: int) -> str:
     if row.get("credit_precision") is not None:
         parts.append(f"prec {row['credit_precision']:.2f}/unif {row['uniform_share']:.2f}")
     return " | ".join(parts)
+
+
+def format_eval(ev: dict, names) -> str:
+    """One held-out evaluation (`mrtpo.heldout`) as a progress line."""
+    short = lambda s: s if len(s) <= 14 else s[:13] + "."
+    per = " ".join(f"{short(n)}={ev['pass'][n]:.2f}" for n in names)
+    return (
+        f"held-out after step {ev['step']}: all {ev['all_pass']:.2f} | {per} | "
+        f"{ev['answers']} answers, {ev['seconds']:.1f} s"
+    )

@@ -9,7 +9,14 @@ import json
 import statistics
 from pathlib import Path
 
-from .stats import CLAIM_RATIO, compare_to_gdpo, mean_std, moving_average, steps_or_budget
+from .stats import (
+    CLAIM_RATIO,
+    MIN_SEEDS,
+    compare_to_gdpo,
+    mean_std,
+    moving_average,
+    steps_or_budget,
+)
 
 
 def pyplot():
@@ -178,21 +185,55 @@ def fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _ci(c, key, fmt_):
+    lo, hi = c[key]
+    return f"95% CI {fmt_(lo)} to {fmt_(hi)}"
+
+
+def _verdict_text(c) -> str:
+    if c["verdict"] is None:
+        return (
+            f"**no verdict**: {c['n']} paired seed(s), a verdict needs at least {MIN_SEEDS} "
+            "(with fewer, no interval can exclude chance)"
+        )
+    return (
+        f"claim (steps ratio <= {CLAIM_RATIO} with its interval below 1, AUC difference's "
+        f"interval above 0) **{c['verdict']}**"
+    )
+
+
 def claim_verdict(summary, steps: int) -> list[str]:
+    """The claim's lines: per MRTPO variant, the paired comparison with GDPO on the held-out
+    curve first (the training curve where the runs have no evaluations), then the training
+    curve, then equal wall-clock (`mrtpo.stats.compare_to_gdpo`)."""
     lines = []
     comp = compare_to_gdpo(summary, steps)
+    r2, d3 = (lambda x: f"{x:.2f}"), (lambda x: f"{x:+.3f}")
     for algo, c in comp.items():
-        lines.append(
-            f"- {algo} / GDPO steps to target: **{c['ratio']:.2f}** (95% CI {c['ci'][0]:.2f}-"
-            f"{c['ci'][1]:.2f}); AUC difference {c['auc_diff']:+.3f} (95% CI "
-            f"{c['auc_ci'][0]:+.3f} to {c['auc_ci'][1]:+.3f}): claim (<= {CLAIM_RATIO}, upper "
-            f"end < 1, larger AUC) **{'holds' if c['holds'] else 'does not hold'}**"
-            + (
-                " (runs that never reached the target count as the step budget)"
-                if c["censored"]
-                else ""
-            )
-        )
+        parts = [(c["curve"], c)]
+        if c["curve"] == "held-out":
+            parts.append(("training", c["training"]))
+        for name, m in parts:
+            lines.append(
+                f"- {algo} / GDPO on the {name} curve ({m['n']} paired seeds): steps to target "
+                f"**{m['ratio']:.2f}x** ({_ci(m, 'ci', r2)}, sign-flip p = {m['p']:.3f}); AUC "
+                f"difference **{m['auc_diff']:+.3f}** ({_ci(m, 'auc_ci', d3)}, p = "
+                f"{m['auc_p']:.3f})"
+                + (" (a run that never reached the target counts the step budget)"
+                   if m["censored"] else "")
+                + (f": {_verdict_text(c)}" if m is c else "")
+            )  # fmt: skip
+        w = c.get("wallclock")
+        if w is not None:
+            lines.append(
+                f"- {algo} / GDPO at equal wall-clock (held-out curve against training "
+                f"seconds, up to the shorter run's time): AUC difference {w['auc_diff']:+.3f} "
+                f"({_ci(w, 'auc_ci', d3)}, p = {w['auc_p']:.3f}); seconds to target "
+                f"{w['time_ratio']:.2f}x ({_ci(w, 'time_ci', r2)})"
+                + ("" if summary["settings"].get("baseline_replay") is False else
+                   " (GDPO's runs replayed for their relevance metrics: their seconds include "
+                   "a replay that GDPO does not need; --no-baseline-replay removes it)")
+            )  # fmt: skip
     for algo, rs in summary["runs"].items():
         if not algo.startswith("mrtpo"):
             continue
@@ -249,7 +290,8 @@ def write_markdown(summary, path: Path, args) -> Path:
         "",
         *claim_verdict(summary, args.steps),
         "",
-        "## Results (mean +- std over seeds)",
+        *_heldout_table(runs, names, args),
+        "## Results on the training curve (mean +- std over seeds)",
         "",
         "| algo | steps to target (per seed) | AUC | final all-pass | "
         + " | ".join(f"final {n}" for n in names)
@@ -310,10 +352,18 @@ def write_markdown(summary, path: Path, args) -> Path:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Definitions: steps to target = first step where the trailing mean of the batch "
+        "Definitions: held-out all-pass = share of the held-out answers (the first "
+        "`eval_prompts` prompts of the task's eval split, `eval_samples` answers each, a fixed "
+        "sampling seed) passing every reward, evaluated before the first step, every "
+        "`eval_every` steps and after the last; held-out steps to target = first evaluated "
+        "step reaching the target; held-out AUC = area under the held-out curve over steps "
+        "(trapezoids) / steps; intervals = paired percentile bootstrap (4000 draws) resampling "
+        "the seeds both arms ran, p = exact two-sided sign-flip p-value of the per-seed "
+        "differences; equal wall-clock = the held-out curve against training seconds "
+        "(rollout + replay + update), compared up to the shorter run's time. Training curve: "
+        "steps to target = first step where the trailing mean of the batch "
         "all-pass rate reaches the target (never reached: counted as the budget, shown as "
-        "`>N`); ratio interval = percentile bootstrap (4000 draws) resampling each "
-        "algorithm's seeds; AUC = mean batch all-pass rate over all steps; final = mean of "
+        "`>N`); AUC = mean batch all-pass rate over all steps; final = mean of "
         "the last window of steps; credit precision = share of a reward's allocation-weight "
         "mass on the response tokens it concerns (constraints: the verifier's "
         "`relevant_chars`; SQL: identifiers of the schema / gold tables and, for sql_match, "
@@ -331,6 +381,35 @@ def write_markdown(summary, path: Path, args) -> Path:
     return path
 
 
+def _heldout_table(runs, names, args) -> list[str]:
+    """The held-out curve's table (runs with evaluations only), or no lines."""
+    if not all(r.get("heldout") for rs in runs.values() for r in rs):
+        return []
+    lines = [
+        "## Results on held-out prompts (mean +- std over seeds)",
+        "",
+        "| algo | steps to target (per seed) | held-out AUC | start all-pass | final all-pass | "
+        + " | ".join(f"final {n}" for n in names)
+        + " | answers per evaluation |",
+        "|---|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for algo, rs in runs.items():
+        hs = [r["heldout"] for r in rs]
+        reached = [h["steps_to_target"] for h in hs]
+        per_seed = ", ".join(str(x) if x is not None else f">{args.steps}" for x in reached)
+        mean_steps = statistics.fmean(args.steps if x is None else x for x in reached)
+        cells = [algo, f"{mean_steps:.1f} ({per_seed})"]
+        for key in ("auc", "start_all_pass", "final_all_pass"):
+            m, s = mean_std([h[key] for h in hs])
+            cells.append(f"{fmt(m, 3)} +- {fmt(s, 3)}")
+        for n in names:
+            m, s = mean_std([h["final_pass"][n] for h in hs])
+            cells.append(f"{fmt(m)} +- {fmt(s)}")
+        cells.append(str(hs[0]["answers"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def plot_compare(summary, path: Path, args) -> Path:
     plt = pyplot()
     runs, names = summary["runs"], summary["reward_names"] or []
@@ -346,11 +425,16 @@ def plot_compare(summary, path: Path, args) -> Path:
         hi = [max(c[i] for c in curves) for i in range(n)]
         (line,) = ax.plot(steps, mean, label=algo, lw=2, color=colors[algo])
         ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+        hs = [r.get("heldout") for r in rs]
+        if all(hs) and len({tuple(h["steps"]) for h in hs}) == 1:
+            ys = [statistics.fmean(h["curve"][i] for h in hs) for i in range(len(hs[0]["steps"]))]
+            ax.plot(hs[0]["steps"], ys, ls="--", marker="o", ms=3, color=colors[algo],
+                    label=f"{algo} held-out")  # fmt: skip
     ax.axhline(args.target, color="k", ls=":", lw=1, label=f"target {args.target}")
     ax.set(
         xlabel="step",
         ylabel=f"all-pass rate ({args.window}-step mean)",
-        title="learning curves (mean over seeds, band = min-max)",
+        title="learning curves (mean over seeds, band = min-max; dashed: held-out)",
         ylim=(0, 1),
     )
     ax.legend()

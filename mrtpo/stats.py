@@ -14,11 +14,26 @@ Per algorithm, over seeds:
   uniform share; "relevance precision" is the same share of the JS-distance mass, which
   contrastive replay measures under every algorithm.
 
+- held-out curve: the pass rates of the held-out evaluations (`mrtpo.heldout`: a fixed set
+  of eval prompts, evaluated before the first step, every ``eval_every`` steps and after the
+  last). Its AUC is the area under the curve over the policy's steps (trapezoids) divided by
+  the steps; its steps to target, the first evaluated step whose held-out all-pass reaches
+  the target. The training curve's measures are kept beside it, second.
+- wall-clock: each step's training seconds (rollout + replay + update; evaluations excluded)
+  summed give the clock a run's curve is read against, for the comparison at equal
+  wall-clock.
+
 The claim tested, per MRTPO variant (``mrtpo:specific:gamma=2``, see
-``mrtpo.config.parse_variant``): it reaches the target in at most 0.75x GDPO's steps on
-average over seeds with the upper end of the bootstrap 95% interval below 1, and its area
-under the all-pass curve is larger;
-`compare_to_gdpo` measures it, with the intervals of `bootstrap_ratio`.
+``mrtpo.config.parse_variant``), on the held-out curve where the runs have one: seeds are
+paired (seed s of MRTPO and of GDPO share the warm start and the seed), and the analysis is
+fixed here, before any run. Over the seeds both arms have, `paired_bootstrap` resamples the
+seed indices (the same index for both arms) to give 95% percentile intervals of the steps
+ratio mean(MRTPO) / mean(GDPO) and of the mean per-seed AUC difference, and
+`sign_flip_p` the exact two-sided sign-flip (permutation) p-value of the per-seed
+differences. A verdict is given only with at least ``MIN_SEEDS`` pairs (below that no
+interval can exclude chance: with n pairs the smallest two-sided sign-flip p-value is
+2 / 2^n); it holds when the steps ratio is at most 0.75 with its interval's upper end below
+1 and the AUC difference's interval lies above 0; `compare_to_gdpo` measures it.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import random
 import statistics
 
 CLAIM_RATIO = 0.75
+MIN_SEEDS = 6  # paired seeds a verdict needs: 2 / 2**6 < 0.05 <= 2 / 2**5
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:
@@ -72,6 +88,106 @@ def bootstrap_ratio(a: list[float], b: list[float], *, draws=4000, seed=0, diff=
     return vals[int(0.025 * draws)], vals[min(draws - 1, int(0.975 * draws))]
 
 
+def paired_bootstrap(a, b, *, draws=4000, seed=0, diff=False):
+    """Percentile 95% interval of mean(a) / mean(b) (or of the mean of a - b with ``diff``)
+    where a[i] and b[i] are one seed's pair: the seed indices are resampled with
+    replacement, the same index for both arms."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_bootstrap: expected two equal non-empty lists, got {len(a)} "
+                         f"and {len(b)} values")  # fmt: skip
+    rng = random.Random(seed)
+    n, vals = len(a), []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ma = statistics.fmean(a[i] for i in idx)
+        mb = statistics.fmean(b[i] for i in idx)
+        vals.append(ma - mb if diff else ma / mb)
+    vals.sort()
+    return vals[int(0.025 * draws)], vals[min(draws - 1, int(0.975 * draws))]
+
+
+def sign_flip_p(diffs, *, exact_up_to=20, draws=200_000, seed=0) -> float:
+    """Two-sided p-value of the paired differences' mean under the null that each pair's
+    sign is a coin flip: the share of the 2^n sign patterns whose |mean| is at least the
+    observed one (exact up to ``exact_up_to`` pairs, else ``draws`` random patterns)."""
+    d = [float(x) for x in diffs]
+    n = len(d)
+    if n == 0:
+        raise ValueError("sign_flip_p: expected at least one paired difference")
+    observed = abs(sum(d)) - 1e-12 * max(1.0, sum(abs(x) for x in d))  # ties count as extreme
+    if n <= exact_up_to:
+        hits = 0
+        for mask in range(1 << n):
+            total = sum(-x if mask >> i & 1 else x for i, x in enumerate(d))
+            hits += abs(total) >= observed
+        return hits / (1 << n)
+    rng = random.Random(seed)
+    hits = sum(
+        abs(sum(x if rng.random() < 0.5 else -x for x in d)) >= observed for _ in range(draws)
+    )
+    return (hits + 1) / (draws + 1)
+
+
+def evaluations(metrics: list[dict]) -> list[dict]:
+    """Every held-out evaluation in a run's metrics rows (`mrtpo.heldout`), by step."""
+    out = [e for row in metrics for e in row.get("eval") or ()]
+    return sorted(out, key=lambda e: e["step"])
+
+
+def curve_auc(points, until=None) -> float | None:
+    """Area under the piecewise-linear curve through ``points`` [(x, y)] (sorted by x), from
+    its first x to ``until`` (default: its last x; a curve that stops before ``until``
+    holds its last value), divided by that length; None with fewer than two points."""
+    if len(points) < 2:
+        return None
+    x0 = points[0][0]
+    end = points[-1][0] if until is None else until
+    if end <= x0:
+        return None
+    pts = list(points)
+    if pts[-1][0] < end:
+        pts.append((end, pts[-1][1]))
+    area = 0.0
+    for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+        if xa >= end:
+            break
+        if xb > end:  # cut the last piece at ``end``
+            yb = ya + (yb - ya) * (end - xa) / (xb - xa)
+            xb = end
+        area += (xb - xa) * (ya + yb) / 2
+    return area / (end - x0)
+
+
+def step_seconds(row: dict) -> float:
+    """A step's training seconds: rollout, replay and update (evaluations excluded)."""
+    return sum(v for k, v in row["time"].items() if k != "replays")
+
+
+def heldout_summary(metrics: list[dict], names, target: float) -> dict | None:
+    """The held-out curve's measures (module doc), or None for a run without evaluations."""
+    evs = evaluations(metrics)
+    if not evs:
+        return None
+    clock = [0.0]
+    for row in metrics:
+        clock.append(clock[-1] + step_seconds(row))
+    reached = next((e["step"] for e in evs if e["all_pass"] >= target), None)
+    return {
+        "steps_to_target": reached,
+        "seconds_to_target": None if reached is None else clock[reached],
+        "auc": curve_auc([(e["step"], e["all_pass"]) for e in evs]),
+        "start_all_pass": evs[0]["all_pass"],
+        "final_all_pass": evs[-1]["all_pass"],
+        "final_pass": {n: evs[-1]["pass"].get(n) for n in names},
+        "steps": [e["step"] for e in evs],
+        "curve": [e["all_pass"] for e in evs],
+        "curves": {n: [e["pass"].get(n) for e in evs] for n in names},
+        "seconds": [clock[e["step"]] if e["step"] < len(clock) else None for e in evs],
+        "train_s": clock[-1],
+        "answers": evs[-1]["answers"],
+    }
+
+
 def summarize_run(metrics: list[dict], names, target: float, window: int) -> dict:
     tail = metrics[-window:]
     first = metrics[0]
@@ -90,9 +206,7 @@ def summarize_run(metrics: list[dict], names, target: float, window: int) -> dic
         "initial_all_pass": _mean([m["all_pass"] for m in metrics[:window]]),
         "curve": [m["all_pass"] for m in metrics],
         "curves": {n: [m[f"pass/{n}"] for m in metrics] for n in names},
-        "step_time": _mean(
-            [sum(v for k, v in m["time"].items() if k != "replays") for m in metrics]
-        ),
+        "step_time": _mean([step_seconds(m) for m in metrics]),
         "replay_time": _mean([m["time"]["replay"] for m in metrics]),
         "rollout_time": _mean([m["time"]["rollout"] for m in metrics]),
         "update_time": _mean([m["time"]["update"] for m in metrics]),
@@ -102,6 +216,7 @@ def summarize_run(metrics: list[dict], names, target: float, window: int) -> dic
             n: _mean([m.get(f"top_hit_chance/{n}") for m in metrics]) for n in names
         },
         "rank_auc": {n: _mean([m.get(f"rank_auc/{n}") for m in metrics]) for n in names},
+        "heldout": heldout_summary(metrics, names, target),
     }
     return out
 
@@ -117,28 +232,103 @@ def steps_or_budget(rs, budget):
     return [r["steps_to_target"] or budget for r in rs]
 
 
+def _paired(g_runs, m_runs):
+    """The (GDPO, MRTPO) summaries of the seeds both arms ran, by seed."""
+    g = {r["seed"]: r for r in g_runs}
+    return [(g[r["seed"]], r) for r in sorted(m_runs, key=lambda r: r["seed"]) if r["seed"] in g]
+
+
+def _measures(pairs, steps_of, auc_of, budget) -> dict:
+    """Steps ratio and AUC difference over paired seeds, with paired intervals and p-values."""
+    g_steps = [budget if steps_of(g) is None else steps_of(g) for g, _ in pairs]
+    m_steps = [budget if steps_of(m) is None else steps_of(m) for _, m in pairs]
+    g_auc = [auc_of(g) for g, _ in pairs]
+    m_auc = [auc_of(m) for _, m in pairs]
+    d_auc = [m - g for m, g in zip(m_auc, g_auc)]
+    return {
+        "n": len(pairs),
+        "ratio": statistics.fmean(m_steps) / statistics.fmean(g_steps),
+        "ci": paired_bootstrap(m_steps, g_steps),
+        "p": sign_flip_p([m - g for m, g in zip(m_steps, g_steps)]),
+        "auc_diff": statistics.fmean(d_auc),
+        "auc_ci": paired_bootstrap(m_auc, g_auc, diff=True),
+        "auc_p": sign_flip_p(d_auc),
+        "censored": any(steps_of(r) is None for pair in pairs for r in pair),
+        "per_seed": [
+            {"seed": m["seed"], "gdpo_steps": gs, "mrtpo_steps": ms, "auc_diff": d}
+            for (_, m), gs, ms, d in zip(pairs, g_steps, m_steps, d_auc)
+        ],
+    }
+
+
+def _verdict(c: dict) -> str | None:
+    if c["n"] < MIN_SEEDS:
+        return None
+    ok = c["ratio"] <= CLAIM_RATIO and c["ci"][1] < 1.0 and c["auc_ci"][0] > 0.0
+    return "holds" if ok else "does not hold"
+
+
+def _wallclock(pairs) -> dict | None:
+    """The held-out comparison at equal wall-clock: per pair, the area under each held-out
+    curve drawn against training seconds, up to the shorter run's training time, and the
+    training seconds to the target (a run that never reached it counts its whole time)."""
+    if not all(g["heldout"] and m["heldout"] for g, m in pairs):
+        return None
+    d_auc, g_t, m_t = [], [], []
+    for g, m in pairs:
+        gh, mh = g["heldout"], m["heldout"]
+        until = min(gh["train_s"], mh["train_s"])
+        aucs = [
+            curve_auc([(t, y) for t, y in zip(h["seconds"], h["curve"]) if t is not None], until)
+            for h in (gh, mh)
+        ]
+        if None in aucs:
+            return None
+        d_auc.append(aucs[1] - aucs[0])
+        for h, out in ((gh, g_t), (mh, m_t)):
+            t = h["seconds_to_target"]
+            out.append(h["train_s"] if t is None else t)
+    return {
+        "auc_diff": statistics.fmean(d_auc),
+        "auc_ci": paired_bootstrap(d_auc, [0.0] * len(d_auc), diff=True),
+        "auc_p": sign_flip_p(d_auc),
+        "time_ratio": statistics.fmean(m_t) / statistics.fmean(g_t),
+        "time_ci": paired_bootstrap(m_t, g_t),
+    }
+
+
 def compare_to_gdpo(summary, steps: int) -> dict[str, dict]:
-    """Per MRTPO variant: steps-to-target ratio to GDPO with its bootstrap 95% interval,
-    AUC difference with its interval, and whether the claim's conditions hold."""
+    """Per MRTPO variant, over the seeds both it and GDPO ran (module doc): on the held-out
+    curve where every paired run has one (else the training curve), the steps-to-target
+    ratio and the AUC difference with paired bootstrap intervals and sign-flip p-values,
+    the verdict (None below ``MIN_SEEDS`` pairs); the same on the training curve under
+    ``training``, and the held-out comparison at equal wall-clock under ``wallclock``."""
     runs = summary["runs"]
     if "gdpo" not in runs:
         return {}
-    g_steps, g_auc = steps_or_budget(runs["gdpo"], steps), [r["auc"] for r in runs["gdpo"]]
     out = {}
     for algo, rs in runs.items():
         if not algo.startswith("mrtpo"):
             continue
-        m_steps, m_auc = steps_or_budget(rs, steps), [r["auc"] for r in rs]
-        ratio = statistics.fmean(m_steps) / statistics.fmean(g_steps)
-        lo, hi = bootstrap_ratio(m_steps, g_steps)
-        d_auc = statistics.fmean(m_auc) - statistics.fmean(g_auc)
-        a_lo, a_hi = bootstrap_ratio(m_auc, g_auc, diff=True)
-        out[algo] = {
-            "ratio": ratio,
-            "ci": (lo, hi),
-            "auc_diff": d_auc,
-            "auc_ci": (a_lo, a_hi),
-            "censored": any(r["steps_to_target"] is None for r in rs + runs["gdpo"]),
-            "holds": ratio <= CLAIM_RATIO and hi < 1.0 and d_auc > 0,
-        }
+        pairs = _paired(runs["gdpo"], rs)
+        if not pairs:
+            continue
+        training = _measures(pairs, lambda r: r["steps_to_target"], lambda r: r["auc"], steps)
+        heldout = None
+        if all(g.get("heldout") and m.get("heldout") for g, m in pairs) and all(
+            r["heldout"]["auc"] is not None for pair in pairs for r in pair
+        ):
+            heldout = _measures(
+                pairs,
+                lambda r: r["heldout"]["steps_to_target"],
+                lambda r: r["heldout"]["auc"],
+                steps,
+            )
+        c = dict(heldout or training)
+        c["curve"] = "held-out" if heldout else "training"
+        c["training"] = training
+        c["wallclock"] = _wallclock(pairs) if heldout else None
+        c["verdict"] = _verdict(c)
+        c["holds"] = c["verdict"] == "holds"
+        out[algo] = c
     return out

@@ -40,8 +40,9 @@ from mrtpo_kernels import (
 from .builtin_models import is_builtin
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
+from .heldout import eval_due, evaluate_heldout
 from .initial_model import initial_folder
-from .metrics import format_step, relevant_token_masks, step_metrics
+from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
 from .model import default_model, lm_head, load_model, save_model
 from .model_folder import check_model_folder
 from .pretrained import stored_dtype
@@ -459,6 +460,13 @@ class Trainer:
             )
         self.samples = samples
 
+    def evaluate(self) -> dict:
+        """The held-out evaluation of the current policy (`mrtpo.heldout`)."""
+        return evaluate_heldout(
+            self.model, self.prompter, self.task, self.cfg, self.device, step=self.step,
+            amp=self._amp(),
+        )  # fmt: skip
+
     # -- the loop -----------------------------------------------------------------------------
     def run(self, *, progress: bool = True) -> TrainResult:
         try:
@@ -477,15 +485,24 @@ class Trainer:
             desc=cfg.algo,
             dynamic_ncols=True,
         )
+        pending = []  # the evaluation before the first step rides in step 1's row
+        if self.step == 0 and eval_due(0, cfg.eval_every, cfg.steps):
+            pending.append(self.evaluate())
         try:
             while self.step < cfg.steps:
                 row = self.train_step()
+                if eval_due(self.step, cfg.eval_every, cfg.steps):
+                    pending.append(self.evaluate())
+                if pending:
+                    row["eval"], pending = pending, []
                 self.metrics.append(row)
                 self.run_dir.append_metrics(row)
                 bar.update(1)
                 bar.set_postfix(all_pass=f"{row['all_pass']:.2f}", loss=f"{row['loss']:.3f}")
                 if progress:
                     bar.write(format_step(row, self.reward_names, cfg.steps))
+                    for ev in row.get("eval") or ():
+                        bar.write(format_eval(ev, self.reward_names))
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.save_checkpoint()
         finally:

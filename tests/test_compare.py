@@ -292,3 +292,26 @@ def test_an_edit_of_the_code_retrains(tmp_path, monkeypatch):
 def test_code_fingerprint_reads_the_sources():
     first = _REAL_FINGERPRINT()
     assert len(first) == 16 and int(first, 16) >= 0
+
+
+def test_reuse_key_holds_the_model_content_not_its_path(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2"}')
+    (folder / "model.safetensors").write_bytes(b"weights-a")
+    cfg = TrainConfig(model=str(folder), out=str(tmp_path / "run"))
+    key = run_key(cfg)
+    assert key["model_content"] == compare.model_fingerprint(folder)
+    assert run_key(cfg) == key
+    (folder / "model.safetensors").write_bytes(b"weights-b")  # the model replaced in place
+    replaced = run_key(cfg)
+    assert replaced["model_content"] != key["model_content"] and replaced != key
+    (folder / "model.safetensors").write_bytes(b"weights-a")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    assert run_key(cfg)["model_content"] != key["model_content"]
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    (copy / "config.json").write_text('{"model_type": "qwen2"}')
+    (copy / "model.safetensors").write_bytes(b"weights-a")
+    assert compare.model_fingerprint(copy) == key["model_content"]
+    assert "model_content" not in run_key(TrainConfig(out=str(tmp_path / "run")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,7 +113,14 @@ def tiny_config(tmp_path, **kw) -> TrainConfig:
 
 
 def _comparable(rows):
-    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+    """Rows without their timings (the step's and each held-out evaluation's seconds)."""
+    out = []
+    for r in rows:
+        r = {k: v for k, v in r.items() if k != "time"}
+        if "eval" in r:
+            r["eval"] = [{k: v for k, v in e.items() if k != "seconds"} for e in r["eval"]]
+        out.append(r)
+    return out
 
 
 def test_two_step_train_writes_outputs(tmp_path):
@@ -147,7 +155,11 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     resumed = Trainer(tiny_config(tmp_path / "part", steps=3, resume=True), task=standin_task())
     assert resumed.step == 2
     resumed.run(progress=False)
-    assert _comparable(resumed.metrics) == _comparable(full.metrics)
+    got, want = _comparable(resumed.metrics), _comparable(full.metrics)
+    # the shorter run evaluated its last policy (step 2); the run extended from it keeps that
+    # evaluation, the one uninterrupted 3-step run had no evaluation there
+    assert [e["step"] for e in got[1].pop("eval")] == [2] and "eval" not in want[1]
+    assert got == want
     for (na, pa), (nb, pb) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
     sa, sb = full.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
@@ -316,3 +328,50 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
     trained = res.checkpoint / "model"
     assert (trained / "config.json").exists()
+
+
+def test_heldout_evaluations_are_logged_and_leave_training_unchanged(tmp_path):
+    task = standin_task()
+    cfg = tiny_config(tmp_path, steps=5, eval_every=2, eval_prompts=3, eval_samples=2)
+    res = train(cfg, task=task, progress=False)
+    rows = [json.loads(line) for line in res.metrics_path.read_text().splitlines()]
+    at = {r["step"]: [e["step"] for e in r.get("eval", [])] for r in rows}
+    assert at == {1: [0], 2: [2], 3: [], 4: [4], 5: [5]}  # before step 1, every 2, the last
+    for r in rows:
+        for e in r.get("eval", []):
+            assert e["answers"] == 3 * 2 and 0.0 <= e["all_pass"] <= 1.0
+            assert set(e["pass"]) == {"include", "ending", "short"}
+            assert e["all_pass"] <= min(e["pass"].values())
+    # the evaluations sample in a random state of their own: the run trains as without them
+    plain = train(
+        replace(cfg, eval_every=0, out=str(tmp_path / "plain")), task=task, progress=False
+    )
+    assert [r for r in _comparable(res.metrics) if r.pop("eval", True)] == _comparable(
+        plain.metrics
+    )
+    # the same prompts and sampling seed every time: the same policy scores the same
+    from mrtpo.heldout import evaluate_heldout
+
+    trainer = Trainer(replace(cfg, out=str(tmp_path / "again")), task=task)
+    try:
+        a, b = trainer.evaluate(), trainer.evaluate()
+    finally:
+        trainer.run_dir.unlock()
+    assert {k: v for k, v in a.items() if k != "seconds"} == {
+        k: v for k, v in b.items() if k != "seconds"
+    }
+    with pytest.raises(ValueError, match="no eval prompts"):
+        task.eval.clear()
+        evaluate_heldout(trainer.model, trainer.prompter, task, cfg, trainer.device, step=0)
+
+
+def test_heldout_evaluations_survive_resume(tmp_path):
+    task = standin_task()
+    cfg = tiny_config(tmp_path, steps=4, eval_every=2, eval_prompts=2, checkpoint_every=2)
+    full = train(cfg, task=task, progress=False)
+    part = train(replace(cfg, steps=2, out=str(tmp_path / "part")), task=task, progress=False)
+    assert [e["step"] for e in part.metrics[-1]["eval"]] == [2]
+    resumed = train(
+        replace(cfg, out=str(tmp_path / "part"), resume=True), task=task, progress=False
+    )
+    assert _comparable(resumed.metrics) == _comparable(full.metrics)

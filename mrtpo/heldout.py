@@ -1,0 +1,64 @@
+"""Held-out evaluation: the policy's pass rates on a fixed set of the task's eval prompts.
+
+The training curve (`all_pass` of each step's batch) is measured on the prompts the policy
+is trained on, 8 answers at a time. The held-out curve is what a claim should rest on: every
+``eval_every`` steps, and before the first and after the last, the first ``eval_prompts``
+prompts of the task's eval split (disjoint from its training prompts) get ``eval_samples``
+sampled answers each, at the training temperature, scored by the same verifiers.
+
+The sampling runs in a random state of its own, seeded by ``eval_seed`` each time
+(`torch.random.fork_rng`): the same prompts and seed at every evaluation, so two points of a
+curve, or two runs' curves, differ only by their policies; and the training run's own random
+stream is untouched (a run with evaluations trains exactly as one without).
+
+An evaluation is a dict, kept in the metrics row of the step after which it ran (the one
+before the first step rides in step 1's row): ``{"step": s, "all_pass": x, "pass": {reward:
+x}, "answers": n, "truncated": share, "seconds": t}``, ``step`` being the number of updates
+the evaluated policy has had. `mrtpo.stats.evaluations` collects them from a run's rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+import torch
+
+from .metrics import PASS_THRESHOLD
+from .rollouts import generate_rollouts
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """Whether the policy after ``step`` updates is evaluated: at 0, every ``every`` steps
+    and at the run's last step (``every`` = 0: never)."""
+    return every > 0 and (step % every == 0 or step == last)
+
+
+@torch.no_grad()
+def evaluate_heldout(model, prompter, task, cfg, device, *, step: int, amp=None) -> dict:
+    """One held-out evaluation of ``model`` after ``step`` updates (see the module doc)."""
+    examples = list(task.eval[: cfg.eval_prompts])
+    if not examples:
+        raise ValueError(f"task: {task.name!r} has no eval prompts to evaluate on")
+    t0 = time.perf_counter()
+    gen_cfg = replace(cfg, group_size=cfg.eval_samples)
+    devices = [device] if device.type == "cuda" else []
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(cfg.eval_seed)
+        with amp if amp is not None else contextlib.nullcontext():
+            ro = generate_rollouts(model, prompter, task, examples, gen_cfg, device)
+    model.train(was_training)
+    passed = ro.rewards >= PASS_THRESHOLD
+    names = [v.name for v in task.verifiers]
+    return {
+        "step": step,
+        "all_pass": float(passed.all(1).float().mean()),
+        "pass": {n: float(passed[:, j].float().mean()) for j, n in enumerate(names)},
+        "answers": len(ro.responses),
+        "truncated": sum(ro.truncated) / len(ro.truncated) if ro.truncated else None,
+        "seconds": time.perf_counter() - t0,
+    }
+

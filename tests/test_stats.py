@@ -1,0 +1,156 @@
+"""The comparison's statistics (mrtpo.stats): paired intervals, the sign-flip p-value, the
+held-out curve's measures, the verdict's rules, equal wall-clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mrtpo.report import claim_verdict
+from mrtpo.stats import (
+    MIN_SEEDS,
+    bootstrap_ratio,
+    compare_to_gdpo,
+    curve_auc,
+    heldout_summary,
+    paired_bootstrap,
+    sign_flip_p,
+    summarize_run,
+)
+
+
+def test_sign_flip_p_is_exact():
+    assert sign_flip_p([1.0] * 6) == pytest.approx(2 / 64)  # only all + or all - as extreme
+    assert sign_flip_p([1.0] * 5) == pytest.approx(2 / 32)
+    assert sign_flip_p([1.0, -1.0]) == 1.0
+    d = [0.3, -0.1, 0.2, 0.25, 0.05]
+    obs = abs(sum(d))
+    brute = sum(
+        abs(sum(s * x for s, x in zip(signs, d))) >= obs - 1e-12
+        for signs in itertools.product((1, -1), repeat=len(d))
+    )
+    assert sign_flip_p(d) == pytest.approx(brute / 32)
+    many = sign_flip_p([0.1] * 30, draws=20_000)  # Monte Carlo beyond 20 pairs
+    assert 0.0 < many < 1e-3
+    with pytest.raises(ValueError, match="at least one"):
+        sign_flip_p([])
+
+
+def test_paired_bootstrap_uses_the_pairing():
+    # seeds differ a lot, MRTPO is ahead of GDPO by 0.05 on every seed: paired, the interval
+    # excludes 0; resampling each arm on its own (the old analysis), it does not
+    g = [0.1, 0.5, 0.3, 0.8, 0.2, 0.6]
+    m = [x + 0.05 for x in g]
+    lo, hi = paired_bootstrap(m, g, diff=True)
+    assert lo == pytest.approx(0.05) and hi == pytest.approx(0.05)
+    u_lo, u_hi = bootstrap_ratio(m, g, diff=True)
+    assert u_lo < 0 < u_hi
+    r_lo, r_hi = paired_bootstrap([2.0, 4.0, 6.0], [4.0, 8.0, 12.0])
+    assert r_lo == pytest.approx(0.5) and r_hi == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="equal"):
+        paired_bootstrap([1.0], [1.0, 2.0])
+
+
+def test_curve_auc():
+    assert curve_auc([(0, 0.0), (10, 1.0)]) == pytest.approx(0.5)
+    assert curve_auc([(0, 0.2), (5, 0.2), (10, 0.6)]) == pytest.approx(0.3)
+    assert curve_auc([(0, 0.0), (10, 1.0)], until=5) == pytest.approx(0.25)  # cut inside
+    assert curve_auc([(0, 0.0), (10, 1.0)], until=20) == pytest.approx(0.75)  # holds the last
+    assert curve_auc([(0, 1.0)]) is None
+
+
+def _rows(all_pass, evals, seconds=1.0):
+    """Metrics rows of a run: training all-pass per step, held-out evaluations
+    {step: all_pass}, each step taking ``seconds``."""
+    rows = []
+    for i, x in enumerate(all_pass, start=1):
+        row = {"step": i, "all_pass": x, "pass/r": x, "time": {"rollout": seconds, "replay": 0.0,
+               "update": 0.0, "replays": 3}}  # fmt: skip
+        evs = [s for s in sorted(evals) if (s == 0 and i == 1) or (s == i and s > 0)]
+        if evs:
+            row["eval"] = [
+                {"step": s, "all_pass": evals[s], "pass": {"r": evals[s]}, "answers": 8}
+                for s in evs
+            ]
+        rows.append(row)
+    return rows
+
+
+def test_heldout_summary():
+    rows = _rows([0.1, 0.2, 0.3, 0.4], {0: 0.1, 2: 0.5, 4: 0.7}, seconds=2.0)
+    h = heldout_summary(rows, ["r"], target=0.5)
+    assert h["steps"] == [0, 2, 4] and h["curve"] == [0.1, 0.5, 0.7]
+    assert h["steps_to_target"] == 2 and h["seconds_to_target"] == pytest.approx(4.0)
+    assert h["auc"] == pytest.approx((0.3 * 2 + 0.6 * 2) / 4)
+    assert h["final_pass"] == {"r": 0.7} and h["train_s"] == pytest.approx(8.0)
+    assert heldout_summary(rows, ["r"], target=0.9)["steps_to_target"] is None
+    assert heldout_summary(_rows([0.1], {}), ["r"], 0.5) is None
+
+
+def _summary(pairs, *, steps=4, heldout=True):
+    """A comparison's summary from per seed (gdpo, mrtpo) held-out curves."""
+    runs = {"gdpo": [], "mrtpo": []}
+    for seed, (g, m) in enumerate(pairs):
+        for algo, curve in (("gdpo", g), ("mrtpo", m)):
+            evals = dict(zip([0, 2, 4], curve)) if heldout else {}
+            s = summarize_run(_rows([curve[-1]] * steps, evals), ["r"], 0.5, 1)
+            s["seed"] = seed
+            runs[algo].append(s)
+    return {"runs": runs, "settings": {"baseline_replay": False}}
+
+
+def test_no_verdict_with_too_few_seeds():
+    # two seeds, MRTPO far ahead on both: intervals but no verdict
+    s = _summary([((0.1, 0.2, 0.3), (0.1, 0.6, 0.9))] * 2)
+    c = compare_to_gdpo(s, 4)["mrtpo"]
+    assert c["n"] == 2 and c["curve"] == "held-out"
+    assert c["verdict"] is None and not c["holds"]
+    text = "\n".join(claim_verdict(s, 4))
+    assert "no verdict" in text and "holds" not in text.replace("does not hold", "")
+    one = compare_to_gdpo(_summary([((0.1, 0.2, 0.3), (0.1, 0.6, 0.9))]), 4)["mrtpo"]
+    assert one["verdict"] is None  # the old analysis printed "claim holds" here
+
+
+def test_verdict_needs_the_auc_interval_above_zero():
+    # MRTPO reaches the target in half the steps on every seed (GDPO never does), and its
+    # held-out AUC is ahead on average, but behind on three seeds of six: the AUC interval
+    # crosses 0
+    ahead = ((0.1, 0.3, 0.45), (0.1, 0.55, 0.9))  # AUC 0.2875 vs 0.525
+    behind = ((0.1, 0.45, 0.45), (0.0, 0.5, 0.0))  # AUC 0.3625 vs 0.25
+    pairs = [ahead] * 3 + [behind] * 3
+    c = compare_to_gdpo(_summary(pairs), 4)["mrtpo"]
+    assert c["n"] == MIN_SEEDS and c["ratio"] == pytest.approx(0.5) and c["ci"][1] < 1
+    assert c["auc_diff"] > 0 and c["auc_ci"][0] < 0 < c["auc_ci"][1]
+    assert c["verdict"] == "does not hold"
+    # every seed ahead by the same margin: both intervals clear, the claim holds
+    c = compare_to_gdpo(_summary([ahead] * MIN_SEEDS), 4)["mrtpo"]
+    assert c["ratio"] == pytest.approx(2 / 4) and c["ci"][1] < 1 and c["auc_ci"][0] > 0
+    assert c["verdict"] == "holds" and c["p"] == pytest.approx(2 / 64)
+    assert "**holds**" in "\n".join(claim_verdict(_summary([ahead] * MIN_SEEDS), 4))
+
+
+def test_pairs_by_seed_and_falls_back_to_the_training_curve():
+    s = _summary([((0.1, 0.3, 0.45), (0.1, 0.55, 0.9))] * 3, heldout=False)
+    s["runs"]["mrtpo"] = s["runs"]["mrtpo"][:2]  # seed 2 of MRTPO missing: two pairs
+    c = compare_to_gdpo(s, 4)["mrtpo"]
+    assert c["curve"] == "training" and c["n"] == 2 and c["wallclock"] is None
+
+
+def test_equal_wall_clock():
+    # MRTPO's steps take twice GDPO's seconds: at equal steps it is ahead, at equal
+    # wall-clock it is not
+    g_rows = _rows([0.5] * 4, {0: 0.0, 2: 0.5, 4: 1.0}, seconds=1.0)
+    m_rows = _rows([0.5] * 4, {0: 0.0, 2: 1.0, 4: 1.0}, seconds=2.0)
+    runs = {"gdpo": [], "mrtpo": []}
+    for seed in range(MIN_SEEDS):
+        for algo, rows in (("gdpo", g_rows), ("mrtpo", m_rows)):
+            r = summarize_run(rows, ["r"], 0.5, 1)
+            r["seed"] = seed
+            runs[algo].append(r)
+    c = compare_to_gdpo({"runs": runs, "settings": {"baseline_replay": False}}, 4)["mrtpo"]
+    assert c["auc_diff"] > 0
+    w = c["wallclock"]
+    # up to GDPO's 4 s: GDPO's curve 0 -> 1 over 4 s (AUC 0.5); MRTPO's 0 -> 1 over 4 s
+    assert w["auc_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert w["time_ratio"] == pytest.approx(4.0 / 2.0)  # 4 s to target against 2 s
