@@ -61,4 +61,3 @@ def evaluate_heldout(model, prompter, task, cfg, device, *, step: int, amp=None)
         "truncated": sum(ro.truncated) / len(ro.truncated) if ro.truncated else None,
         "seconds": time.perf_counter() - t0,
     }
-
