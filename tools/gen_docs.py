@@ -3,7 +3,10 @@
 1. Generated pages: each page with a ``<!-- generated: NAME -->`` marker gets the section
    ``tools/docs_pages.section(NAME)`` after it (the op and settings tables, the CLI flags,
    the results index), computed from the code of this checkout.
-2. Links that leave docs/ (``../bench/results/...md``, a source file) or name a folder
+2. Lists written GitHub's way, right under a paragraph line, get the blank line before them
+   that Python-Markdown needs to see a list (`loosen_lists`); the pages themselves keep
+   their text.
+3. Links that leave docs/ (``../bench/results/...md``, a source file) or name a folder
    (``runs/``): the pages keep the links that work on a plain checkout; in the site each such
    link points to a copy of its target under ``repo/`` (a folder: a generated listing of its
    files), so that ``mkdocs build --strict`` resolves every link. Copied Markdown pages are
@@ -39,6 +42,26 @@ def virtual(real: str) -> str:
 
 def _outside(real: str) -> bool:
     return not real.startswith("docs/")
+
+
+LIST_ITEM = re.compile(r"^(\s*)([-*+]|\d+\.)\s+\S")
+
+
+def loosen_lists(text: str) -> str:
+    """A blank line before each list that starts right under a paragraph line (outside code
+    fences), as Python-Markdown needs; GitHub renders both the same."""
+    out: list[str] = []
+    fenced = False
+    prev = ""
+    for line in text.splitlines(keepends=True):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and LIST_ITEM.match(line) and not LIST_ITEM.match(prev):
+            if prev.strip() and not prev.startswith((" ", "\t", "|", "#", ">")):
+                out.append("\n")
+        out.append(line)
+        prev = line
+    return "".join(out)
 
 
 class Site:
@@ -108,7 +131,7 @@ class Site:
             return
         src = ROOT / real
         if real.endswith(".md"):
-            text = self.rewrite_links(src.read_text(), real)
+            text = loosen_lists(self.rewrite_links(src.read_text(), real))
             with mkdocs_gen_files.open(virtual(real), "w") as fh:
                 fh.write(text)
         else:
@@ -121,7 +144,7 @@ def main() -> None:
     for page in sorted(DOCS.rglob("*.md")):
         real = page.relative_to(ROOT).as_posix()
         text = page.read_text()
-        new = site.rewrite_links(docs_pages.fill(text), real)
+        new = loosen_lists(site.rewrite_links(docs_pages.fill(text), real))
         if new != text:
             with mkdocs_gen_files.open(virtual(real), "w") as fh:
                 fh.write(new)
