@@ -146,3 +146,25 @@ def test_links_that_leave_docs_point_at_copies(tmp_path, monkeypatch):
     # the real build copied what the pages link outside docs/
     assert "repo/bench/results/gpu-2026-12-04-h200.md" in written
     assert "benchmarks.md" in written and "(../bench/" not in written["benchmarks.md"]
+
+
+@pytest.mark.slow
+def test_adding_a_task_page_runs(tmp_path, monkeypatch):
+    """docs/tasks.md's code, run as written but for the step counts (1 step, 1 seed)."""
+    text = (DOCS / "tasks.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)\n```", text, flags=re.DOTALL)
+    assert len(blocks) == 3
+    code = "\n".join(blocks)
+    for old, new in (("warm_steps=200", "warm_steps=2"), ("steps=20,", "steps=1,"),
+                     ("seeds=3, steps=50", "seeds=1, steps=2")):  # fmt: skip
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MRTPO_CACHE", str(tmp_path / "cache"))
+    scope: dict = {}
+    exec(compile(code, "docs/tasks.md", "exec"), scope)
+    assert len(scope["result"].metrics) == 1
+    assert set(scope["summary"]["runs"]) == {"gdpo", "mrtpo"}
+    assert (tmp_path / "runs" / "cities-results" / "cities" / "compare.md").is_file()
+    row = scope["result"].metrics[0]
+    assert row["credit_precision"] is not None or row["pass/mentions_city"] in (0.0, 1.0)
