@@ -9,7 +9,7 @@ BUILT := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup build run test test-fast test-triton test-frameworks lint bench gpu-check clean
+.PHONY: setup build run test test-fast test-triton test-frameworks lint bench gpu-check clean docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,17 @@ $(FDEPS): $(FREQ)
 test-frameworks: $(FDEPS)
 	PYTHONPATH=. $(FPY) -m pytest -q -ra -o addopts= -p no:cacheprovider -W ignore::UserWarning \
 		-W ignore::FutureWarning -W ignore::DeprecationWarning tests/frameworks
+
+# the documentation site (mkdocs.yml): pinned tools in .venv, then a strict build into site/
+# (every link and reference must resolve; generated pages are computed from the code)
+DOCDEPS := $(VENV)/.docs-installed
+
+$(DOCDEPS): requirements-docs.txt | $(DEPS)
+	$(PY) -m pip install -q -r requirements-docs.txt
+	touch $@
+
+docs: $(DOCDEPS)
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 lint: $(DEPS)
 	$(PY) -m ruff check .

@@ -3,6 +3,12 @@ lies, and whether it is installed here. Imports nothing of the project (a leaf):
 settings ask ``is_builtin`` of a ``--model`` value, the CLI asks ``check_available`` before
 any run, ``mrtpo.pretrained`` converts the file.
 
+Each model also carries the training settings its recorded runs used (``train_defaults``):
+``mrtpo train`` / ``mrtpo compare`` apply them to every flag the command line leaves unset
+(`TrainConfig.with_model_defaults`), so a real model does not train at the tiny model's
+learning rate. Converted and warm-started folders go to the per-user cache folder
+(`user_cache_dir`), never to the current directory.
+
 The package that carries a file is located without being imported (its ``__init__`` imports
 packages this project does not need): ``importlib.util.find_spec(...).submodule_search_locations``.
 """
@@ -10,8 +16,26 @@ packages this project does not need): ``importlib.util.find_spec(...).submodule_
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+
+CACHE_ENV = "MRTPO_CACHE"
+
+
+def user_cache_dir() -> str:
+    """The per-user cache folder (converted and warm-started models): ``$MRTPO_CACHE``, else
+    ``$XDG_CACHE_HOME/mrtpo``, else ``~/.cache/mrtpo`` (the Hugging Face convention: an
+    environment variable, else the user's cache directory). Read at each call; an empty
+    variable counts as unset."""
+    own = os.environ.get(CACHE_ENV, "").strip()
+    if own:
+        return str(Path(own).expanduser())
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return str(base / "mrtpo")
 
 
 @dataclass(frozen=True)
@@ -22,6 +46,9 @@ class BuiltinModel:
     gguf: str  # file name inside the package folder
     extra: str  # this project's extra that installs it
     about: str
+    # TrainConfig field -> value: what the recorded runs with this model used, applied to
+    # every flag a command line leaves unset (docs/results/real*/command.sh)
+    train_defaults: Mapping = field(default_factory=lambda: MappingProxyType({}))
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -33,12 +60,24 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         extra="real",
         about="SmolLM2-135M-Instruct (Llama, 30 layers, d = 576, V = 49152, tied head), "
         "dequantized from its Q4_1 GGUF",
+        # every recorded run (issues 17 and 25): lr 2e-5 (the trainer's 2e-4 grows answers
+        # to the token cap within 5 steps), 2 prompts x 4 samples, 8 responses per forward
+        train_defaults=MappingProxyType(
+            {"lr": 2e-5, "prompts_per_step": 2, "group_size": 4, "micro_batch": 8}
+        ),
     ),
 }
 
 
 def is_builtin(name) -> bool:
     return isinstance(name, str) and name in BUILTIN_MODELS
+
+
+def model_defaults(name) -> Mapping:
+    """The training settings built-in model ``name`` applies where none is given (empty for
+    a path or an unknown name)."""
+    spec = BUILTIN_MODELS.get(name) if isinstance(name, str) else None
+    return spec.train_defaults if spec is not None else MappingProxyType({})
 
 
 def _install_hint(spec: BuiltinModel) -> str:

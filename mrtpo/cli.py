@@ -5,9 +5,10 @@ mrtpo compare --task constraints-full --algos grpo,gdpo,mrtpo --seeds 3
 mrtpo demo            # a small table of JS relevance and token advantages
 
 The flags of ``train`` and ``compare`` are built from the fields of `TrainConfig` and
-`CompareConfig` (mrtpo/config.py) by mrtpo/cli_args.py. Every bad argument ends the command
-with one line that names it and exit status 2, before any model is built. (The benchmark
-suite runs from a checkout with ``python -m bench``.)
+`CompareConfig` (mrtpo/config.py) by mrtpo/cli_args.py; a built-in ``--model`` fills the
+flags a command line leaves out with the settings its recorded runs used. Every bad argument
+ends the command with one line that names it and exit status 2, before any model is built.
+(The benchmark suite runs from a checkout with ``python -m bench``.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import sys
 
 from .builtin_models import check_available, is_builtin
-from .cli_args import add_flags, flag_for_error
+from .cli_args import add_flags, flag_for_error, given_flags
 from .cli_args import from_namespace as config_from_namespace
 from .config import COMPARE_FIXED, CompareConfig, TrainConfig
 
@@ -68,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig | CompareConfig:
     """The typed config of a parsed ``train`` or ``compare`` command line."""
     if args.command == "compare":
-        return config_from_namespace(CompareConfig(), args)
-    return config_from_namespace(TrainConfig(), args)
+        cfg = config_from_namespace(CompareConfig(), args)
+        return cfg.with_model_defaults(given_flags(args, prefix="train."))
+    return config_from_namespace(TrainConfig(), args).with_model_defaults(given_flags(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,48 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from .config import COMPARE_FIXED, CompareConfig, check_value, value_kind
+from .config import (
+    COMPARE_FIXED,
+    CompareConfig,
+    TrainConfig,
+    check_value,
+    model_default_note,
+    value_kind,
+)
+
+# the namespace attribute holding the destinations of the flags a command line gave
+GIVEN = "_given"
+
+
+def given_flags(ns: argparse.Namespace, *, prefix: str = "") -> set[str]:
+    """The fields (``prefix`` removed) whose flags the parsed command line gave."""
+    return {d.removeprefix(prefix) for d in getattr(ns, GIVEN, ()) if d.startswith(prefix)}
+
+
+def _mark(ns, dest: str) -> None:
+    if getattr(ns, GIVEN, None) is None:
+        setattr(ns, GIVEN, set())
+    getattr(ns, GIVEN).add(dest)
+
+
+class _Store(argparse.Action):
+    """``store``, remembering that the flag was given (a built-in model's defaults fill only
+    the flags a command line leaves out)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _mark(namespace, self.dest)
+
+
+class _StoreConst(argparse.Action):
+    """``store_true`` / ``store_false``, remembering that the flag was given."""
+
+    def __init__(self, option_strings, dest, const, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+        _mark(namespace, self.dest)
 
 
 def flag_of(f) -> str:
@@ -65,12 +106,15 @@ def add_flags(parser, default, *, skip=(), prefix: str = "", groups=None):
             continue
         help_text = md["help"]
         if value_kind(f) == "bool":
-            action = "store_false" if value else "store_true"
-            target.add_argument(flag_of(f), dest=dest, action=action, default=value, help=help_text)
+            target.add_argument(
+                flag_of(f), dest=dest, action=_StoreConst, const=not value, default=value,
+                help=help_text,
+            )  # fmt: skip
             continue
         if value is not None and "(default" not in help_text:
             shown = ",".join(value) if value_kind(f) == "algos" else value
-            help_text += f" (default: {shown})"
+            note = model_default_note(f.name) if isinstance(default, TrainConfig) else ""
+            help_text += f" (default: {shown}{note})"
         choices = md.get("choices")
         metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
         target.add_argument(
@@ -78,6 +122,7 @@ def add_flags(parser, default, *, skip=(), prefix: str = "", groups=None):
             dest=dest,
             type=_arg_type(f),
             default=value,
+            action=_Store,
             metavar=md.get("metavar") or metavar,
             help=help_text,
         )

@@ -17,7 +17,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .builtin_models import is_builtin
+from .builtin_models import BUILTIN_MODELS, is_builtin, model_defaults, user_cache_dir
 from .model_folder import check_model_folder
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
@@ -180,6 +180,20 @@ def check_value(f, value) -> str | None:
     return None
 
 
+def model_default_note(name: str) -> str:
+    """``; smollm2-135m-instruct: 2e-05`` for a TrainConfig field that a built-in model sets
+    where the command line does not (its ``train_defaults``), else ``""``: the flags' help
+    shows it beside the default."""
+    notes = [
+        f"{m.name}: {m.train_defaults[name]:g}"
+        if isinstance(m.train_defaults[name], float)
+        else f"{m.name}: {m.train_defaults[name]}"
+        for m in BUILTIN_MODELS.values()
+        if name in m.train_defaults
+    ]
+    return "".join("; " + n for n in notes)
+
+
 def _check_writable_dir(path: str) -> str | None:
     """None if ``path`` is (or can be created as) a folder we can write, else why not."""
     p = Path(path)
@@ -293,8 +307,9 @@ class TrainConfig:
         None,
         "a local Hugging Face causal LM folder, or a built-in pretrained model's name "
         "(smollm2-135m-instruct: converted once from the [real] extra's GGUF, cached under "
-        "--cache-dir; no download) (default: the built-in tiny model, warm-started and "
-        "cached under --cache-dir)",
+        "--cache-dir; no download; a built-in model also sets the training flags its "
+        "recorded runs used wherever they are not given, shown in their help) (default: the "
+        "built-in tiny model, warm-started and cached under --cache-dir)",
         kind="path",
         metavar="PATH|NAME",
     )
@@ -434,8 +449,10 @@ class TrainConfig:
         group="run",
     )
     cache_dir: str = setting(
-        "runs/cache",
-        "where the warm-started built-in model is cached",
+        help="where built-in models are converted and warm-started models cached (default: "
+        "$MRTPO_CACHE, else $XDG_CACHE_HOME/mrtpo, else ~/.cache/mrtpo; never the current "
+        "folder)",
+        factory=user_cache_dir,
         kind="path",
         group="run",
         resume_may_change=True,
@@ -496,6 +513,14 @@ class TrainConfig:
             if msg:
                 raise ValueError(f"cache_dir: {msg}")
         return self
+
+    def with_model_defaults(self, given=()) -> TrainConfig:
+        """This config with built-in ``model``'s training settings (``train_defaults`` in
+        mrtpo.builtin_models: what its recorded runs used, e.g. lr 2e-5 for
+        smollm2-135m-instruct) in every field not named in ``given`` (the fields a command
+        line set). A path or no model: unchanged."""
+        over = {k: v for k, v in model_defaults(self.model).items() if k not in set(given)}
+        return replace(self, **over) if over else self
 
     def trajectory(self) -> dict:
         """The settings a resumed run must share with its checkpoint."""
@@ -570,6 +595,11 @@ class CompareConfig:
                     raise ValueError(f"algos: {algo}: {err}") from None
                 raise ValueError(f"train.{err}") from None
         return self
+
+    def with_model_defaults(self, given=()) -> CompareConfig:
+        """`TrainConfig.with_model_defaults` applied to the runs' settings (``given``: the
+        fields of ``train`` a command line set)."""
+        return replace(self, train=self.train.with_model_defaults(given))
 
     def run_config(self, algo: str, seed: int) -> TrainConfig:
         """The TrainConfig of one (algorithm or variant, seed) run: fresh, in its own folder."""

@@ -24,6 +24,7 @@ import torch
 
 from mrtpo_kernels import linear_logprobs
 
+from .builtin_models import user_cache_dir
 from .config import TinyConfig
 from .model_folder import quiet_transformers, save_model
 from .prompting import ChatPrompter
@@ -160,11 +161,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device="cpu",
     what: str = "model",
-    cache_dir: str | Path = "runs/cache",
+    cache_dir: str | Path | None = None,
     log=None,
 ):
     """Load a local Hugging Face causal LM and its tokenizer from ``path``, or a built-in
-    pretrained model by name (``mrtpo.pretrained``: converted once into ``cache_dir``); a
+    pretrained model by name (``mrtpo.pretrained``: converted once into ``cache_dir``, by
+    default the per-user cache folder ``mrtpo.builtin_models.user_cache_dir()``); a
     load failure is a one-line ValueError that starts with ``what`` (the setting that named
     ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -313,14 +315,16 @@ def default_model(
     task,
     *,
     seed: int = 0,
-    cache_dir: str | Path = "runs/cache",
+    cache_dir: str | Path | None = None,
     cfg: TinyConfig | None = None,
     log=None,
 ):
-    """The built-in tiny model for ``task``, warm-started, cached under ``cache_dir`` keyed by
-    task, seed and config (later runs, e.g. every algorithm of a comparison, reuse it)."""
+    """The built-in tiny model for ``task``, warm-started, cached under ``cache_dir`` (default:
+    the per-user cache folder, ``user_cache_dir()``) keyed by task, seed and config (later
+    runs, e.g. every algorithm of a comparison, reuse it)."""
     cfg = (TinyConfig() if cfg is None else cfg).for_task(task.name)
-    path = Path(cache_dir) / f"{task.name}-seed{seed}-{cfg.key()}"
+    root = Path(user_cache_dir() if cache_dir is None else cache_dir)
+    path = root / f"{task.name}-seed{seed}-{cfg.key()}"
     if (path / "config.json").exists() and (path / "warm_start.json").exists():
         return load_model(path)
     tokenizer = build_tokenizer(task_texts(task), vocab_size=cfg.vocab_size)

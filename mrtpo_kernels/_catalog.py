@@ -4,8 +4,8 @@ its tests and the benchmark workloads that time it.
 
 Every backend that serves an op defines all of the op's entry points under these names
 (signatures: the Protocols of ``mrtpo_kernels/backends/contract.py``) and says in its
-``SERVES`` which devices and dtypes it takes; the dispatcher reads both. The README's "Backends and
-dispatch" section shows this table (``markdown()``; a test keeps the two equal).
+``SERVES`` which devices and dtypes it takes; the dispatcher reads both. The docs' "Backends and
+settings" page shows this table (``markdown()``, filled in at each build of the site).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
 
 
 def markdown() -> str:
-    """The table as Markdown (the README shows this)."""
+    """The table as Markdown (docs/backends.md shows this)."""
     backends = ("torch", "cpu", "triton", "cuda")
     lines = [
         "| op | entry points | "
