@@ -87,19 +87,26 @@ def oracle_relevance(task, ro, lengths) -> torch.Tensor:
 
 
 def stop_token_at_mean(relevance, lengths, finished, gamma):
-    """``relevance`` (K, N) with the last token of each finished response (``finished`` (n,)
-    bool, at least 2 tokens) set to (mean of d^gamma over the response's other tokens)^(1 /
-    gamma): its allocation weight becomes 1 for every reward (GDPO's share of the stop
-    decision), the mean of d^gamma over the response unchanged."""
+    """``relevance`` (K, N) raised to ``gamma`` in float64, with the last token of each
+    finished response (``finished`` (n,) bool, at least 2 tokens) set to the mean of d^gamma
+    over the response's other tokens. Allocate it with gamma 1: its weight is then 1 for
+    every reward (GDPO's share of the stop decision), every other token's weight is d^gamma
+    over that mean (as in the response without its stop token), and the delta test sees the
+    same mean.
+
+    The power is handed over, not the d whose power it is ((mean d^gamma)^(1/gamma)): that d
+    leaves every float's range at small gamma (0.5^1000 at gamma 1e-3), and even in range
+    rounding it to float32 before the kernel raises it again to gamma moved the weights; at
+    gamma 0.01 the stop token's d underflowed to 0 (weight 0, the others' weights shifted).
+    d^gamma itself lies in [0, 1] (d is a distance) and needs no range."""
     last = torch.cumsum(lengths, 0) - 1
     pick = finished & (lengths >= 2)
     p = relevance.clamp(min=0).double() ** gamma
     seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     sums = torch.zeros(p.shape[0], len(lengths), dtype=p.dtype).index_add_(1, seg, p)
     others = (sums - p[:, last]) / (lengths - 1).clamp(min=1)
-    out = relevance.clone()
-    out[:, last[pick]] = (others[:, pick] ** (1.0 / gamma)).to(out.dtype)
-    return out
+    p[:, last[pick]] = others[:, pick]
+    return p
 
 
 def compute_advantages(
@@ -116,8 +123,11 @@ def compute_advantages(
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
         relevance = relevance_mode(cfg.relevance).allocating(relevance, has_info, lengths, control)
+        gamma = cfg.gamma
         if cfg.stop_credit == "uniform" and finished is not None:
+            # float64 d^gamma allocated with gamma 1 (the op computes in float64 for it)
             relevance = stop_token_at_mean(relevance, lengths, finished, cfg.gamma)
+            gamma = 1.0
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -125,7 +135,7 @@ def compute_advantages(
             has_info=has_info,
             cu_seqlens=cu,
             alpha=cfg.alpha,
-            gamma=cfg.gamma,
+            gamma=gamma,
             batch_norm=cfg.batch_norm,
         )
         return ta.token.float(), ta.allocation.float()
