@@ -91,7 +91,8 @@ def parse_variant(label: str) -> tuple[str, dict]:
 
     An algorithm, then optional ``:``-separated items: a relevance name (js, specific,
     control) or ``key=value`` with key in VARIANT_KEYS (MRTPO only), e.g.
-    ``mrtpo:specific:gamma=2:stop_credit=uniform``."""
+    ``mrtpo:specific:gamma=2:stop_credit=uniform``. A setting given twice (a relevance name
+    is ``relevance=``) is an error naming the variant."""
     algo, *items = label.split(":")
     if algo not in ALGOS:
         raise ValueError(f"unknown algorithm {algo!r} in {label!r}")
@@ -102,6 +103,8 @@ def parse_variant(label: str) -> tuple[str, dict]:
             key, value = "relevance", item
         if key not in VARIANT_KEYS:
             raise ValueError(f"unknown setting {key!r} in {label!r}; known: {VARIANT_KEYS}")
+        if key in over:  # mrtpo:gamma=2:gamma=3, mrtpo:specific:control: which one?
+            raise ValueError(f"{key} is set twice in {label!r}; give each setting once")
         if algo != "mrtpo":
             raise ValueError(f"{label!r}: only mrtpo takes settings")
         choices = next(f for f in fields(TrainConfig) if f.name == key).metadata.get("choices")
