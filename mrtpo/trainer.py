@@ -144,6 +144,10 @@ def compute_advantages(
     return g.sequence.float().repeat_interleave(lengths), uniform
 
 
+class NonFiniteWeightsError(RuntimeError):
+    """An update made weights NaN or inf: the run stops before they are saved or used."""
+
+
 @dataclass
 class TrainResult:
     out: Path
@@ -430,6 +434,7 @@ class Trainer:
                 )
                 stats["grad_norm"].append(float(gn))
                 self.opt.step()
+                self._check_finite_weights()
         self.opt.zero_grad(set_to_none=True)
 
         def wmean(pairs):
@@ -444,6 +449,29 @@ class Trainer:
             "kl": wmean(stats["kl"]),
             "grad_norm": sum(stats["grad_norm"]) / len(stats["grad_norm"]),
         }
+
+    def _check_finite_weights(self) -> None:
+        """After each optimizer step: a NaN or inf weight stops the run, naming the step,
+        before the weights are saved (no checkpoint of them is ever written) or sampled
+        from. One reduction per trained tensor and a single host sync."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not named or bool(torch.stack([torch.isfinite(p).all() for _, p in named]).all()):
+            return
+        bad = [(n, int((~torch.isfinite(p)).sum()), p.numel()) for n, p in named]
+        bad = [b for b in bad if b[1]]
+        count = sum(b[1] for b in bad)
+        total = sum(p.numel() for _, p in named)
+        last = self.run_dir.committed_step()
+        kept = (
+            f"the last checkpoint (step {last}) in {self.ckpt_dir} is untouched"
+            if last is not None
+            else "no checkpoint was saved"
+        )
+        raise NonFiniteWeightsError(
+            f"step {self.step + 1}: the optimizer update made {count} of {total} weights "
+            f"non-finite (NaN or inf; {len(bad)} tensors, first {bad[0][0]}); the run stopped "
+            f"without saving them: {kept} (lower --lr or --max-grad-norm)"
+        )
 
     def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance):
         starts = torch.zeros(len(lengths) + 1, dtype=torch.long)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,3 +368,64 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
     trained = res.checkpoint / "model"
     assert (trained / "config.json").exists()
+
+
+# --- Issue 32, items 6 and 11 --------------------------------------------------------------
+
+
+def test_a_non_finite_weight_stops_the_run_before_it_is_saved(tmp_path):
+    """Item 11: under --dtype float16 (now refused) every weight became NaN after one step
+    while the run reported loss 0, saved the NaN weights and exited 0. Whatever makes an
+    update non-finite, the run stops naming the step, and what is saved stays finite."""
+    from safetensors.torch import load_file
+
+    from mrtpo.trainer import NonFiniteWeightsError
+
+    cfg = tiny_config(tmp_path, steps=3, checkpoint_every=1)
+    t = Trainer(cfg, task=standin_task())
+    real_step = t.opt.step
+
+    def step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        if t.step == 1:  # the update of step 2 makes one weight NaN
+            with torch.no_grad():
+                next(t.model.parameters()).view(-1)[3] = float("nan")
+        return out
+
+    t.opt.step = step
+    with pytest.raises(NonFiniteWeightsError, match=r"step 2: .* made 1 of \d+ weights non-fin"):
+        t.run(progress=False)
+    out = Path(cfg.out)
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 1
+    for f in (out / "checkpoint" / "model").glob("*.safetensors"):
+        assert all(bool(torch.isfinite(v).all()) for v in load_file(f).values())
+    again = Trainer(dataclasses.replace(cfg, resume=True), task=standin_task())
+    assert again.step == 1  # the folder is free and resumable from the finite checkpoint
+    again.run_dir.unlock()
+
+
+def test_sampling_at_the_smallest_temperature_is_greedy(tmp_path, monkeypatch):
+    """Item 6: at temperature 2^-126 (the smallest the settings take) generate's
+    logits / temperature overflowed to inf and sampling raised; now every sample is the
+    greedy answer, as the limit of sampling at temperature -> 0 is."""
+    from mrtpo.rollouts import generate_rollouts
+
+    cfg = tiny_config(tmp_path, temperature=2.0**-126, group_size=3)
+    t = Trainer(cfg, task=standin_task())
+    t.run_dir.unlock()
+    with torch.no_grad():  # logits well past 4, where logit / 2^-126 leaves float32
+        t.model.get_output_embeddings().weight.mul_(64.0)
+    examples = t.task.train[:2]
+    ro = generate_rollouts(t.model, t.prompter, t.task, examples, cfg, t.device)
+    sample = t.model.generate
+
+    def greedy_generate(**kw):  # one greedy answer per prompt, repeated G times
+        g = kw["num_return_sequences"]
+        out = sample(**{**kw, "do_sample": False, "num_return_sequences": 1})
+        return out.repeat_interleave(g, dim=0)
+
+    monkeypatch.setattr(t.model, "generate", greedy_generate)
+    greedy = generate_rollouts(t.model, t.prompter, t.task, examples, cfg, t.device)
+    assert ro.responses == greedy.responses
+    assert len({tuple(r) for r in ro.responses[:3]}) == 1
