@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(threads)
+    from .trainer import NonFiniteWeightsError
+
     try:
         if args.command == "train":
             return _train(cfg, quiet=args.quiet)
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         run_compare(cfg)
     except ValueError as err:
         _refuse(parser, args.command, err, cfg)
+    except NonFiniteWeightsError as err:  # the run failed, not its arguments: status 1
+        parser.exit(1, f"mrtpo {args.command}: error: {' '.join(str(err).split())}\n")
     return 0
 
 

@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from .config import (
     COMPARE_FIXED,
+    INT64_MAX,
     CompareConfig,
     TrainConfig,
     check_value,
@@ -57,20 +58,32 @@ def flag_of(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def _brief(text: str) -> str:
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text)} characters)"
+
+
 def _arg_type(f):
     kind = value_kind(f)
 
     def parse(text: str):
         if kind == "int":
+            digits = text.strip().lstrip("+-").lstrip("0")
+            if len(digits) > 60 and digits.isascii() and digits.isdigit():  # named, not printed
+                raise argparse.ArgumentTypeError(
+                    f"expected an integer of at most 2^63 - 1 = {INT64_MAX} in magnitude "
+                    f"(int64), got an integer of {len(digits)} digits"
+                )
             try:
                 value = int(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+                raise argparse.ArgumentTypeError(
+                    f"expected an integer, got {_brief(text)}"
+                ) from None
         elif kind == "float":
             try:
                 value = float(text)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+                raise argparse.ArgumentTypeError(f"expected a number, got {_brief(text)}") from None
         elif kind == "algos":
             value = tuple(a.strip() for a in text.split(",") if a.strip())
         else:

@@ -33,7 +33,11 @@ TASK_HELP = (
     "model such as smollm2-135m-instruct), sql, tools, or tools-bfcl (the Berkeley Function "
     "Calling Leaderboard's simple Python cases; needs the bfcl-eval package)"
 )
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # --dtype: the weights' (and the optimizer's) dtype
+# The temperatures the kernels take (mrtpo_kernels._validation.MIN/MAX_TEMPERATURE, not
+# imported: this module needs no torch): 1 / temperature a finite normal float32.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 2.0**-126, 2.0**126
+INT64_MAX = 2**63 - 1  # every integer setting fits an int64 (torch's seeds, tensor sizes)
 BATCH_NORMS = ("sequence", "token")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -91,7 +95,8 @@ def parse_variant(label: str) -> tuple[str, dict]:
 
     An algorithm, then optional ``:``-separated items: a relevance name (js, specific,
     control) or ``key=value`` with key in VARIANT_KEYS (MRTPO only), e.g.
-    ``mrtpo:specific:gamma=2:stop_credit=uniform``."""
+    ``mrtpo:specific:gamma=2:stop_credit=uniform``. A setting given twice (a relevance name
+    is ``relevance=``) is an error naming the variant."""
     algo, *items = label.split(":")
     if algo not in ALGOS:
         raise ValueError(f"unknown algorithm {algo!r} in {label!r}")
@@ -102,6 +107,8 @@ def parse_variant(label: str) -> tuple[str, dict]:
             key, value = "relevance", item
         if key not in VARIANT_KEYS:
             raise ValueError(f"unknown setting {key!r} in {label!r}; known: {VARIANT_KEYS}")
+        if key in over:  # mrtpo:gamma=2:gamma=3, mrtpo:specific:control: which one?
+            raise ValueError(f"{key} is set twice in {label!r}; give each setting once")
         if algo != "mrtpo":
             raise ValueError(f"{label!r}: only mrtpo takes settings")
         choices = next(f for f in fields(TrainConfig) if f.name == key).metadata.get("choices")
@@ -152,6 +159,15 @@ def value_kind(f) -> str:
     return {bool: "bool", int: "int", float: "float", str: "str"}[type(f.default)]
 
 
+def shown_int(value: int) -> str:
+    """An integer for a message: itself, or its digit count when it is long (Python refuses
+    to print one of more than 4300 digits)."""
+    if abs(value) < 10**30:
+        return str(value)
+    what = "a negative integer" if value < 0 else "an integer"
+    return f"{what} of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+
+
 def check_value(f, value) -> str | None:
     """None if ``value`` suits field ``f`` (type, choices, range, check), else the problem."""
     md, kind = f.metadata, value_kind(f)
@@ -160,10 +176,15 @@ def check_value(f, value) -> str | None:
     if kind in ("int", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"expected a number, got {value!r}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"expected a finite number, got {value}"
         if kind == "int" and value != int(value):
             return f"expected an integer, got {value!r}"
-        if not math.isfinite(value):
-            return f"expected a finite number, got {value}"
+        if kind == "int" and abs(value) > INT64_MAX:
+            return (
+                f"expected an integer of at most 2^63 - 1 = {INT64_MAX} in magnitude (int64), "
+                f"got {shown_int(int(value))}"
+            )
         lo, hi, open_lo = md.get("lo"), md.get("hi"), md.get("open_lo", False)
         if (lo is not None and (value < lo or (open_lo and value == lo))) or (
             hi is not None and value > hi
@@ -192,6 +213,47 @@ def model_default_note(name: str) -> str:
         if name in m.train_defaults
     ]
     return "".join("; " + n for n in notes)
+
+
+def check_temperature(t) -> str | None:
+    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        return (
+            f"expected a number in [2^-126, 2^126] = [{MIN_TEMPERATURE:.9g}, "
+            f"{MAX_TEMPERATURE:.9g}] (logits are divided by it in float32: 1 / temperature "
+            f"must be a finite normal float32), got {t}"
+        )
+    return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(n) -> str | None:
+    cpus = usable_cpus()
+    if n > cpus:
+        return (
+            f"expected at most {cpus}, the CPUs this process may use (more threads only contend "
+            f"for them, and tens of thousands crash torch), got {n}"
+        )
+    return None
+
+
+def check_dtype(name) -> str | None:
+    if name == "float16":
+        return (
+            "float16 weights cannot be trained here: AdamW's eps (1e-8) rounds to 0 in "
+            "float16, so the first update turns every weight with a zero gradient into 0 / 0 "
+            "= NaN; use --dtype float32 (with --autocast bfloat16 for speed) or --dtype "
+            "bfloat16 (float16 model folders load into either)"
+        )
+    if name not in DTYPES:
+        return f"expected one of {', '.join(DTYPES)}, got {name!r}"
+    return None
 
 
 def _check_writable_dir(path: str) -> str | None:
@@ -318,9 +380,9 @@ class TrainConfig:
     max_new_tokens: int = _pos(32, "response length cap in tokens", group="rollouts")
     temperature: float = setting(
         1.0,
-        "sampling temperature, also used for log-probs and relevance",
-        lo=0.0,
-        open_lo=True,
+        "sampling temperature, also used for log-probs and relevance; in [2^-126, 2^126] "
+        "(logits are divided by it in float32)",
+        check=check_temperature,
         group="rollouts",
     )
     top_k: int = setting(0, "top-k sampling, 0 = off", lo=0, group="rollouts")
@@ -438,7 +500,14 @@ class TrainConfig:
         "auto", "cpu, cuda, cuda:N or auto", check=check_device, group="run",
         resume_may_change=True,
     )  # fmt: skip
-    dtype: str = setting("float32", "model dtype", choices=DTYPES, group="run")
+    dtype: str = setting(
+        "float32",
+        "dtype of the weights and the optimizer state (float16 is refused: AdamW's eps "
+        "rounds to 0 in it and the first update makes weights NaN)",
+        check=check_dtype,
+        metavar="{" + ",".join(DTYPES) + "}",
+        group="run",
+    )
     autocast: str = setting(
         "none",
         "run the model's forwards under torch.autocast in this dtype (bfloat16: about 2x "
@@ -458,7 +527,13 @@ class TrainConfig:
         resume_may_change=True,
     )
     threads: int = setting(
-        0, "torch CPU threads, 0 = torch's default", lo=0, group="run", resume_may_change=True
+        0,
+        "torch CPU threads, 0 = torch's default; at most the CPUs this process may use (more "
+        "only contend for them, and tens of thousands crash torch)",
+        lo=0,
+        check=check_threads,
+        group="run",
+        resume_may_change=True,
     )
     tiny: TinyConfig = setting(
         help="the built-in model",

@@ -79,13 +79,44 @@ def format_table(out: dict) -> str:
     return "\n".join(lines)
 
 
+MAX_VOCAB = 2**20  # LM head rows: 2^20 x 64 float32 is 256 MiB, past every real vocabulary
+
+
+def _int_in(lo: int, hi: int, why: str = ""):
+    """An argparse type: an integer in [lo, hi] (checked on its digits first, so that a
+    huge one is named, not printed), else an error saying so."""
+
+    def parse(text: str) -> int:
+        want = f"expected an integer in [{lo}, {hi}]{why}"
+        digits = text.strip().lstrip("+-").lstrip("0")
+        if len(digits) > 60 and digits.isascii() and digits.isdigit():
+            raise argparse.ArgumentTypeError(f"{want}, got an integer of {len(digits)} digits")
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{want}, got {text[:40]!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{want}, got {value}")
+        return value
+
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mrtpo demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    ap.add_argument("--vocab", type=int, default=32000, help="LM head rows (default 32000)")
+    ap.add_argument(
+        "--seed",
+        type=_int_in(0, 2**63 - 1, " (an int64, as torch's seeds)"),
+        default=0,
+        help="random seed, 0 to 2^63 - 1 (default 0)",
+    )
+    ap.add_argument(
+        "--vocab",
+        type=_int_in(2, MAX_VOCAB),
+        default=32000,
+        help=f"LM head rows, 2 to {MAX_VOCAB} (default 32000)",
+    )
     args = ap.parse_args(argv)
-    if args.vocab < 2:
-        ap.error("--vocab: expected at least 2")
     out = run(args.seed, args.vocab)
     print(format_table(out))
     backends = {k: v for k, v in mk.backend_status().items() if v == "ok"}

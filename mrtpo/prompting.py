@@ -8,6 +8,7 @@ that the prompt without some spans gets exactly the same template around it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,12 +30,36 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
     return [(s, e) for s, e in out]
 
 
-def remove_spans(text: str, spans: Iterable[Span]) -> str:
-    """``text`` without the characters in ``spans`` (the prompt without a verifier's info)."""
-    pieces, pos = [], 0
-    for s, e in merge_spans(spans):
+def check_spans(text: str, spans: Iterable[Span], *, name: str = "spans") -> list[Span]:
+    """``spans`` as (start, end) integer pairs with 0 <= start <= end <= len(text), else a
+    ValueError naming the argument ``name`` and the span. Python's slicing would take a
+    negative offset from the end and ``int`` would truncate 1.5: the text "without" such a
+    span could come out longer than the text."""
+    out = []
+    for span in spans:
+        try:
+            s, e = span
+            if isinstance(s, bool) or isinstance(e, bool):
+                raise TypeError
+            s, e = operator.index(s), operator.index(e)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{name}: expected (start, end) pairs of integer character offsets, got {span!r}"
+            ) from None
+        if not 0 <= s <= e:
+            raise ValueError(f"{name}: expected 0 <= start <= end, got the span ({s}, {e})")
         if e > len(text):
-            raise ValueError(f"spans: span ({s}, {e}) ends past the text (length {len(text)})")
+            raise ValueError(f"{name}: span ({s}, {e}) ends past the text (length {len(text)})")
+        out.append((s, e))
+    return out
+
+
+def remove_spans(text: str, spans: Iterable[Span], *, name: str = "spans") -> str:
+    """``text`` without the characters in ``spans`` (the prompt without a verifier's info).
+    Each span is checked (`check_spans`): a ValueError naming ``name`` for a negative,
+    fractional, reversed or too long one."""
+    pieces, pos = [], 0
+    for s, e in merge_spans(check_spans(text, spans, name=name)):
         pieces.append(text[pos:s])
         pos = e
     pieces.append(text[pos:])
@@ -112,8 +137,10 @@ class ChatPrompter:
         return self.prefix + prompt + self.suffix
 
     def encode(self, prompt: str, remove: Iterable[Span] = ()) -> EncodedPrompt:
-        """Template and tokenize ``prompt`` (minus the character spans ``remove``)."""
-        content = remove_spans(prompt, remove)
+        """Template and tokenize ``prompt`` (minus the character spans ``remove``: integer
+        offsets in ``prompt``, 0 <= start <= end <= len(prompt), else a ValueError naming
+        ``remove``)."""
+        content = remove_spans(prompt, remove, name="remove")
         text = self.render(content)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = [(int(a), int(b)) for a, b in enc["offset_mapping"]]

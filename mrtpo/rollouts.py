@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from .config import TrainConfig
 from .prompting import response_offsets
@@ -68,6 +69,17 @@ def stop_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+class MaxToZero(LogitsProcessor):
+    """Each row's scores minus its max. ``generate`` runs custom processors before its
+    temperature warper, whose ``scores / temperature`` overflows to inf (and the softmax to
+    NaN) once max |logit| / temperature passes float32's range (logit 10 at temperature
+    2^-126); shifted, the row's max divides to 0 and the rest to -inf at worst (probability
+    0). The distribution is the same (softmax ignores a shift; top-k and top-p too)."""
+
+    def __call__(self, input_ids, scores):
+        return scores - scores.amax(dim=-1, keepdim=True)
+
+
 @torch.no_grad()
 def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device) -> Rollouts:
     """``cfg.group_size`` sampled responses per example, cut after the first stop token,
@@ -92,6 +104,9 @@ def generate_rollouts(model, prompter, task, examples, cfg: TrainConfig, device)
         num_return_sequences=cfg.group_size,
         pad_token_id=tok.pad_token_id,
         eos_token_id=sorted(stop) if stop else None,
+        # below 1 only: at 1 and above z / temperature cannot overflow, and the rounding of
+        # the recorded runs (all at 1) stays as it was
+        logits_processor=LogitsProcessorList([MaxToZero()]) if cfg.temperature < 1.0 else None,
     )
     gen = out[:, width:].tolist()
     n = len(gen)

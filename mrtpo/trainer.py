@@ -88,19 +88,26 @@ def oracle_relevance(task, ro, lengths) -> torch.Tensor:
 
 
 def stop_token_at_mean(relevance, lengths, finished, gamma):
-    """``relevance`` (K, N) with the last token of each finished response (``finished`` (n,)
-    bool, at least 2 tokens) set to (mean of d^gamma over the response's other tokens)^(1 /
-    gamma): its allocation weight becomes 1 for every reward (GDPO's share of the stop
-    decision), the mean of d^gamma over the response unchanged."""
+    """``relevance`` (K, N) raised to ``gamma`` in float64, with the last token of each
+    finished response (``finished`` (n,) bool, at least 2 tokens) set to the mean of d^gamma
+    over the response's other tokens. Allocate it with gamma 1: its weight is then 1 for
+    every reward (GDPO's share of the stop decision), every other token's weight is d^gamma
+    over that mean (as in the response without its stop token), and the delta test sees the
+    same mean.
+
+    The power is handed over, not the d whose power it is ((mean d^gamma)^(1/gamma)): that d
+    leaves every float's range at small gamma (0.5^1000 at gamma 1e-3), and even in range
+    rounding it to float32 before the kernel raises it again to gamma moved the weights; at
+    gamma 0.01 the stop token's d underflowed to 0 (weight 0, the others' weights shifted).
+    d^gamma itself lies in [0, 1] (d is a distance) and needs no range."""
     last = torch.cumsum(lengths, 0) - 1
     pick = finished & (lengths >= 2)
     p = relevance.clamp(min=0).double() ** gamma
     seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     sums = torch.zeros(p.shape[0], len(lengths), dtype=p.dtype).index_add_(1, seg, p)
     others = (sums - p[:, last]) / (lengths - 1).clamp(min=1)
-    out = relevance.clone()
-    out[:, last[pick]] = (others[:, pick] ** (1.0 / gamma)).to(out.dtype)
-    return out
+    p[:, last[pick]] = others[:, pick]
+    return p
 
 
 def compute_advantages(
@@ -117,8 +124,11 @@ def compute_advantages(
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
         relevance = relevance_mode(cfg.relevance).allocating(relevance, has_info, lengths, control)
+        gamma = cfg.gamma
         if cfg.stop_credit == "uniform" and finished is not None:
+            # float64 d^gamma allocated with gamma 1 (the op computes in float64 for it)
             relevance = stop_token_at_mean(relevance, lengths, finished, cfg.gamma)
+            gamma = 1.0
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -126,13 +136,17 @@ def compute_advantages(
             has_info=has_info,
             cu_seqlens=cu,
             alpha=cfg.alpha,
-            gamma=cfg.gamma,
+            gamma=gamma,
             batch_norm=cfg.batch_norm,
         )
         return ta.token.float(), ta.allocation.float()
     summed = rewards.sum(1, keepdim=True) if algo == "grpo" else rewards
     g = gdpo_advantages(summed, group_ids, batch_norm=cfg.batch_norm, lengths=lengths)
     return g.sequence.float().repeat_interleave(lengths), uniform
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """An update made weights NaN or inf: the run stops before they are saved or used."""
 
 
 @dataclass
@@ -421,6 +435,7 @@ class Trainer:
                 )
                 stats["grad_norm"].append(float(gn))
                 self.opt.step()
+                self._check_finite_weights()
         self.opt.zero_grad(set_to_none=True)
 
         def wmean(pairs):
@@ -435,6 +450,29 @@ class Trainer:
             "kl": wmean(stats["kl"]),
             "grad_norm": sum(stats["grad_norm"]) / len(stats["grad_norm"]),
         }
+
+    def _check_finite_weights(self) -> None:
+        """After each optimizer step: a NaN or inf weight stops the run, naming the step,
+        before the weights are saved (no checkpoint of them is ever written) or sampled
+        from. One reduction per trained tensor and a single host sync."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not named or bool(torch.stack([torch.isfinite(p).all() for _, p in named]).all()):
+            return
+        bad = [(n, int((~torch.isfinite(p)).sum()), p.numel()) for n, p in named]
+        bad = [b for b in bad if b[1]]
+        count = sum(b[1] for b in bad)
+        total = sum(p.numel() for _, p in named)
+        last = self.run_dir.committed_step()
+        kept = (
+            f"the last checkpoint (step {last}) in {self.ckpt_dir} is untouched"
+            if last is not None
+            else "no checkpoint was saved"
+        )
+        raise NonFiniteWeightsError(
+            f"step {self.step + 1}: the optimizer update made {count} of {total} weights "
+            f"non-finite (NaN or inf; {len(bad)} tensors, first {bad[0][0]}); the run stopped "
+            f"without saving them: {kept} (lower --lr or --max-grad-norm)"
+        )
 
     def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance):
         starts = torch.zeros(len(lengths) + 1, dtype=torch.long)

@@ -5,6 +5,7 @@ overwrite refusals."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -278,3 +279,106 @@ def test_a_config_json_that_is_not_a_config_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="out: .*config.json holds no run config"):
         RunDir(tmp_path).prepare(resume=True, overwrite=False, check_config=lambda saved: None)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 32, item 5: every state a save can leave, through each way of resuming a run
+
+# (folders present, the step to resume from): a previous checkpoint of step 1, a save of
+# step 2 stopped at each point of its protocol (RunDir.save), and a first save.
+SAVE_STATES = {
+    "writing_tmp": ({"checkpoint": 1, "checkpoint.tmp": None}, 1),
+    "tmp_complete": ({"checkpoint": 1, "checkpoint.tmp": 2}, 2),
+    "between_renames": ({"checkpoint.old": 1, "checkpoint.tmp": 2}, 2),
+    "new_renamed": ({"checkpoint": 2, "checkpoint.old": 1}, 2),
+    "old_partly_removed": ({"checkpoint": 2, "checkpoint.old": None}, 2),
+    "first_save_writing": ({"checkpoint.tmp": None}, None),
+    "first_save_complete": ({"checkpoint.tmp": 1}, 1),
+    # not made by a save, found by round 3's probes: checkpoint/ lost its mark
+    "unmarked_beside_complete_tmp": ({"checkpoint": None, "checkpoint.tmp": 2}, 2),
+}
+RERUN_CONFIG = Path(__file__).resolve().parents[1] / "docs/results/scripts/rerun_config.py"
+
+
+def _killed_run(out: Path, present: dict) -> bytes:
+    """A run folder as a kill left it: the trainer's mark, config, 2 metrics rows and a
+    torn third, and ``present``'s checkpoint folders. Returns the metrics' bytes."""
+    out.mkdir(parents=True)
+    (out / MARK).write_text("{}")
+    (out / "config.json").write_text(json.dumps(TrainConfig(task="constraints").to_dict()))
+    history = b'{"step": 1}\n{"step": 2}\n{"ste'
+    (out / "metrics.jsonl").write_bytes(history)
+    for name, step in present.items():
+        _fake_checkpoint(out / name, step or 0, complete=step is not None)
+    return history
+
+
+def _resume_like_train(out: Path) -> dict | None:
+    """What ``mrtpo train --resume`` does to the folder before any model is built."""
+    rd = RunDir(out)
+    try:
+        return rd.prepare(resume=True, overwrite=False)
+    finally:
+        rd.unlock()
+
+
+def _rerun_config_script():
+    spec = importlib.util.spec_from_file_location("rerun_config", RERUN_CONFIG)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _resume_like_rerun_config(out: Path, monkeypatch) -> dict | None:
+    """docs/results/scripts/rerun_config.py RECORDED OUT, run again after the kill, with
+    the training replaced by what it does to the folder first."""
+    script = _rerun_config_script()
+    recorded = out.parent / "recorded"
+    recorded.mkdir()
+    (recorded / "config.json").write_text((out / "config.json").read_text())
+    seen = []
+
+    def train(cfg, progress):
+        rd = RunDir(cfg.out)
+        try:
+            seen.append(rd.prepare(resume=cfg.resume, overwrite=cfg.overwrite))
+        finally:
+            rd.unlock()
+
+    monkeypatch.setattr(script, "train", train)
+    script.main([str(recorded), str(out)])
+    return seen[0]
+
+
+@pytest.mark.parametrize("how", ["train --resume", "rerun_config"])
+@pytest.mark.parametrize("state", list(SAVE_STATES))
+def test_every_state_a_save_leaves_resumes_from_the_newest_complete_checkpoint(
+    tmp_path, monkeypatch, state, how
+):
+    """rerun_config.py resumed only when checkpoint/ existed: killed between a save's two
+    renames (checkpoint.old/ and a complete checkpoint.tmp/, no checkpoint/) and run again,
+    it overwrote the folder (the complete states and the metrics) and started at step 0."""
+    present, want = SAVE_STATES[state]
+    out = tmp_path / "run"
+    history = _killed_run(out, present)
+    if how == "rerun_config":
+        meta = _resume_like_rerun_config(out, monkeypatch)
+    else:
+        meta = _resume_like_train(out)
+    assert (None if meta is None else meta["step"]) == want
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    assert (out / "checkpoint").exists() == (want is not None)
+    assert (out / "metrics.jsonl").read_bytes() == history  # cut only after the load
+
+
+def test_rerun_config_overwrite_starts_the_folder_again(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _killed_run(out, {"checkpoint.old": 1, "checkpoint.tmp": 2})
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "config.json").write_text((out / "config.json").read_text())
+    script = _rerun_config_script()
+    seen = []
+    monkeypatch.setattr(script, "train", lambda cfg, progress: seen.append(cfg))
+    script.main([str(recorded), str(out), "--overwrite"])
+    assert (seen[0].resume, seen[0].overwrite) == (False, True)

@@ -392,3 +392,83 @@ def test_weights_that_do_not_fit_the_model_give_one_line(tmp_path, capsys):
         code, _, err = _run(argv, capsys)
         assert code == 2 and "--model: " in err and needle in err, (folder.name, err)
         assert len(err.strip().splitlines()) == 1, err
+
+
+# --- Issue 32, items 6, 7, 8, 11, 12: refused before any folder or model is made -----------
+
+_HUGE = "9" * 5000  # past Python's int-to-string limit too
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--temperature", "1e-39"], ["--temperature: expected a number in [2^-126, 2^126]"]),
+        (["--temperature", "1e39"], ["--temperature: expected a number in [2^-126, 2^126]"]),
+        (["--temperature", "0"], ["--temperature"]),
+        (["--seed", str(2**64)], ["--seed: expected an integer", "int64", str(2**64)]),
+        (["--seed", str(2**63)], ["--seed: expected an integer"]),
+        (["--seed", _HUGE], ["--seed: expected an integer", "5000 digits"]),
+        (["--init-seed", str(2**64)], ["--init-seed: expected an integer"]),
+        (["--steps", "1" + "0" * 400], ["--steps: expected an integer", "401 digits"]),
+        (["--threads", "100000"], ["--threads: expected at most", "CPUs this process may use"]),
+        (["--dtype", "float16"], ["--dtype: float16 weights cannot be trained", "eps"]),
+        (["--dtype", "float16", "--autocast", "bfloat16"], ["--dtype: float16", "--autocast"]),
+    ],
+)
+def test_out_of_range_settings_are_refused_before_any_folder_or_model(
+    tmp_path, capsys, extra, needles
+):
+    out = tmp_path / "run"
+    # compare's runs take seeds 0..N-1 (--seeds N): its --init-seed stands for --seed there
+    as_compare = {"--seed": "--init-seed"}
+    for command in ("train", "compare"):
+        flags, want = extra, needles
+        if command == "compare" and extra[0] in as_compare:
+            flags = [as_compare[extra[0]], *extra[1:]]
+            want = [n.replace(extra[0], flags[0]) for n in needles]
+        argv = [command, "--cache-dir", str(tmp_path / "cache"), "--out", str(out), *flags]
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        for needle in want:
+            assert needle in err, (command, needle, err)
+        assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_edges_of_the_ranges_are_accepted():
+    from mrtpo.config import MAX_TEMPERATURE, MIN_TEMPERATURE, TrainConfig, usable_cpus
+    from mrtpo_kernels import _validation
+
+    assert (MIN_TEMPERATURE, MAX_TEMPERATURE) == (
+        _validation.MIN_TEMPERATURE,
+        _validation.MAX_TEMPERATURE,
+    )
+    parser = build_parser()
+    for argv in (
+        ["--temperature", repr(2.0**-126)],
+        ["--temperature", repr(2.0**126)],
+        ["--seed", str(2**63 - 1)],
+        ["--threads", str(usable_cpus())],
+        ["--dtype", "bfloat16", "--autocast", "bfloat16"],
+    ):
+        parser.parse_args(["train", *argv])
+    with pytest.raises(ValueError, match="dtype: float16"):
+        TrainConfig(dtype="float16").validate()
+    with pytest.raises(ValueError, match="seed: expected an integer"):
+        TrainConfig(seed=2**64).validate()
+    with pytest.raises(ValueError, match="temperature: expected"):
+        TrainConfig(temperature=float("nan")).validate()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--seed", str(2**64)], "--seed: expected an integer in [0, 9223372036854775807]"),
+        (["--seed", "-1"], "--seed: expected an integer in [0,"),
+        (["--seed", _HUGE], "5000 digits"),
+        (["--vocab", "1"], "--vocab: expected an integer in [2,"),
+        (["--vocab", str(10**12)], "--vocab: expected an integer in [2,"),
+    ],
+)
+def test_demo_refuses_out_of_range_arguments_without_a_traceback(capsys, argv, needle):
+    code, _, err = _run(["demo", *argv], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err, err

@@ -71,6 +71,18 @@ def test_variant_labels():
         with pytest.raises(ValueError):
             parse_variant(bad)
     assert check_algos(("gdpo", "mrtpo:specific", "mrtpo:gamma=2")) is None
+    # Issue 32, item 4: a setting given twice was accepted and the last value won
+    for twice in (
+        "mrtpo:gamma=2:gamma=3",
+        "mrtpo:gamma=2:gamma=2",
+        "mrtpo:specific:control",
+        "mrtpo:specific:relevance=control",
+        "mrtpo:stop_credit=uniform:stop_credit=relevance",
+    ):
+        with pytest.raises(ValueError, match="set twice") as err:
+            parse_variant(twice)
+        assert repr(twice) in str(err.value)
+        assert repr(twice) in check_algos(("gdpo", twice))
     assert "mrtpo:sharp" in check_algos(("mrtpo:sharp",))
     cfg = CompareConfig(algos=("mrtpo:control:gamma=2",))
     run = cfg.run_config("mrtpo:control:gamma=2", 1)

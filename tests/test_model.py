@@ -3,6 +3,8 @@ template, the hidden states that feed the LM head, save/load."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -94,6 +96,34 @@ def test_merge_and_remove_spans():
     assert remove_spans("abcdefghij", [(5, 8), (0, 2), (7, 10)]) == "cde"
     with pytest.raises(ValueError, match="spans"):
         remove_spans("abc", [(1, 9)])
+
+
+@pytest.mark.parametrize(
+    "span, why",
+    [
+        ((-3, 2), "expected 0 <= start <= end, got the span (-3, 2)"),
+        ((2, -1), "expected 0 <= start <= end, got the span (2, -1)"),
+        ((4, 2), "expected 0 <= start <= end, got the span (4, 2)"),
+        ((1.5, 3), "integer character offsets, got (1.5, 3)"),
+        ((1, 2.0), "integer character offsets"),
+        ((True, 2), "integer character offsets"),
+        (("1", 2), "integer character offsets"),
+        ((1, 2, 3), "integer character offsets"),
+        ((1, 7), "span (1, 7) ends past the text (length 6)"),
+    ],
+)
+def test_a_negative_fractional_or_reversed_span_is_refused(tok, span, why):
+    """Issue 32, item 16: Python's slicing took (-3, 2) from the end and int() cut 1.5 to 1,
+    so the prompt "without" the span came out longer than the prompt."""
+    with pytest.raises(ValueError, match=re.escape(why)) as err:
+        remove_spans("abcdef", [(0, 1), span])
+    assert str(err.value).startswith("spans: ")
+    pr = ChatPrompter(tok)
+    with pytest.raises(ValueError, match=re.escape(why)) as err:
+        pr.encode("abcdef", remove=[span])
+    assert str(err.value).startswith("remove: ")
+    # integer types other than int are offsets too; an empty span removes nothing
+    assert remove_spans("abcdef", [(torch.tensor(1), torch.tensor(3)), (5, 5)]) == "adef"
 
 
 def test_chat_template_and_prompt_token_mask(tok):

@@ -416,3 +416,25 @@ def test_a_required_parameter_the_answers_mark_omissible_stays_required(task):
     out = _scores(ex, json.dumps(ref))
     assert out["tool_schema"] == 0.0 and out["tool_args"] == 0.0
     assert ArgumentsValid()(ex, ex.reference).score == 1.0
+
+
+@needs_bfcl
+def test_a_number_beyond_double_range_earns_nothing_whatever_its_spelling(task):
+    """Issue 32, item 1: on an integer parameter, ``1`` and 400 zeros was paid for format,
+    name and schema while ``1e400`` (the same number) earned nothing; both earn nothing."""
+    ex = next(
+        e
+        for e in task.train + task.eval
+        if any(
+            s.get("type") == "integer"
+            for s in e.fields["tools"][e.fields["gold"]["name"]]["properties"].values()
+        )
+    )
+    gold = ex.fields["gold"]["name"]
+    ref = json.loads(ex.reference)["arguments"]
+    props = ex.fields["tools"][gold]["properties"]
+    param = next(k for k, s in props.items() if s.get("type") == "integer")
+    for literal in ("1" + "0" * 400, "-" + "9" * 400, "1e400", "-1e400", "1" + "0" * 400 + ".0"):
+        text = _call(gold, {**ref, param: 12345}).replace("12345", literal)
+        assert set(_scores(ex, text).values()) == {0.0}, (ex.id, literal[:10])
+    assert _scores(ex, _call(gold, {**ref, param: 10**300}))["tool_schema"] == 1.0

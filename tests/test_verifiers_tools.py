@@ -1,6 +1,7 @@
 """Tool-call parsing, the four tool rewards, their spans, and oversized or nested input."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -253,3 +254,48 @@ def test_two_calls_in_one_answer_earn_nothing(task):
     # One fenced call with prose around it is still one call.
     ok = f"Here you go:\n```json\n{gold}\n```\nDone."
     assert [v(ex, ok).score for v in tool_verifiers()] == [1.0] * 4
+
+
+# --- Issue 32, item 1: beyond double range, whatever the spelling ---------------------------
+
+_MAX_DOUBLE_INT = int(sys.float_info.max)  # 1.797...e308 as an exact integer (309 digits)
+_HALF_ULP = 2**970  # half the gap between the largest double and the next power of two
+
+
+@pytest.mark.parametrize(
+    "literal",
+    [
+        "1e400",
+        "-1e400",
+        "1E+400",
+        "1.8e308",
+        "1" + "0" * 400,  # the same number as 1e400, as an integer
+        "-" + "1" * 400,
+        "9" * 5000,  # past Python's int-to-string limit too: refused for its range
+        "1" + "0" * 400 + ".0",
+        str(2**1024),
+        str(_MAX_DOUBLE_INT + _HALF_ULP),  # rounds to 2**1024: out of range
+    ],
+)
+def test_a_number_beyond_double_range_earns_nothing_however_spelled(task, literal):
+    ex = _find(task, "convert_currency")
+    gold = ex.fields["gold"]["arguments"]
+    text = json.dumps({"name": "convert_currency", "arguments": {**gold, "amount": 1}})
+    text = text.replace('"amount": 1', f'"amount": {literal}')
+    verdicts = [v(ex, text) for v in tool_verifiers()]
+    assert [v.score for v in verdicts] == [0.0] * 4, (literal[:20], verdicts)
+    assert "out of range" in verdicts[0].reason
+    with pytest.raises(CallParseError, match="out of range"):  # inside a string too
+        parse_call(json.dumps({"name": "f", "arguments": f'{{"a": {literal}}}'}))
+
+
+@pytest.mark.parametrize(
+    "value", [_MAX_DOUBLE_INT, -_MAX_DOUBLE_INT, _MAX_DOUBLE_INT + _HALF_ULP - 1, 10**308]
+)
+def test_an_integer_and_its_decimal_spelling_get_the_same_verdict(value):
+    """At the edge of the range an integer literal is refused exactly when the same number
+    written with ``.0`` is (both round to nearest), and a finite one keeps its exact value."""
+    as_int = parse_call(f'{{"name": "f", "arguments": {{"a": {value}}}}}')[1]["a"]
+    as_float = parse_call(f'{{"name": "f", "arguments": {{"a": {value}.0}}}}')[1]["a"]
+    assert as_int == value and type(as_int) is int
+    assert as_float == float(value)

@@ -9,7 +9,8 @@ rejected before it is parsed (score 0 with the reason; no recursion).
 The call must be JSON and exactly one call: ``NaN``/``Infinity`` (which Python's parser
 accepts and JSON does not), an object with a key twice (a parser keeps either one), both
 ``"arguments"`` and ``"parameters"``, a key besides those, ``"name"``, ``"id"`` and
-``"type"`` (both strings), a number beyond double range (``1e400``), and text outside the
+``"type"`` (both strings), a number beyond double range, however it is spelled
+(``1e400``, ``-1E+400``, ``1`` and 400 zeros, ``1`` and 400 zeros ``.0``), and text outside the
 fenced block that holds a brace or another fence (a second call) all fail the format, and
 so every reward.
 
@@ -68,10 +69,33 @@ def _no_constant(name: str) -> Any:
     raise CallParseError(f"not valid JSON: {name} is not a JSON number")
 
 
+def _out_of_range(text: str) -> CallParseError:
+    return CallParseError(f"number {text[:40]} is out of range (beyond a double's)")
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e400: JSON syntax, but no number a consumer can hold
-        raise CallParseError(f"number {text[:40]} is out of range")
+        raise _out_of_range(text)
+    return value
+
+
+# Digits of the largest finite double (1.797...e308); JSON integers have no leading zeros.
+_MAX_INT_DIGITS = 309
+
+
+def _finite_int(text: str) -> int:
+    """A JSON integer, refused (as `_finite_float` refuses ``1e400``) when its value rounds
+    past the largest double: ``1`` and 400 zeros is the same number as ``1e400``, so it gets
+    the same verdict. Checked on the digit count first, so that a 5000-digit literal is
+    refused for its range and not for Python's int-to-string limit."""
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise _out_of_range(text)
+    value = int(text)
+    try:
+        float(value)  # rounds to nearest, as float(text) does for 1.8e308
+    except OverflowError:
+        raise _out_of_range(text) from None
     return value
 
 
@@ -95,6 +119,7 @@ def _loads_bounded(text: str) -> Any:
             text,
             parse_constant=_no_constant,
             parse_float=_finite_float,
+            parse_int=_finite_int,
             object_pairs_hook=_unique_keys,
         )
     except CallParseError:

@@ -2,8 +2,10 @@
 with the current checkout's code: how a fix is checked against a recorded trajectory.
 
     python docs/results/scripts/rerun_config.py RECORDED_RUN OUT [--steps N] [--set KEY=VALUE]
+        [--overwrite]
 
-Resumable: rerun the same command (it continues from OUT's checkpoint). Prints the recorded
+Resumable: rerun the same command (it continues from OUT's newest complete checkpoint,
+wherever a kill left it; --overwrite starts OUT again). Prints the recorded
 and the new run's metrics per window of 10 steps side by side at the end, and the first
 step whose metrics differ.
 """
@@ -29,7 +31,7 @@ def windows(rows, width=10):
         yield a + 1, {k: sum((r.get(k) or 0.0) for r in w) / len(w) for k in KEYS}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "recorded", type=Path, help="a finished run's folder (config.json, metrics.jsonl)"
@@ -43,7 +45,12 @@ def main():
         metavar="KEY=VALUE",
         help="override one setting (VALUE as JSON, else a string), e.g. --set algo=gdpo",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT's run (default: resume it, from its newest complete checkpoint)",
+    )
+    args = ap.parse_args(argv)
     d = json.loads((args.recorded / "config.json").read_text())
     for item in args.set:
         key, _, value = item.partition("=")
@@ -53,8 +60,11 @@ def main():
             d[key] = json.loads(value)
         except ValueError:
             d[key] = value
-    resume = (args.out / "checkpoint").exists()
-    d.update(out=str(args.out), resume=resume, overwrite=not resume)
+    # Always --resume (unless --overwrite): the trainer's recovery finds the newest complete
+    # checkpoint whatever state a kill left (after a save's first rename there is no
+    # checkpoint/, only checkpoint.old/ and a complete checkpoint.tmp/), and starts at step
+    # 0 in a folder that holds no run. Deciding here on checkpoint/ alone overwrote those.
+    d.update(out=str(args.out), resume=not args.overwrite, overwrite=args.overwrite)
     if args.steps is not None:
         d["steps"] = args.steps
     if d.get("threads"):  # as the CLI does: the recorded run's thread count
