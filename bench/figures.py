@@ -20,11 +20,12 @@ _COLUMNS = {
     "rows-sweep": ("name", "rows", "block", "warps", "ms", "gb_per_s", "error"),
     "ops": (
         "name",
-        "variant",
+        "variant",  # records before issue 35 (the fused variant, since deleted)
         "grad_buffer_mib",
         "chunk_mib",
         "row_block",
-        "keep_logits",
+        "keep_logits",  # records before issue 35 (MRTPO_POLICY_KEEP_LOGITS, since deleted)
+        "low_memory",
         "overlap_rows",
         "gemm_path",
         "ms",

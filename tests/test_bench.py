@@ -280,7 +280,7 @@ def test_gpu_check_dry_run(tmp_path):
     steps = (
         "wheels", "env", "test_deps", "build", "micro_cublas", "micro_rows", "micro_rows_sweep",
         "micro_ops",
-        "micro_ops_buf304", "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
+        "micro_ops_buf304", "micro_ops_chunk128", "micro_correctness", "bench",
         "pytest_test_logprobs", "pytest_test_cuda_build", "pytest_compile",
     )  # fmt: skip
     order = [out.index(f"== {s} ") for s in steps]
@@ -288,11 +288,10 @@ def test_gpu_check_dry_run(tmp_path):
     # the CUDA build starts in the background, before the Triton measurements
     assert "== build (background" in out and "MRTPO_SKIP_CPU_BUILD=1" in out
     assert "setup.py build_ext --inplace" in out
-    # each measurement its own process; the row kernels' grid; the ops at three plans and
-    # the fused variant
-    assert out.count("-m bench.gpu_micro --out") == 8 and "--part rows-sweep" in out
+    # each measurement its own process; the row kernels' grid; the ops at three plans
+    assert out.count("-m bench.gpu_micro --out") == 7 and "--part rows-sweep" in out
     assert "--grad-buffer-mib 304" in out and "--chunk-mib 128" in out
-    assert "--variant fused" in out and "--part correctness" in out
+    assert "--variant" not in out and "--part correctness" in out
     assert "would measure N=16384 d=4096 V=151936" in out and "gradient buffers of 2048" in out
     # pytest per file, -v with a junit file each, compile tests last
     assert "-m pytest -m gpu" in out and "-v -rA --durations=15 --timeout=" in out
@@ -362,14 +361,14 @@ def test_figures_table_keeps_every_part_and_skips_a_torn_line(tmp_path):
     path = tmp_path / "figures.jsonl"
     path.write_text(
         json.dumps({"part": "ops", "name": "linear_policy_loss_fwd_bwd", "ms": 80.5,
-                    "pred_ms": 89.3, "gemm_path": "16-bit, fp32 out", "variant": "rows"})
+                    "pred_ms": 89.3, "gemm_path": "16-bit, fp32 out", "low_memory": "0"})
         + "\n" + json.dumps({"part": "correctness", "name": "bf16_512_rows", "ok": False})
         + "\n" + '{"part": "rows", "na'
     )  # fmt: skip
     rows = figures.read(str(path))
     assert len(rows) == 2
     text = figures.markdown(rows)
-    assert "**ops**" in text and "| linear_policy_loss_fwd_bwd | rows |" in text
+    assert "**ops**" in text and "| linear_policy_loss_fwd_bwd | 0 |" in text
     assert "| 80.5 | 89.3 |" in text and "16-bit, fp32 out" in text
     assert "**correctness**" in text and "False" in text
     assert figures.markdown([]) == "(no figures yet)"

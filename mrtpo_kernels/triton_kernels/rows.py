@@ -33,7 +33,7 @@ it).
 
 Row offsets are int64 (``_row_offset``): C x V passes 2^31 at V = 151936 beyond 14134 rows.
 JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM: a per-row
-pass for (M, log s), then split sums of the terms of js.py over the vocabulary, with
+pass for (M, log s), then split sums of the terms of js_terms.py over the vocabulary, with
 log p = x - log s formed from each row's own raw max (no z / tau, no rounded lse).
 """
 
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, interpreting
-from .js import _js_terms
+from .js_terms import _js_finish_kernel, _js_terms, _splits, _sum_blocks
 from .row_cols import grad_cols_, policy_terms
 from .row_math import (
     _check_out,
@@ -271,7 +271,7 @@ def _js_rows_sum_kernel(
     """One program per (token row, vocabulary split), P's block shared by the K streams:
     log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
     and sum (no z / tau, no rounded lse), delta = log p - log q from the raw differences
-    where that form rounds less (close rows), then the terms of js._js_terms."""
+    where that form rounds less (close rows), then the terms of js_terms._js_terms."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -451,8 +451,6 @@ class TritonRowKernel:
         """(K, C) distances between row block 0 of z (1 + K, C, V) fp32 (P) and each of the
         K blocks after it (Q streams). Each row is shifted by its raw max before the
         temperature, as in stats: finite logits never overflow through z / tau."""
-        from .js import _js_finish_kernel, _splits, _sum_blocks
-
         check_device("z", z)
         streams, rows, v = z.shape
         k = streams - 1
@@ -493,7 +491,7 @@ class TritonRowKernel:
             inv_t=float(inv_t),
             BLOCK_K=block_k,
             BLOCK_V=block_v,
-            FAST_LOG=not interpreting(),  # lg2.approx on a GPU (js._log1p_unit)
+            FAST_LOG=not interpreting(),  # lg2.approx on a GPU (js_terms._log1p_unit)
             num_warps=8,
         )
         _js_finish_kernel[(triton.cdiv(k * rows, 1024),)](
