@@ -86,10 +86,12 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "MRTPO_OVERLAP_ROWS",
             "0",
-            "1: on a CUDA device, the chunk driver's backward and policy loss (16-bit "
-            "gradient path) run each chunk's row kernel on a side stream while the next "
-            "chunk's logits GEMM runs (one fp32 logits chunk more of memory); an experiment, "
-            "off by default: not yet run on a GPU (bench/gpu_tune.sh measures it)",
+            "1: on a CUDA device, the chunk driver's backward, policy loss and log-probs "
+            "forward (16-bit GEMM path) run each chunk's row kernel on a side stream while "
+            "the next chunk's logits GEMM runs (one fp32 logits chunk more of memory: "
+            "268 MB at V = 151936, which takes the defaults past 1 GB); an experiment, off "
+            "by default, not yet run on a GPU: kept only if bench/gpu_window.sh measures "
+            "it >= 2% faster on both the policy loss and log-probs, else removed",
         ),
         Setting(
             "MRTPO_LOW_MEMORY",

@@ -133,10 +133,12 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     spans = logprobs_spans(n, v, k)
     span_rows = max([0] + [e - s for s, e in spans])
     kept = saved.view(k, v) if not low else saved[:0].view(0, v)
+    overlap = _RowLanes.enabled(head.low, hidden) and span_rows > 0
     # the kept block doubles as the buffer of the spans before it where it is large enough
-    buf = kept if k >= span_rows else _buffer(span_rows, n, v, hidden, acc)
+    # (not with the overlap: the lanes own their two buffers)
+    buf = kept if k >= span_rows and not overlap else _buffer(span_rows, n, v, hidden, acc)
 
-    def stats(z, s, e):  # the kernel on slices of at most c rows of the span's logits z
+    def stats(z, g, s, e):  # the kernel on slices of at most c rows of the span's logits z
         for a, b in balanced(e - s, c, s):
             lp, en, ls = kern.stats(
                 z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
@@ -147,11 +149,25 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
             if with_ent:
                 ent[a:b] = en
 
-    for s, e in spans:
-        stats(head.logits(hidden[s:e], buf), s, e)
-    del buf
-    if k:
-        stats(head.logits(hidden[n - k :], kept), n - k, n)  # one GEMM for the kept rows
+    lanes = _RowLanes(buf, hidden) if overlap else None
+    try:
+        for s, e in spans:
+            # logits = h[s:e] W^T (+ b), fp32, (e - s) x V: one GEMM per span
+            if lanes is None:
+                stats(head.logits(hidden[s:e], buf), None, s, e)
+            else:
+                lanes.run(lambda zb, s=s, e=e: head.logits(hidden[s:e], zb), stats, None, s, e)
+        del buf
+        if k:
+            # logits of the kept rows = h[n-k:] W^T (+ b) straight into ``saved``: one GEMM
+            z = head.logits(hidden[n - k :], kept)
+            if lanes is None:
+                stats(z, None, n - k, n)
+            else:
+                lanes.on_side(stats, z, None, n - k, n)
+    finally:
+        if lanes is not None:  # also on an exception: see _RowLanes
+            lanes.join()
     return logp, ent, lse, saved  # the base, not a view (the backward may write it)
 
 
@@ -206,45 +222,66 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
     # the fp32 logits chunk: a slice of rows in the 16-bit path, a whole buffer in place
     rows = [e - s for s, e, fk in spans if not (sep and fk)]
     z_buf = _buffer(min(c, max(rows)) if sep else max(rows), n, v, hidden, acc) if rows else None
-    lanes = _RowLanes.make(sep, z_buf, hidden)
-    first = True
-    for s, e, from_kept in spans:
-        z_span = None
-        if from_kept:
-            z_span = kept[s - (n - k) : e - (n - k)]
-            if not sep:  # in place: the gradient must not overwrite the forward's output
-                z_span = z_buf[: e - s].copy_(z_span)
-        elif not sep:
-            z_span = head.logits(hidden[s:e], z_buf)
-        g = None if g_buf is None else g_buf[: e - s]
-        for a, b in balanced(e - s, c, s):
-            gs = None if g is None else g[a - s : b - s]
-            if z_span is not None:
-                row_fn(z_span[a - s : b - s], gs, a, b)
-            elif lanes is not None:
-                lanes.run(lambda zb, a=a, b=b: head.logits(hidden[a:b], zb), row_fn, gs, a, b)
-            else:
-                row_fn(head.logits(hidden[a:b], z_buf), gs, a, b)
-        if lanes is not None:
-            lanes.join()  # the gradient buffer is complete before dh and dW read it
-        if need_dw:
-            gd = g if sep else z_span
-            head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None, first)
-            first = False
-    if lanes is not None:
-        lanes.join()
+    overlap = sep and z_buf is not None and _RowLanes.enabled(head.low, hidden)
+    lanes = _RowLanes(z_buf, hidden) if overlap else None
+    try:
+        first = True
+        for s, e, from_kept in spans:
+            z_span = None
+            if from_kept:
+                z_span = kept[s - (n - k) : e - (n - k)]
+                if not sep:  # in place: the gradient must not overwrite the forward's output
+                    z_span = z_buf[: e - s].copy_(z_span)
+            elif not sep:
+                # logits = h[s:e] W^T (+ b), fp32, one GEMM for the whole buffer (in place)
+                z_span = head.logits(hidden[s:e], z_buf)
+            g = None if g_buf is None else g_buf[: e - s]
+            for a, b in balanced(e - s, c, s):
+                gs = None if g is None else g[a - s : b - s]
+                if z_span is not None:
+                    row_fn(z_span[a - s : b - s], gs, a, b)
+                elif lanes is not None:
+                    # logits = h[a:b] W^T (+ b), fp32, per slice; its row kernel on the side
+                    lanes.run(lambda zb, a=a, b=b: head.logits(hidden[a:b], zb), row_fn, gs, a, b)
+                else:
+                    # logits = h[a:b] W^T (+ b), fp32, per slice (16-bit path)
+                    row_fn(head.logits(hidden[a:b], z_buf), gs, a, b)
+            if lanes is not None:
+                lanes.join()  # the gradient buffer is complete before dh and dW read it
+            if need_dw:
+                gd = g if sep else z_span
+                # dh[s:e] = G W and dW (=, first buffer; +=, later) G^T h[s:e]: Head.backward
+                head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None,
+                              first)  # fmt: skip
+                first = False
+    finally:
+        if lanes is not None:  # also on an exception: see _RowLanes
+            lanes.join()
     return dh, dw, db
 
 
 class _RowLanes:
-    """MRTPO_OVERLAP_ROWS=1 on a CUDA device (16-bit gradient path): each chunk's row kernel
-    runs on a side stream while the current stream's GEMM makes the next chunk's logits into
-    the other of two fp32 chunk buffers (one chunk buffer more of memory). Ordering, by
-    events: a chunk's row kernel waits for its logits GEMM (and so for all earlier work of
-    the current stream: its inputs, and the dh / dW GEMMs that read the gradient buffer it
-    writes); a GEMM into a buffer waits for the row kernel that last read it; ``join`` makes
-    the current stream wait for every row kernel (before dh / dW, and before returning, so
-    the outputs the row kernels write are ready for the caller's stream)."""
+    """MRTPO_OVERLAP_ROWS=1 on a CUDA device (16-bit GEMM path): each chunk's row kernel runs
+    on a side stream while the current stream's GEMM makes the next chunk's logits into the
+    other of two fp32 chunk buffers (one chunk buffer more of memory, counted in
+    ``chunk_plan``'s buffer_bytes). Used by the backward and the policy loss
+    (``_run_backward``) and by the log-probs forward's statistics. Ordering, by events: a
+    chunk's row kernel waits for its logits GEMM (and so for all earlier work of the current
+    stream: its inputs, and the dh / dW GEMMs that read the gradient buffer it writes); a
+    GEMM into a buffer waits for the row kernel that last read it; ``join`` makes the
+    current stream wait for every row kernel (before dh / dW, and before returning, so the
+    outputs the row kernels write are ready for the caller's stream).
+
+    Errors: the callers join in a ``finally``, so an exception between a side-stream row
+    kernel and the join (a failing GEMM, a row kernel's launch, anything in between) still
+    makes the current stream wait for the side stream before the exception leaves the
+    driver: a buffer freed on the way out can only be reused by work ordered after every
+    pending row kernel. The buffers the side stream reads or writes that the driver made on
+    the current stream (the two chunk buffers, the gradient buffer's rows) are also marked
+    with ``record_stream``, so the caching allocator holds them until the side stream's
+    work on them is done, whichever stream asks for the memory next.
+    JS is not covered: its chunk is the stacked (1 + K) C rows of a 768 MiB scratch, and a
+    second one would pass the 1 GB target."""
 
     def __init__(self, z_buf, hidden):
         self.bufs = [z_buf, torch.empty_like(z_buf)]
@@ -252,29 +289,38 @@ class _RowLanes:
         self.side = torch.cuda.Stream(device=hidden.device)
         self.free = [None, None]  # per buffer: the event after the row kernel that read it
         self.turn = 0
+        for buf in self.bufs:
+            buf.record_stream(self.side)
 
-    @classmethod
-    def make(cls, wanted, z_buf, hidden):
-        """The lanes where wanted (the 16-bit gradient path with a logits chunk to fill) on a
-        CUDA device with MRTPO_OVERLAP_ROWS=1, else None (the serial loop)."""
-        if not wanted or z_buf is None or not hidden.is_cuda or not settings.overlap_rows():
-            return None
-        return cls(z_buf, hidden)
+    @staticmethod
+    def enabled(wanted: bool, hidden) -> bool:
+        """Whether to overlap: ``wanted`` (the 16-bit GEMM path) on a CUDA device with
+        MRTPO_OVERLAP_ROWS=1 (read at each call)."""
+        return bool(wanted) and hidden.is_cuda and settings.overlap_rows()
 
     def run(self, logits_into, row_fn, g, a, b):
+        """logits_into(buffer) on the current stream into the next of the two buffers, then
+        row_fn(z, g, a, b) on the side stream (``on_side``)."""
         j = self.turn
         self.turn ^= 1
         if self.free[j] is not None:
             self.main.wait_event(self.free[j])
         z = logits_into(self.bufs[j])
+        self.free[j] = self.on_side(row_fn, z, g, a, b)
+
+    def on_side(self, row_fn, z, g, a, b):
+        """row_fn(z, g, a, b) on the side stream after everything the current stream has
+        queued so far; returns the event recorded after it."""
         ready = torch.cuda.Event()
         ready.record(self.main)
+        if g is not None:
+            g.record_stream(self.side)  # rows of the driver's gradient buffer
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)
             row_fn(z, g, a, b)
             done = torch.cuda.Event()
             done.record(self.side)
-        self.free[j] = done
+        return done
 
     def join(self):
         self.main.wait_stream(self.side)
