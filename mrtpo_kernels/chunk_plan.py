@@ -96,8 +96,9 @@ class Gemm:
 class RowPass:
     """One row-kernel call: ``rows`` x ``cols`` elements, ``read_bytes`` read and
     ``write_bytes`` written per element (the kernels' passes over the row: a statistics
-    pass reads each fp32 logit once, a gradient pass reads it twice and writes the
-    gradient; JS reads every stream twice)."""
+    pass reads each fp32 logit once, a gradient pass ("grad", or "policy" for the policy
+    loss's kernel) reads it twice and writes the gradient; JS reads every stream
+    twice)."""
 
     stage: str
     rows: int
@@ -258,8 +259,9 @@ def chunk_plan(
         for a, b in balanced(e - s, c):
             if not from_kept and sep:
                 gemm("recompute" if op == "linear_logprobs" else "logits", b - a, v, d)
-            if backward:
-                passes.append(RowPass("grad", b - a, v, 8, gb))
+            if backward:  # the policy loss's pass is its own kernel (policy_)
+                stage = "policy" if op == "linear_policy_loss" else "grad"
+                passes.append(RowPass(stage, b - a, v, 8, gb))
             else:
                 passes.append(RowPass("stats", b - a, v, 4))
         if backward:
