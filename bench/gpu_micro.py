@@ -121,7 +121,10 @@ def _row_cases(torch, chunk_plan, dev, c, v):
     """The Triton row kernel and its three passes on one chunk of c random rows:
     (kernel, {name: (bytes per element, call)}) (the stats pass reads 4 bytes per element,
     the gradient passes read 8 and write 2)."""
+    import mrtpo_kernels as mk
+
     k = chunk_plan.row_kernel("triton")
+    cfg = mk.PolicyLossSettings()
     z = torch.randn(c, v, device=dev) * 2
     lab = torch.randint(0, v, (c,), device=dev)
     one = torch.ones(c, device=dev)
@@ -130,8 +133,7 @@ def _row_cases(torch, chunk_plan, dev, c, v):
     return k, {
         "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
         "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
-        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
-                                         -100, True, out=out16)),
+        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, cfg, True, out=out16)),
     }  # fmt: skip
 
 

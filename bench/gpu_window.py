@@ -466,7 +466,10 @@ def part_rows(torch, args, emit):
     from mrtpo_kernels import chunk_plan
 
     dev, v = args.device, args.v
+    import mrtpo_kernels as mk
+
     k = chunk_plan.row_kernel("triton")
+    cfg = mk.PolicyLossSettings()
     plan = chunk_plan.chunk_plan("linear_policy_loss", args.n, v, args.d, grad16=True)
     c = max(g.m for g in plan.gemms if g.stage == "logits")
     calls = plan.count("logits")
@@ -478,8 +481,7 @@ def part_rows(torch, args, emit):
     cases = {
         "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
         "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
-        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
-                                         -100, True, out=out16)),
+        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, cfg, True, out=out16)),
     }  # fmt: skip
     split = getattr(k, "stats_split", None)
     if split is not None:

@@ -18,7 +18,10 @@ import pytest
 import torch
 from triton_cases._harness import CASES, interpreted, run_groups, run_interpreted
 
+from mrtpo_kernels import PolicyLossSettings
 from mrtpo_kernels.backends.contract import RowKernel
+
+CFG = PolicyLossSettings()  # the policy loss's defaults (temperature 1, clip 0.2, no KL)
 
 
 @interpreted
@@ -155,9 +158,7 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
             _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
 
     def policy():
-        _chunked.linear_policy_loss(
-            kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
-        )
+        _chunked.linear_policy_loss(kern, h, w, None, y, -one, one, one, one[:0], CFG, True)
 
     def plan(op, **kw):
         p = chunk_plan.chunk_plan(op, n, v, d, **kw)
@@ -381,8 +382,9 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     mask = (y != -100).float()
     tw = mask / mask.sum()
     kern.calls.clear()
+    cfg = PolicyLossSettings(temperature=0.8)
     loss, lp2, cl, dh2, dw2, db2 = _chunked.linear_policy_loss(
-        kern, h, w, b, y, old, adv, tw, tw[:0], 0.8, 0.2, 0.2, 0.0, -100, True
+        kern, h, w, b, y, old, adv, tw, tw[:0], cfg, True
     )
     h64, w64, b64 = (t.double().requires_grad_() for t in (h, w, b))
     rloss, _ = ref.linear_policy_loss_ref(
@@ -468,9 +470,7 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
             _, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
             _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
         else:
-            _chunked.linear_policy_loss(
-                kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
-            )
+            _chunked.linear_policy_loss(kern, h, w, None, y, -one, one, one, one[:0], CFG, True)
         widths = [s.shape[1] for s in kern.stats_norms]  # token chunks of at most 8 rows
         assert sum(widths) == n and max(widths) <= 8 and len(widths) == 3, (path, widths)
         buf = kern.cols_norms[0]

@@ -351,17 +351,20 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
         v1 = min(v, v0 + cols)
         w_c = weight[v0:v1] if head.low else head.w[v0:v1]
         b_c = None if head.b32 is None else head.b32[v0:v1]
+        # logits[:, v0:v1] = h W[v0:v1]^T (+ b), fp32, all N rows: the recompute GEMM
         z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
         g = None if g16 is None else g16[: n * (v1 - v0)].view(n, v1 - v0)
         kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
                         **_out(g, 0, n), **nkw)  # fmt: skip
         if head.low:
-            torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
+            # dW[v0:v1] = G^T h, written once in the weight's dtype (fp32 inside the GEMM)
+            torch.mm(g.t(), hidden, out=dw[v0:v1])
+            # dh += G W[v0:v1] into the fp32 (N, d) accumulator
             _lm_head.addmm_f32(dh32, g, w_c)
         else:
             g = z
-            dw[v0:v1] = g.t() @ upcast(hidden)
-            dh32.addmm_(g, w_c)
+            dw[v0:v1] = g.t() @ upcast(hidden)  # dW[v0:v1] = G^T h, fp32
+            dh32.addmm_(g, w_c)  # dh += G W[v0:v1]
         if bias is not None:
             db[v0:v1] = g.sum(0, dtype=acc)
     return dh32.to(hidden.dtype), dw, db
@@ -380,9 +383,11 @@ def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
     buf_p = _buffer(c, n, v, hidden_p, acc)
     buf_q = _buffer(c, n, v, hidden_p, acc)
     for s, e in balanced(n, c):
-        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
+        # P's logits = h_p[s:e] W^T (+ b), fp32: once per chunk, for all K streams
+        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)
         lse_p = None
         for j in range(k):
+            # stream j's logits = h_q[j, s:e] W^T (+ b), fp32
             zq = fp32_logits(hidden_q[j, s:e], w32, b32, buf_q)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
@@ -409,6 +414,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
         a = a_buf[: streams * rows * d].view(streams, rows, d)
         a[0].copy_(hidden_p[s:e])
         a[1:].copy_(hidden_q[:, s:e])
+        # the stacked logits = [h_p; h_q[0]; ...; h_q[K-1]][s:e] W^T (+ b), fp32: one GEMM
         z = head.logits(a.view(streams * rows, d), z_buf.view(-1, v))
         out[:, s:e] = kern.js_many(z.view(streams, rows, v), 1.0 / temperature)
     return out
@@ -477,33 +483,20 @@ def js_distance(kern, logits_p, logits_q, temperature):
 
 
 def linear_policy_loss(
-    kern,
-    hidden,
-    weight,
-    bias,
-    labels,
-    old_logp,
-    adv,
-    token_weight,
-    ref_logp,
-    temperature,
-    clip_low,
-    clip_high,
-    beta,
-    ignore_index,
+    kern, hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg,
     need_grad,
-    clip_ratio_c=float("inf"),
-    kl_iw=False,
-):
+):  # fmt: skip
+    """(loss, logp, clipped, dh, dw, db): the clipped-surrogate loss sum_t token_weight[t]
+    L_t and, with need_grad, its gradient in the same pass; ``cfg`` the op's scalar
+    settings (``PolicyLossSettings``), handed to the row kernel as they are."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
     head = Head(kern, hidden, weight, bias)
-    inv_t = 1.0 / temperature
     ref_logp = _none_if_empty(ref_logp)
     if need_grad and _low_memory(kern, weight):
         return _policy_by_vocab(
-            kern, head, hidden, weight, bias, labels, old_logp, adv, token_weight, ref_logp,
-            inv_t, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw,
+            kern, head, hidden, weight, bias, labels, old_logp, advantages, token_weight,
+            ref_logp, cfg,
         )  # fmt: skip
     logp = hidden.new_empty(n, dtype=acc)
     clipped = hidden.new_empty(n, dtype=acc)
@@ -511,10 +504,8 @@ def linear_policy_loss(
 
     def rows(z, g, a, b):  # the token terms and, with need_grad, dL/dz in place or into g
         per_tok, lp, cl = kern.policy_(
-            z, labels[a:b], old_logp[a:b], adv[a:b], token_weight[a:b],
-            None if ref_logp is None else ref_logp[a:b], inv_t, clip_low, clip_high, beta,
-            ignore_index, need_grad, clip_ratio_c=clip_ratio_c, kl_iw=kl_iw,
-            **_out(g, 0, b - a),
+            z, labels[a:b], old_logp[a:b], advantages[a:b], token_weight[a:b],
+            None if ref_logp is None else ref_logp[a:b], cfg, need_grad, **_out(g, 0, b - a),
         )  # fmt: skip
         loss.add_((per_tok * token_weight[a:b]).sum())
         logp[a:b] = lp
@@ -527,28 +518,32 @@ def linear_policy_loss(
     return loss, logp, clipped, dh, dw, db
 
 
-def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref, inv_t,
-                     clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw):  # fmt: skip
+def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old_logp, advantages,
+                     token_weight, ref_logp, cfg):  # fmt: skip
     """Low-memory policy loss: the log-probs and lse by token chunks (1 GEMM), the token
     terms from them, then the vocabulary-chunked backward (3 GEMMs: one is a recompute)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
+    inv_t, ignore_index = 1.0 / cfg.temperature, cfg.ignore_index
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
     norm = norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
     c = chunk_rows(v)
     buf = _buffer(c, n, v, hidden, acc)
     for s, e in balanced(n, c):
+        # logits = h[s:e] W^T (+ b), fp32: the forward's one GEMM per token chunk
         z = head.logits(hidden[s:e], buf)
-        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **norm_rows(norm, s, e))
+        lp, _, ls = kern.stats(
+            z, labels[s:e], inv_t, ignore_index, False, **norm_rows(norm, s, e)
+        )  # fmt: skip
         logp[s:e] = lp
         lse[s:e] = ls
     del buf
     per_tok, clipped, g = kern.policy_terms(
-        logp, labels, old, adv, tw, ref, v, clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw
+        logp, labels, old_logp, advantages, token_weight, ref_logp, v, cfg
     )
-    loss = (per_tok * tw).sum()
+    loss = (per_tok * token_weight).sum()
     dh, dw, db = _backward_by_vocab(
-        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ii, norm
+        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ignore_index, norm
     )
     return loss, logp, clipped, dh, dw, db

@@ -390,23 +390,10 @@ class TritonRowKernel:
         )
 
     @staticmethod
-    def policy_(
-        z,
-        labels,
-        old,
-        adv,
-        tw,
-        ref,
-        inv_t,
-        clip_low,
-        clip_high,
-        beta,
-        ii,
-        need_grad,
-        clip_ratio_c=math.inf,
-        kl_iw=False,
-        out=None,
-    ):
+    def policy_(z, labels, old_logp, advantages, token_weight, ref_logp, cfg, need_grad, out=None):
+        """(per-token loss, logp, clipped) of rows z; with need_grad, dL/dz for the token
+        weights over z or into ``out``; ``cfg`` the op's scalar settings
+        (``PolicyLossSettings``)."""
         check_device("z", z)
         rows, v = z.shape
         f32 = dict(dtype=torch.float32, device=z.device)
@@ -414,32 +401,32 @@ class TritonRowKernel:
         if rows == 0:
             return loss, logp, clipped
         out = _check_out(z, out)
-        has_ref = ref is not None and beta != 0.0
-        old = _f32(old)
+        has_ref = ref_logp is not None and cfg.beta != 0.0
+        old = _f32(old_logp)
         block = row_block(v)
         _policy_rows_kernel[(rows,)](
             z,
             out,
             labels.contiguous(),
             old,
-            _f32(adv),
-            _f32(tw),
-            _f32(ref) if has_ref else old,
+            _f32(advantages),
+            _f32(token_weight),
+            _f32(ref_logp) if has_ref else old,
             loss,
             logp,
             clipped,
             V=v,
             stride_z=z.stride(0),
             stride_out=out.stride(0),
-            inv_t=float(inv_t),
-            clip_low=float(clip_low),
-            clip_high=float(clip_high),
-            clip_c=_clip_c(clip_ratio_c),
-            beta=float(beta),
-            ignore_index=int(ii),
+            inv_t=1.0 / float(cfg.temperature),
+            clip_low=float(cfg.clip_low),
+            clip_high=float(cfg.clip_high),
+            clip_c=_clip_c(cfg.clip_ratio_c),
+            beta=float(cfg.beta),
+            ignore_index=int(cfg.ignore_index),
             HAS_REF=has_ref,
-            DUAL_CLIP=math.isfinite(clip_ratio_c),
-            KL_IW=bool(kl_iw),
+            DUAL_CLIP=math.isfinite(cfg.clip_ratio_c),
+            KL_IW=bool(cfg.kl_importance_weight),
             NEED_GRAD=bool(need_grad),
             BLOCK=block,
             num_warps=_warps(block),

@@ -94,8 +94,11 @@ def check_clip_token_kernels():
         )
         tag = f"clip_low={cl} clip_high={ch} clip_c={clip_c} beta={beta}"
         tw = torch.ones(n)
+        cfg = mk.PolicyLossSettings(
+            clip_low=cl, clip_high=ch, beta=beta, ignore_index=II, clip_ratio_c=clip_c
+        )
         loss, clipped, g = rows.policy_terms(
-            logp, labels, old, adv, tw, ref_lp if beta else None, 5, cl, ch, beta, II, clip_c
+            logp, labels, old, adv, tw, ref_lp if beta else None, 5, cfg
         )
         close(f"rows.policy_terms loss {tag}", loss, want_l)
         close(f"rows.policy_terms dloss/dlogp {tag}", g, want_g)

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from mrtpo_kernels import PolicyLossSettings as _cfg  # noqa: E402
 from mrtpo_kernels import reference as ref  # noqa: E402
 from mrtpo_kernels.backends import _chunked, _lm_head, cpu_backend, torch_backend  # noqa: E402
 from mrtpo_kernels.triton_kernels import rows  # noqa: E402
@@ -122,7 +123,7 @@ def check_all_ignored():
     rows.TritonRowKernel.grad_(gz, lab, lse, ent, torch.ones(5), torch.ones(5), 1.0, II)
     close("all ignored grad", gz, torch.zeros(5, 300))
     loss, lp, cl = rows.TritonRowKernel.policy_(
-        z.clone(), lab, lse, torch.ones(5), torch.ones(5), None, 1.0, 0.2, 0.2, 0.0, II, True
+        z.clone(), lab, lse, torch.ones(5), torch.ones(5), None, _cfg(ignore_index=II), True
     )
     close("all ignored policy loss", loss, torch.zeros(5))
     close("all ignored policy clipped", cl, torch.zeros(5))
@@ -145,22 +146,9 @@ def check_policy(c, v, temp, seed, beta, clip_c, kl_iw, extreme):
     tw = valid.float() / valid.sum()
     tag = f"C={c} V={v} T={temp} beta={beta} clip_c={clip_c} kl_iw={kl_iw} extreme={extreme}"
     gz = z.clone()
-    loss, logp, clipped = rows.TritonRowKernel.policy_(
-        gz,
-        lab,
-        old,
-        adv,
-        tw,
-        refl,
-        1.0 / temp,
-        0.2,
-        0.28,
-        beta,
-        II,
-        True,
-        clip_ratio_c=clip_c,
-        kl_iw=kl_iw,
-    )
+    cfg = _cfg(temperature=temp, clip_low=0.2, clip_high=0.28, beta=beta, ignore_index=II,
+               clip_ratio_c=clip_c, kl_importance_weight=kl_iw)  # fmt: skip
+    loss, logp, clipped = rows.TritonRowKernel.policy_(gz, lab, old, adv, tw, refl, cfg, True)
     close(f"policy logp {tag}", logp, rl)
     # float64 reference on the defined rows: token-mean loss and its gradient by autograd
     keep = defined
@@ -187,9 +175,7 @@ def check_policy(c, v, temp, seed, beta, clip_c, kl_iw, extreme):
             torch.full((int((valid & ~defined).sum()),), float("nan")),
         )
     # the low-memory pieces: token terms from the log-probs, column-chunked gradient
-    per_tok, cl2, g = rows.policy_terms(
-        logp, lab, old, adv, tw, refl, v, 0.2, 0.28, beta, II, clip_c, kl_iw
-    )
+    per_tok, cl2, g = rows.policy_terms(logp, lab, old, adv, tw, refl, v, cfg)
     close(f"policy_terms loss {tag}", per_tok, loss)
     close(f"policy_terms clipped {tag}", cl2, clipped)
     _, _, lse = rows.TritonRowKernel.stats(z, lab, 1.0 / temp, II, False)
@@ -298,7 +284,7 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     adv = torch.randn(n, generator=gen)
     tw = (lab != II).float() / (lab != II).sum()
     loss, _, _, dh2, dw2, db2 = _chunked.linear_policy_loss(
-        kern, h, w, b, lab, old, adv, tw, tw[:0], 0.9, 0.2, 0.2, 0.0, II, True
+        kern, h, w, b, lab, old, adv, tw, tw[:0], _cfg(temperature=0.9, ignore_index=II), True
     )
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     b64 = None if b is None else b.double().requires_grad_()
