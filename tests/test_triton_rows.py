@@ -91,6 +91,29 @@ def test_row_kernels_compile_for_hopper(out_dtype):
 
 @hopper
 @compiled_mode
+def test_split_stats_kernels_compile_for_hopper():
+    """The split-row statistics (issue 35, item 4): the per-(row, split) scan and the
+    per-row merge build for sm_90 (the numerics: rows_cases.py, group split_stats)."""
+    from mrtpo_kernels.triton_kernels import rows
+
+    block = rows.row_block(151936)
+    _compile(rows._stats_split_kernel, {
+        "z_ptr": "*fp32", "part_ptr": "*fp32", "V": "i32", "rows": "i32", "plane": "i32",
+        "cols_per_split": "i32", "stride_z": "i64", "inv_t": "fp32",
+        "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
+        {"WITH_ENT": True, "BLOCK": block}, num_warps=8)  # fmt: skip
+    for with_norm in (True, False):
+        _compile(rows._stats_merge_kernel, {
+            "z_ptr": "*fp32", "part_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
+            "ent_ptr": "*fp32", "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32",
+            "rows": "i32", "splits": "i32", "plane": "i32", "norm_stride": "i32",
+            "stride_z": "i64", "inv_t": "fp32", "ignore_index": "i64",
+            "WITH_ENT": "constexpr", "WITH_NORM": "constexpr", "BLOCK_S": "constexpr"},
+            {"WITH_ENT": True, "WITH_NORM": with_norm, "BLOCK_S": 4}, num_warps=1)  # fmt: skip
+
+
+@hopper
+@compiled_mode
 @pytest.mark.parametrize("k", [1, 4, 5])
 def test_js_row_kernels_compile_for_hopper(k):
     """js_many's kernels: per-row (raw max, log sum) of the stacked rows, then the split

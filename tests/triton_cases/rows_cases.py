@@ -357,6 +357,66 @@ def group_row_kernels():
     check_offsets()
 
 
+def check_split_stats(c, v, temp, seed, extreme, splits):
+    """TritonRowKernel.stats_split (split-row statistics, issue 35 item 4) against float64:
+    log-probs, entropy and lse of every row (NaN rows, -inf columns, a 3e38 logit, ignored
+    and out-of-range labels), the (M, log s) norm it writes into a column slice of a (2, N)
+    buffer, and agreement with the one-program-per-row kernel; ``splits`` from 1 (one
+    split) to more splits than column steps (clamped)."""
+    z, lab = _logits(c, v, seed)
+    if extreme:
+        z = _extreme(z)
+    lab[2] = v - 1
+    lab[-1] = v + 3  # out of range (value checks off): NaN log-prob
+    tag = f"split C={c} V={v} T={temp} extreme={extreme} splits={splits}"
+    k = rows.TritonRowKernel
+    norm_buf = torch.full((2, c + 3), 7.0)
+    norm = norm_buf[:, 2 : 2 + c]
+    logp, ent, lse = k.stats_split(z, lab, 1.0 / temp, II, True, norm=norm, splits=splits)
+    z64 = z.double()
+    rl, re = ref.logprobs_from_logits_ref(
+        z64, lab, temperature=temp, ignore_index=II, return_entropy=True
+    )
+    close(f"{tag} logp", logp, rl)
+    close(f"{tag} entropy", ent, re)
+    want_lse = torch.logsumexp(z64 / temp, -1)
+    bad_row = torch.isnan(z64).any(-1) | (z64 == float("inf")).any(-1)
+    want_lse = torch.where(bad_row, float("nan"), want_lse)
+    want_lse = torch.where(torch.isinf(want_lse) & (want_lse < 0), float("nan"), want_lse)
+    close(f"{tag} lse", lse, want_lse)
+    p_logp, p_ent, p_lse = k.stats(z, lab, 1.0 / temp, II, True)
+    close(f"{tag} = per-row logp", logp, p_logp.double(), atol=1e-5, rtol=1e-6)
+    close(f"{tag} = per-row entropy", ent, p_ent.double(), atol=1e-5, rtol=1e-6)
+    # the norm: raw max M and log s, log p = (z/2 - M/2)(2/tau) - log s at the label
+    mx = torch.where(torch.isnan(z64), float("-inf"), z64).amax(-1)  # the finite part's
+    good = ~bad_row & torch.isfinite(mx)
+    empty = mx == float("-inf")
+    _harness.expect(f"{tag} norm M of an all -inf row", bool((norm[0][empty] == mx[empty]).all()))
+    close(f"{tag} norm M (defined rows)", norm[0][good], mx[good], atol=0, rtol=0)
+    want_ls = want_lse - mx / temp
+    close(f"{tag} norm log s (defined rows)", norm[1][good], want_ls[good])
+    _harness.expect(f"{tag} norm written only in its slice",
+                    bool((norm_buf[:, :2] == 7.0).all() and (norm_buf[:, 2 + c :] == 7.0).all()),
+                    "")  # fmt: skip
+    lp2, none, lse2 = k.stats_split(z, lab, 1.0 / temp, II, False, splits=splits)
+    _harness.expect(f"{tag} no entropy asked", none is None, "")
+    close(f"{tag} logp without entropy", lp2, rl)
+
+
+def group_split_stats():
+    for c, v, temp, extreme, splits in (
+        (7, 300, 1.0, True, 3),
+        (9, 1500, 0.7, False, 2),
+        (9, 1500, 1.3, True, 40),  # more than its column steps: clamped
+        (3, 2049, 1.0, False, 1),
+        (5, 5003, 0.5, False, None),  # the default split count
+    ):
+        check_split_stats(c, v, temp, seed=c + 10, extreme=extreme, splits=splits)
+    empty = rows.TritonRowKernel.stats_split(torch.empty(0, 50), torch.empty(0, dtype=torch.long),
+                                             1.0, II, True)  # fmt: skip
+    _harness.expect("split stats of no rows", all(t.numel() == 0 for t in empty), "")
+
+
 def group_driver():
     for name, kern in KERNELS.items():
         for low in (False, True) if name == "triton" else (False,):
