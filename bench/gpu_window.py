@@ -343,6 +343,17 @@ def part_timeline(torch, args, emit):
 # --------------------------------------------------------------------------- A/B
 
 
+def _predicted_ms(cm, name, args, low_memory=False) -> float:
+    """The refit H200 model's time for one A/B arm (the low-memory arm's own plan: the
+    backward by vocabulary chunks; the overlap's plan has the same GEMMs and passes)."""
+    from mrtpo_kernels import chunk_plan
+
+    op = {"linear_policy_loss_fwd_bwd": "linear_policy_loss",
+          "linear_logprobs_fwd_bwd": "linear_logprobs"}[name]  # fmt: skip
+    plan = chunk_plan.chunk_plan(op, args.n, args.v, args.d, grad16=True, low_memory=low_memory)
+    return cm.predict_plans(name, [plan], args.n, args.v, args.d, 1, cm.H200).total_s * 1e3
+
+
 def part_ab(torch, args, emit):
     from . import cost_model as cm
 
@@ -365,8 +376,7 @@ def part_ab(torch, args, emit):
     med = {k: statistics.median(v) for k, v in times.items()}
     for (c, o), ms in med.items():
         flops = ops[o][1]
-        with _Env(**CONFIGS[c]):
-            pred = cm.predicted_ms(o, args.n, args.d, args.v, 1, "cuda", "bfloat16")
+        pred = _predicted_ms(cm, o, args, low_memory=c == "low_memory")
         emit({"part": "ab", "name": o, "config": c, "ms": ms, "rounds": args.rounds,
               "tflops": flops / ms / 1e9, "vs_default": ms / med[("default", o)],
               "pred_ms": pred, "extra_mem_mb": mem[(c, o)],
