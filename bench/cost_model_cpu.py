@@ -77,6 +77,8 @@ def measure_cpu_device(kern, plans, y, k: int, repeats: int = 3) -> Device:
     row kernel alone), converted to bytes/s with the plan's byte counts."""
     import torch
 
+    import mrtpo_kernels as mk
+
     rates: dict = {}
     for p in plans:
         for g in p.gemms:
@@ -106,9 +108,9 @@ def measure_cpu_device(kern, plans, y, k: int, repeats: int = 3) -> Device:
             copies = [z.clone() for _ in range(repeats + 1)]
             if r.stage == "stats":
                 fn = lambda z=z, lab=lab: kern.stats(z, lab, 1.0, -100, False)  # noqa: E731
-            elif r.stage == "grad" and p.op == "linear_policy_loss":
+            elif r.stage == "policy":
                 fn = lambda c=copies, lab=lab, o=o: kern.policy_(  # noqa: E731
-                    c.pop(), lab, -o, o, o, None, 1.0, 0.2, 0.2, 0.0, -100, True
+                    c.pop(), lab, -o, o, o, None, mk.PolicyLossSettings(), True
                 )
             elif r.stage == "grad":
                 fn = lambda c=copies, lab=lab, o=o: kern.grad_(  # noqa: E731

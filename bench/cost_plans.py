@@ -19,7 +19,10 @@ V2_KEEP_BYTES = 352 << 20  # the previous plan's MRTPO_KEEP_LOGITS_BYTES default
 class Device:
     """What the model needs of a device. ``gemm_rates``: measured FLOP/s per GEMM
     (m, n, k, accumulate) shape, used instead of ``gemm_flops`` where present;
-    ``row_rates``: measured bytes/s per row-pass stage."""
+    ``row_rates``: measured bytes/s per row-pass stage; ``op_gemm_flops``: a measured
+    FLOP/s for every GEMM of one op's plan (the op's GEMM floor, where the formula misses
+    it); ``row_call_s``: seconds per row-kernel call beyond its bytes (the chunk's small
+    kernels, launches and the gaps between kernels)."""
 
     name: str
     gemm_flops: float
@@ -30,6 +33,8 @@ class Device:
     overlap: float = 1.0
     gemm_rates: dict = field(default_factory=dict)
     row_rates: dict = field(default_factory=dict)
+    op_gemm_flops: dict = field(default_factory=dict)
+    row_call_s: float = 0.0
 
 
 def wave_efficiency(m: int, n: int, sms: int, tile: int = 128) -> float:
@@ -43,7 +48,10 @@ def plan_key(g) -> tuple:
     return (g.m, g.n, g.k, g.accumulate)
 
 
-def gemm_time(g, dev: Device) -> float:
+def gemm_time(g, dev: Device, op: str | None = None) -> float:
+    """Seconds of GEMM ``g`` (of the plan of ``op``, where given) on ``dev``."""
+    if op in dev.op_gemm_flops:
+        return g.flops / dev.op_gemm_flops[op]
     if plan_key(g) in dev.gemm_rates:
         return g.flops / dev.gemm_rates[plan_key(g)]
     rate = dev.gemm_flops * wave_efficiency(g.m, g.n, dev.sms)
@@ -94,7 +102,7 @@ def v2_plan(op: str, n: int, v: int, d: int, *, backward: bool = True, k: int = 
         for s, e in chunks(n, c):
             r = e - s
             gemms.append(G("logits", r, v, d, False, 2, 4))
-            passes.append(P("grad", r, v, 8, 2))
+            passes.append(P("policy", r, v, 8, 2))
             gemms += [G("dh", r, d, v, False, 2, 2), G("dw", v, d, r, True, 2, 4)]
         return st.ChunkPlan(op, c, 0, False, tuple(gemms), tuple(passes), c, True, c * 4 * v)
     kept = min(n, V2_KEEP_BYTES // (4 * v))
@@ -165,8 +173,8 @@ class Prediction:
 
 
 def predict_plans(bench_op, plans, n, v, d, k, dev: Device) -> Prediction:
-    gemm_s = sum(gemm_time(g, dev) for p in plans for g in p.gemms)
-    row_s = sum(row_time(r, dev) for p in plans for r in p.row_passes)
+    gemm_s = sum(gemm_time(g, dev, p.op) for p in plans for g in p.gemms)
+    row_s = sum(row_time(r, dev) + dev.row_call_s for p in plans for r in p.row_passes)
     fl = formulas.flops(bench_op, n, d, v, k)
     mem = max(p.buffer_bytes for p in plans)
     return Prediction(bench_op, gemm_s, row_s, fl, mem, sum(p.count() for p in plans))

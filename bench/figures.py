@@ -15,16 +15,41 @@ import json
 import sys
 
 _COLUMNS = {
-    "cublas": ("name", "m", "n", "k", "ms", "pred_ms", "tflops", "error"),
-    "rows": ("name", "rows", "ms", "pred_ms", "gb_per_s", "error"),
+    "cublas": (
+        "name",
+        "m",
+        "n",
+        "k",
+        "k_rows",
+        "out",
+        "ms",
+        "pred_ms",
+        "tflops",
+        "ms_per_row",
+        "error",
+    ),  # fmt: skip
+    "rows": (
+        "name",
+        "rows",
+        "calls",
+        "ms",
+        "pred_ms",
+        "gb_per_s",
+        "lone_ms",
+        "back_to_back_ms",
+        "tb_per_s",
+        "lone_tb_per_s",
+        "error",
+    ),  # fmt: skip
     "rows-sweep": ("name", "rows", "block", "warps", "ms", "gb_per_s", "error"),
     "ops": (
         "name",
-        "variant",
+        "variant",  # records before issue 35 (the fused variant, since deleted)
         "grad_buffer_mib",
         "chunk_mib",
         "row_block",
-        "keep_logits",
+        "keep_logits",  # records before issue 35 (MRTPO_POLICY_KEEP_LOGITS, since deleted)
+        "low_memory",
         "overlap_rows",
         "gemm_path",
         "ms",
@@ -47,6 +72,58 @@ _COLUMNS = {
         "error",
     ),  # fmt: skip
 }
+
+
+# bench/gpu_window.py's parts (cublas and rows above serve both)
+_COLUMNS.update(
+    {
+        "state": (
+            "name",
+            "clocks_sm",
+            "clocks_max_sm",
+            "clocks_mem",
+            "power_draw",
+            "power_limit",
+            "temperature_gpu",
+            "clocks_throttle_reasons_active",
+            "pstate",
+            "skipped",
+            "error",
+        ),  # fmt: skip
+        "timeline": (
+            "name",
+            "config",
+            "source",
+            "wall_ms",
+            "span_ms",
+            "busy_ms",
+            "idle_ms",
+            "gaps",
+            "gemm_ms",
+            "row_ms",
+            "small_ms",
+            "small_count",
+            "concurrent_ms",
+            "kernels",
+            "largest_gaps",
+            "error",
+        ),  # fmt: skip
+        "ab": (
+            "name",
+            "config",
+            "rounds",
+            "ms",
+            "spread_ms",
+            "vs_default",
+            "pred_ms",
+            "tflops",
+            "extra_mem_mb",
+            "error",
+        ),  # fmt: skip
+        "peers": ("name", "options", "ms", "extra_mem_mb", "vs_ours", "skipped", "error"),
+        "decision": ("name", "outcome", "measured", "rule"),
+    }
+)
 
 
 def read(path: str) -> list[dict]:

@@ -3,7 +3,7 @@
 # about 8 minutes of command time (GPU_CHECK_BUDGET_S, default 480):
 #   wheels (.whl/, if any) -> env -> CUDA build started in the background -> micro parts
 #   (cuBLAS at the plan's shapes, the row kernels and their block x warps grid, the ops at 3
-#   chunk plans and the fused variant, correctness beside) -> the benchmark at the target
+#   chunk plans, correctness beside) -> the benchmark at the target
 #   shapes (Liger and Cut Cross-Entropy rows where their wheels are) -> pytest per file,
 #   compile tests last.
 #
@@ -153,15 +153,14 @@ if [ "$DRY" = 0 ] && ! "$PY" -c "import mrtpo_kernels._cuda" > /dev/null 2>&1; t
 fi
 
 # Micro parts, each its own process: cuBLAS at the plan's shapes, the row kernels and their
-# block x warps grid, then the ops at the default plan, two other chunk plans and the fused
-# variant; correctness beside.
+# block x warps grid, then the ops at the default plan and two other chunk plans;
+# correctness beside.
 step micro_cublas 40 "${MICRO[@]}" --part cublas
 step micro_rows 30 "${MICRO[@]}" --part rows
 step micro_rows_sweep 60 "${MICRO[@]}" --part rows-sweep
 step micro_ops 45 "${MICRO[@]}" --part ops
 step micro_ops_buf304 40 "${MICRO[@]}" --part ops --grad-buffer-mib 304
 step micro_ops_chunk128 40 "${MICRO[@]}" --part ops --chunk-mib 128 --grad-buffer-mib 800
-step micro_ops_fused 45 "${MICRO[@]}" --part ops --variant fused
 step micro_correctness 30 "${MICRO[@]}" --part correctness
 
 # The benchmark at the target shapes (one process per provider; liger / cce rows where

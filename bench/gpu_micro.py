@@ -1,7 +1,7 @@
 """Micro-benchmarks of the chunk driver for a GPU window, one part per process.
 
     python -m bench.gpu_micro --part PART --out figures.jsonl [--n 16384 --d 4096
-        --v 151936] [--grad-buffer-mib M] [--chunk-mib M] [--variant rows|fused] [--dry-run]
+        --v 151936] [--grad-buffer-mib M] [--chunk-mib M] [--dry-run]
 
 Every figure is appended to ``--out`` (JSON lines) the moment it exists, so a part that is
 killed keeps what it measured. Timing is by CUDA events (median of several calls after a
@@ -17,8 +17,8 @@ Parts:
     rows         each Triton row kernel alone on one fp32 logits chunk: stats, grad_ (into a
                  separate 16-bit buffer), policy_, js_many (K = 4)
     ops          linear_policy_loss fwd+bwd, linear_logprobs fwd+bwd and JS one-vs-4 at the
-                 target shape with the plan given by --grad-buffer-mib / --chunk-mib and
-                 --variant (rows: the chunk driver; fused: the fused-GEMM kernels)
+                 target shape with the plan given by --grad-buffer-mib / --chunk-mib (and
+                 MRTPO_OVERLAP_ROWS / MRTPO_LOW_MEMORY / MRTPO_ROW_BLOCK from the environment)
     correctness  512 rows at the target V and d, bf16, both ops on backend "triton" against
                  the float64 references
 """
@@ -72,10 +72,10 @@ def _context(chunk_plan, args) -> dict:
     import torch
 
     return {
-        "N": args.n, "d": args.d, "V": args.v, "variant": args.variant,
+        "N": args.n, "d": args.d, "V": args.v,
         "grad_buffer_mib": args.grad_buffer_mib, "chunk_mib": args.chunk_mib,
         "row_block": os.environ.get("MRTPO_ROW_BLOCK") or "default",
-        "keep_logits": os.environ.get("MRTPO_POLICY_KEEP_LOGITS") or "0",
+        "low_memory": os.environ.get("MRTPO_LOW_MEMORY") or "auto",
         "overlap_rows": os.environ.get("MRTPO_OVERLAP_ROWS") or "0",
         "gemm_path": chunk_plan.gemm_path("triton", args.device, torch.bfloat16),
     }  # fmt: skip
@@ -121,7 +121,10 @@ def _row_cases(torch, chunk_plan, dev, c, v):
     """The Triton row kernel and its three passes on one chunk of c random rows:
     (kernel, {name: (bytes per element, call)}) (the stats pass reads 4 bytes per element,
     the gradient passes read 8 and write 2)."""
+    import mrtpo_kernels as mk
+
     k = chunk_plan.row_kernel("triton")
+    cfg = mk.PolicyLossSettings()
     z = torch.randn(c, v, device=dev) * 2
     lab = torch.randint(0, v, (c,), device=dev)
     one = torch.ones(c, device=dev)
@@ -130,8 +133,7 @@ def _row_cases(torch, chunk_plan, dev, c, v):
     return k, {
         "stats": (4, lambda: k.stats(z, lab, 1.0, -100, True)),
         "grad": (10, lambda: k.grad_(z, lab, lse, None, one, None, 1.0, -100, out=out16)),
-        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, 1.0, 0.2, 0.2, 0.0,
-                                         -100, True, out=out16)),
+        "policy": (10, lambda: k.policy_(z, lab, one, one, one, None, cfg, True, out=out16)),
     }  # fmt: skip
 
 
@@ -288,7 +290,6 @@ def main(argv=None) -> int:
     ap.add_argument("--v", type=int, default=151936)
     ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
     ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
-    ap.add_argument("--variant", choices=("rows", "fused"), default="rows")
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing under TRITON_INTERPRET=1")
     ap.add_argument("--rows", type=int, default=512, help="rows of the correctness part")
     ap.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
@@ -297,7 +298,6 @@ def main(argv=None) -> int:
         os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(args.grad_buffer_mib << 20)
     if args.chunk_mib:
         os.environ["MRTPO_CHUNK_BYTES"] = str(args.chunk_mib << 20)
-    os.environ["MRTPO_TRITON_VARIANT"] = args.variant
     import torch
 
     from mrtpo_kernels import chunk_plan

@@ -3,8 +3,8 @@
 #   1. the GPU log-prob tests and the torch.compile tests (the traced-backward fix);
 #   2. the row kernels over a grid of columns-per-step x warps (gpu_micro --part rows-sweep);
 #   3. the three ops at the default row configuration, at the sweep's fastest one
-#      (MRTPO_ROW_BLOCK), with the policy loss keeping its logits and with the row kernels
-#      on a side stream (MRTPO_OVERLAP_ROWS=1), side by side;
+#      (MRTPO_ROW_BLOCK) and with the row kernels on a side stream (MRTPO_OVERLAP_ROWS=1),
+#      side by side;
 #   4. log-probs forward + backward at the target shape: ours, the GEMM floor and Cut
 #      Cross-Entropy (its wheel in .whl/).
 #
@@ -52,7 +52,6 @@ BEST=$("$PY" -m bench.figures "$FIG" --best-row-block) || BEST=""
 echo "fastest row configuration: ${BEST:-none}"
 step ops_default 45 "$PY" -m bench.gpu_micro --part ops --out "$FIG"
 [ -n "$BEST" ] && step ops_best 45 env MRTPO_ROW_BLOCK="$BEST" "$PY" -m bench.gpu_micro --part ops --out "$FIG"
-step ops_keep_logits 45 env MRTPO_POLICY_KEEP_LOGITS=1 "$PY" -m bench.gpu_micro --part ops --out "$FIG"
 step ops_overlap 45 env MRTPO_OVERLAP_ROWS=1 "$PY" -m bench.gpu_micro --part ops --out "$FIG"
 step bench_cce 120 "$PY" -m bench --preset gpu-target --ops linear_logprobs_fwd_bwd \
   --providers mrtpo-triton gemm-floor cce --out "$OUT_DIR/bench"

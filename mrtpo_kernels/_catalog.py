@@ -50,8 +50,7 @@ class Op:
 _CHUNKED = "mrtpo_kernels/backends/_chunked.py"
 _TORCH = "mrtpo_kernels/backends/torch_backend.py"
 _CPU_ROWS = "csrc/cpu/row_kernels.h"
-# the default Triton variant; MRTPO_TRITON_VARIANT=fused: triton_kernels/logprobs.py, js.py,
-# policy_loss.py
+# the one Triton path: the chunk driver with the Triton row kernels
 _TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton_kernels/rows.py"
 
 

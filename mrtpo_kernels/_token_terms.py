@@ -39,31 +39,35 @@ def js_terms(a, b):
     return 0.5 * torch.where(s > tiny, term, torch.zeros_like(term)).sum(-1)
 
 
-def policy_token_terms(logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw):
-    """Per-token loss L_t, dL_t/dlogp_t and the clipped flag from the log-probs (N,).
+def policy_token_terms(logp, old_logp, advantages, ref_logp, cfg):
+    """Per-token loss L_t, dL_t/dlogp_t and the clipped flag from the log-probs (N,);
+    ``cfg`` the op's scalar settings (a ``PolicyLossSettings``; its temperature and
+    ignore_index are not used here).
 
     L = -min(r A, clamp(r, 1 - clip_low, 1 + clip_high) A), capped at -A clip_ratio_c for
     A < 0 (the dual clip; inf: none; gradient 0 where the cap binds), plus beta k3 with
-    k3 = exp(ref - logp) - (ref - logp) - 1 (kl_k3: no cancellation), times r when kl_iw
-    (its derivative is then r k3 + r (1 - exp(ref - logp)) = r (logp - ref)). Clipped:
+    k3 = exp(ref - logp) - (ref - logp) - 1 (kl_k3: no cancellation), times r with
+    kl_importance_weight (its derivative is then r k3 + r (1 - exp(ref - logp)) =
+    r (logp - ref)). Clipped:
     r A > clamp(r) A, strictly as in the reference (a tie, i.e. any r inside the range or
     A = 0, or a NaN is not clipped); dL/dlogp = -A r unless clipped, as the reference's
     autograd: a tie passes the whole gradient and a NaN passes NaN (never 0); L is NaN where
     r A or clamp(r) A is."""
-    ratio = torch.exp(logp - old)
-    cr = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    adv, ref, beta = advantages, ref_logp, cfg.beta
+    ratio = torch.exp(logp - old_logp)
+    cr = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     clipped = ratio * adv > cr * adv
     per_tok = -torch.minimum(ratio * adv, cr * adv)
     dlogp = torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
-    if math.isfinite(clip_ratio_c):
-        cap = -adv * clip_ratio_c
+    if math.isfinite(cfg.clip_ratio_c):
+        cap = -adv * cfg.clip_ratio_c
         dual = (adv < 0) & (per_tok > cap)
         per_tok = torch.where(dual, cap, per_tok)
         dlogp = torch.where(dual, torch.zeros_like(dlogp), dlogp)
     if ref is not None and beta != 0.0:
         diff = ref - logp
         k3 = kl_k3(diff)
-        if kl_iw:
+        if cfg.kl_importance_weight:
             per_tok = per_tok + beta * ratio * k3
             dlogp = dlogp - beta * ratio * diff
         else:

@@ -279,18 +279,18 @@ class _LinearPolicyLoss(torch.autograd.Function):
     gradient of sum_t c_t dL_t/dlogp_t logp_t through the sharded log-prob backward."""
 
     @staticmethod
-    def forward(ctx, h, w, b, lab, old, adv, coef, ref, cfg, backend, group):
+    def forward(ctx, h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
+                group):  # fmt: skip
         temperature, ignore_index = cfg.temperature, cfg.ignore_index
         logp, _, saved = _forward(h, w, b, lab, temperature, ignore_index, False, backend, group)
         valid = saved[5]
         per_tok, dlogp, clipped = policy_token_terms(
-            logp, old, adv, ref if ref.numel() else None, cfg.clip_low, cfg.clip_high,
-            cfg.clip_ratio_c, cfg.beta, cfg.kl_importance_weight,
-        )  # fmt: skip
+            logp, old_logp, advantages, ref_logp if ref_logp.numel() else None, cfg
+        )
         zero = torch.zeros_like(logp)
-        loss = torch.where(valid, per_tok * coef, zero).sum()
+        loss = torch.where(valid, per_tok * token_weight, zero).sum()
         clipped = torch.where(valid & clipped, 1.0, 0.0).to(logp.dtype)
-        g = torch.where(valid, dlogp * coef, zero)
+        g = torch.where(valid, dlogp * token_weight, zero)
         ctx.save_for_backward(*saved, g)
         ctx.cfg = (temperature, ignore_index, backend, group)
         ctx.has_bias = b is not None
@@ -312,10 +312,13 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return (dh, dw, db) + none
 
 
-def linear_policy_loss(h, w, b, lab, old, adv, coef, ref, cfg, backend, group):
+def linear_policy_loss(h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
+                       group):  # fmt: skip
     """(loss, logp, clipped) over the sharded head; the loss is differentiable. cfg: the
     call's validated ``PolicyLossSettings``; backend: the log-prob kernels' backend."""
-    return _LinearPolicyLoss.apply(h, w, b, lab, old, adv, coef, ref, cfg, backend, group)
+    return _LinearPolicyLoss.apply(
+        h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend, group
+    )
 
 
 @torch.no_grad()

@@ -96,8 +96,9 @@ class Gemm:
 class RowPass:
     """One row-kernel call: ``rows`` x ``cols`` elements, ``read_bytes`` read and
     ``write_bytes`` written per element (the kernels' passes over the row: a statistics
-    pass reads each fp32 logit once, a gradient pass reads it twice and writes the
-    gradient; JS reads every stream twice)."""
+    pass reads each fp32 logit once, a gradient pass ("grad", or "policy" for the policy
+    loss's kernel) reads it twice and writes the gradient; JS reads every stream
+    twice)."""
 
     stage: str
     rows: int
@@ -153,6 +154,7 @@ def chunk_plan(
     low_memory: bool = False,
     js_stacked: bool = True,
     grad16: bool = False,
+    overlap: bool | None = None,
 ) -> ChunkPlan:
     """The GEMMs and row passes the chunk driver issues for ``op`` on n tokens, vocabulary
     v, hidden d.
@@ -169,12 +171,19 @@ def chunk_plan(
         16-bit GEMMs with fp32 output; ``gemm_path`` says): 16-bit GEMM operands, the
         gradient in a separate 16-bit buffer of ``grad_rows(v)`` rows. Otherwise fp32
         operands and the gradient in place in the fp32 logits.
+    overlap: MRTPO_OVERLAP_ROWS's second fp32 logits chunk (the row kernels on a side
+        stream, 16-bit path on a CUDA device) in ``buffer_bytes``; None: the setting's
+        value (read at the call), for the 16-bit path only. The GEMMs and row passes are
+        the same either way.
     """
     if op not in PLAN_OPS:
         raise ValueError(f"op: expected one of {', '.join(PLAN_OPS)}, got {op!r}")
     for name, value in (("n", n), ("v", v), ("d", d), ("k", k)):
         if not isinstance(value, int) or value < (0 if name == "n" else 1):
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if overlap is None:
+        overlap = grad16 and settings.overlap_rows()
+    lanes = 2 if overlap and grad16 else 1  # fp32 logits chunks alive at once
     eb = 2 if grad16 else 4  # GEMM operands (and dh) in bytes per element
     gb = 2 if grad16 else 4  # the written gradient
     gemms: list[Gemm] = []
@@ -234,7 +243,10 @@ def chunk_plan(
             gemm("logits", kept, v, d)
             stats_passes(kept)
         span_rows = max([0] + [e - s for s, e in spans])
-        mem = (kept + (span_rows if span_rows > kept else 0)) * 4 * v
+        if lanes == 2 and span_rows:  # two span buffers of their own, beside the kept block
+            mem = (kept + 2 * span_rows) * 4 * v
+        else:
+            mem = (kept + (span_rows if span_rows > kept else 0)) * 4 * v
         if not backward:
             return ChunkPlan(op, c, kept, False, tuple(gemms), tuple(passes), 0, grad16, mem)
     bufs = grad_spans(n, v, kept, sep)
@@ -247,8 +259,9 @@ def chunk_plan(
         for a, b in balanced(e - s, c):
             if not from_kept and sep:
                 gemm("recompute" if op == "linear_logprobs" else "logits", b - a, v, d)
-            if backward:
-                passes.append(RowPass("grad", b - a, v, 8, gb))
+            if backward:  # the policy loss's pass is its own kernel (policy_)
+                stage = "policy" if op == "linear_policy_loss" else "grad"
+                passes.append(RowPass(stage, b - a, v, 8, gb))
             else:
                 passes.append(RowPass("stats", b - a, v, 4))
         if backward:
@@ -258,6 +271,7 @@ def chunk_plan(
     big = max([e - s for s, e, _ in bufs], default=0)
     rows = [e - s for s, e, fk in bufs if not (sep and fk)]
     z = (min(c, max(rows)) if sep else max(rows)) if rows else 0
+    z *= lanes if sep else 1  # the overlap's second chunk (16-bit backward path)
     mem = max(mem, (kept + z) * 4 * v + (big * gb * v if sep else 0))
     return ChunkPlan(op, c, kept, False, tuple(gemms), tuple(passes), big, grad16, mem)
 

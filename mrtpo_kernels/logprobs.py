@@ -123,9 +123,9 @@ def logprobs_from_logits(
 # torch.library custom ops over the backends, their fakes and autograd (_registration.py).
 #
 # The forwards return a fourth output, ``saved``: what the backend's backward needs from
-# its forward (the chunk driver's kept logits or per-row norms, the fused Triton kernels'
-# norms; empty where nothing), sized by ``_dispatch.saved_numel``. The op saves it for its
-# backward (eager), which passes it back; the Python-level ``linear_logprobs_fwd`` and
+# its forward (the chunk driver's kept logits or per-row norms; empty where nothing),
+# sized by ``_dispatch.saved_numel``. The op saves it for its backward (eager), which
+# passes it back; the Python-level ``linear_logprobs_fwd`` and
 # ``logprobs_from_logits_fwd`` return the first three outputs. The backward may overwrite
 # ``saved`` (the chunk driver writes the kept rows' gradient over their fp32 logits where
 # its kernel works in place): the backward op declares the mutation, which advances the

@@ -249,12 +249,17 @@ def linear_policy_loss_op(
     kl_importance_weight: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # clip_ratio_c: the dual clip, inf for none; kl_importance_weight: KL term times ratio
+    # the scalar settings travel below the op as one value (clip_ratio_c: the dual clip,
+    # inf for none; kl_importance_weight: the KL term times the ratio)
+    cfg = PolicyLossSettings(
+        temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
+        ignore_index=ignore_index, clip_ratio_c=clip_ratio_c,
+        kl_importance_weight=kl_importance_weight,
+    )  # fmt: skip
     fn = _dispatch.get(backend, "linear_policy_loss")
     return fn(
-        hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp,
-        temperature, clip_low, clip_high, beta, ignore_index, need_grad,
-        clip_ratio_c=clip_ratio_c, kl_iw=kl_importance_weight,
+        hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg,
+        need_grad,
     )  # fmt: skip
 
 

@@ -19,7 +19,6 @@ DEFAULT_GRAD_BUFFER_BYTES = 608 << 20
 DEFAULT_JS_SCRATCH_BYTES = 768 << 20
 DEFAULT_KEEP_LOGITS_BYTES = 64 << 20
 DEFAULT_DW_BUDGET_BYTES = 8 << 30
-TRITON_VARIANTS = ("rows", "fused")
 LOW_MEMORY_MODES = ("auto", "0", "1")
 
 _FALSE = ("0", "false", "no", "off")
@@ -59,9 +58,9 @@ SETTINGS: dict[str, Setting] = {
             "MRTPO_CHUNK_BYTES",
             str(DEFAULT_CHUNK_BYTES),
             "bytes of one fp32 logits chunk of the chunk driver (the rows of one row-kernel "
-            "call; where the gradient is written in place, also the gradient buffer) and of "
-            "the fused Triton backward's gradient chunk; smaller saves memory, larger saves "
-            "launches",
+            "call; where the gradient is written in place, also the gradient buffer) and, in "
+            "the low-memory backward, of the vocabulary chunk of all N rows; smaller saves "
+            "memory, larger saves launches",
         ),
         Setting(
             "MRTPO_GRAD_BUFFER_BYTES",
@@ -75,13 +74,7 @@ SETTINGS: dict[str, Setting] = {
             "MRTPO_JS_SCRATCH_BYTES",
             str(DEFAULT_JS_SCRATCH_BYTES),
             "bytes of the JS one-vs-K fp32 logits scratch (P and the K streams of one token "
-            "chunk, stacked for one GEMM; the cpu, triton and fused Triton paths)",
-        ),
-        Setting(
-            "MRTPO_JS_GEMM",
-            "",
-            "BM,BN,BK,warps,stages: one tile configuration for the Triton JS GEMM instead of "
-            "the built-in list (for tuning on a GPU)",
+            "chunk, stacked for one GEMM; the cpu and triton row kernels)",
         ),
         Setting(
             "MRTPO_ROW_BLOCK",
@@ -93,23 +86,12 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "MRTPO_OVERLAP_ROWS",
             "0",
-            "1: on a CUDA device, the chunk driver's backward and policy loss (16-bit "
-            "gradient path) run each chunk's row kernel on a side stream while the next "
-            "chunk's logits GEMM runs (one fp32 logits chunk more of memory); an experiment, "
-            "off by default: not yet run on a GPU (bench/gpu_tune.sh measures it)",
-        ),
-        Setting(
-            "MRTPO_POLICY_KEEP_LOGITS",
-            "0",
-            "1: the Triton policy loss keeps each token chunk's fp32 logits for the gradient "
-            "(3 GEMMs, MRTPO_CHUNK_BYTES of logits) instead of recomputing them (4 GEMMs)",
-        ),
-        Setting(
-            "MRTPO_TRITON_VARIANT",
-            "rows",
-            "rows: the Triton backend runs the chunk driver (cuBLAS GEMMs into a reused fp32 "
-            "buffer, one Triton row kernel per chunk); fused: the older fused-GEMM Triton "
-            "kernels (kept to be measured side by side on a GPU)",
+            "1: on a CUDA device, the chunk driver's backward, policy loss and log-probs "
+            "forward (16-bit GEMM path) run each chunk's row kernel on a side stream while "
+            "the next chunk's logits GEMM runs (one fp32 logits chunk more of memory: "
+            "268 MB at V = 151936, which takes the defaults past 1 GB); an experiment, off "
+            "by default, not yet run on a GPU: kept only if bench/gpu_window.sh measures "
+            "it >= 2% faster on both the policy loss and log-probs, else removed",
         ),
         Setting(
             "MRTPO_LOW_MEMORY",
@@ -217,17 +199,6 @@ def _int_list(name: str) -> tuple[int, ...] | None:
         return ()
 
 
-def js_gemm() -> tuple[int, int, int, int, int] | None:
-    """The MRTPO_JS_GEMM override as (BM, BN, BK, warps, stages), or None."""
-    parts = _int_list("MRTPO_JS_GEMM")
-    if parts is not None and (len(parts) != 5 or min(parts) <= 0):
-        raise ValueError(
-            "MRTPO_JS_GEMM: expected five positive integers BM,BN,BK,warps,stages, got "
-            f"{raw('MRTPO_JS_GEMM')!r}"
-        )
-    return parts  # type: ignore[return-value]
-
-
 def row_block() -> tuple[int, int] | None:
     """The MRTPO_ROW_BLOCK override as (columns per step, warps), or None."""
     parts = _int_list("MRTPO_ROW_BLOCK")
@@ -255,17 +226,6 @@ def keep_logits_bytes() -> int:
 
 def overlap_rows() -> bool:
     return flag("MRTPO_OVERLAP_ROWS")
-
-
-def policy_keep_logits() -> bool:
-    return flag("MRTPO_POLICY_KEEP_LOGITS")
-
-
-def triton_variant() -> str:
-    value = raw("MRTPO_TRITON_VARIANT").lower()
-    if value not in TRITON_VARIANTS:
-        raise ValueError(f"MRTPO_TRITON_VARIANT: expected rows or fused, got {value!r}")
-    return value
 
 
 def dw_budget_bytes() -> int:

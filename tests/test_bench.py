@@ -280,7 +280,7 @@ def test_gpu_check_dry_run(tmp_path):
     steps = (
         "wheels", "env", "test_deps", "build", "micro_cublas", "micro_rows", "micro_rows_sweep",
         "micro_ops",
-        "micro_ops_buf304", "micro_ops_chunk128", "micro_ops_fused", "micro_correctness", "bench",
+        "micro_ops_buf304", "micro_ops_chunk128", "micro_correctness", "bench",
         "pytest_test_logprobs", "pytest_test_cuda_build", "pytest_compile",
     )  # fmt: skip
     order = [out.index(f"== {s} ") for s in steps]
@@ -288,11 +288,10 @@ def test_gpu_check_dry_run(tmp_path):
     # the CUDA build starts in the background, before the Triton measurements
     assert "== build (background" in out and "MRTPO_SKIP_CPU_BUILD=1" in out
     assert "setup.py build_ext --inplace" in out
-    # each measurement its own process; the row kernels' grid; the ops at three plans and
-    # the fused variant
-    assert out.count("-m bench.gpu_micro --out") == 8 and "--part rows-sweep" in out
+    # each measurement its own process; the row kernels' grid; the ops at three plans
+    assert out.count("-m bench.gpu_micro --out") == 7 and "--part rows-sweep" in out
     assert "--grad-buffer-mib 304" in out and "--chunk-mib 128" in out
-    assert "--variant fused" in out and "--part correctness" in out
+    assert "--variant" not in out and "--part correctness" in out
     assert "would measure N=16384 d=4096 V=151936" in out and "gradient buffers of 2048" in out
     # pytest per file, -v with a junit file each, compile tests last
     assert "-m pytest -m gpu" in out and "-v -rA --durations=15 --timeout=" in out
@@ -362,14 +361,14 @@ def test_figures_table_keeps_every_part_and_skips_a_torn_line(tmp_path):
     path = tmp_path / "figures.jsonl"
     path.write_text(
         json.dumps({"part": "ops", "name": "linear_policy_loss_fwd_bwd", "ms": 80.5,
-                    "pred_ms": 89.3, "gemm_path": "16-bit, fp32 out", "variant": "rows"})
+                    "pred_ms": 89.3, "gemm_path": "16-bit, fp32 out", "low_memory": "0"})
         + "\n" + json.dumps({"part": "correctness", "name": "bf16_512_rows", "ok": False})
         + "\n" + '{"part": "rows", "na'
     )  # fmt: skip
     rows = figures.read(str(path))
     assert len(rows) == 2
     text = figures.markdown(rows)
-    assert "**ops**" in text and "| linear_policy_loss_fwd_bwd | rows |" in text
+    assert "**ops**" in text and "| linear_policy_loss_fwd_bwd | 0 |" in text
     assert "| 80.5 | 89.3 |" in text and "16-bit, fp32 out" in text
     assert "**correctness**" in text and "False" in text
     assert figures.markdown([]) == "(no figures yet)"
@@ -437,3 +436,85 @@ def test_gpu_tune_script_parses_and_names_real_parts():
     assert parts == {"rows-sweep", "ops"} and parts <= set(gpu_micro.PARTS)
     named = re.search(r"--providers ([\w\- ]+?) --out", text).group(1).split()
     assert named == ["mrtpo-triton", "gemm-floor", "cce"] and set(named) <= set(providers.PROVIDERS)
+
+
+# --------------------------------------------------------------------------- gpu_window.sh
+
+
+def test_gpu_window_header_states_every_rule():
+    """Every decision rule of bench/gpu_window.py is written, verbatim, in the shell script's
+    header (the rules are fixed before the window runs)."""
+    from bench import gpu_window
+
+    script = open(os.path.join(ROOT, "bench", "gpu_window.sh")).read()
+    header = script.split("set -u -o pipefail")[0]
+    for key, rule in gpu_window.THRESHOLDS.items():
+        assert f"#   {key}: {rule}\n" in header, key
+
+
+def test_gpu_window_timeline_analysis():
+    """The timeline's arithmetic on a hand-made trace: kernels sorted into GEMM, row and
+    small ones; the idle time is the span less the union of the intervals (two streams
+    overlapping count once); the 3 ms rule picks fold / graph / neither."""
+    from bench import gpu_window as gw
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_gemm", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "_policy_rows_kernel", "ts": 900, "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "ts": 2300, "dur": 100},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 2400, "dur": 50},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 10},
+    ]}  # fmt: skip
+    ivs = gw.kernel_intervals(trace, on_gpu=True)
+    assert len(ivs) == 4
+    st = gw.analyze(ivs)
+    assert st["gemm_count"] == 1 and st["row_count"] == 1 and st["small_count"] == 2
+    assert st["span_ms"] == pytest.approx(2.45) and st["busy_ms"] == pytest.approx(1.45)
+    assert st["idle_ms"] == pytest.approx(1.0) and st["gaps"] == 1
+    assert st["concurrent_ms"] == pytest.approx(0.1)  # the row kernel beside the GEMM
+    assert st["largest_gaps"] == [[1.0, "_policy_rows_kernel"]]
+    assert gw.kernel_intervals(trace, on_gpu=False) == [("aten::mm", 0.0, 5000.0)]
+    assert gw.analyze([])["idle_ms"] == 0.0
+    assert gw.timeline_decision(3.0, 5.0).startswith("neither")
+    assert gw.timeline_decision(3.5, 1.5).startswith("fold")
+    assert gw.timeline_decision(3.5, 0.5).startswith("capture")
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gpu_window_dry_run(tmp_path):
+    """bench/gpu_window.sh --dry-run: every step on the CPU at tiny shapes (the interpreter;
+    profiling on CPU events; nvidia-smi and absent peers skipped with a line): each step
+    ends ok, each part leaves its records and decisions in figures.jsonl, at most 8 files
+    come back, and the summary holds the decisions (about 3 minutes on an idle core)."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_window.sh"), "--dry-run", "--out",
+         str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) <= 8
+    assert {p.name for p in files} == {"summary.md", "figures.jsonl", "traces.tar.gz",
+                                       "logs.tar.gz"}  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "figures.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r.get("part") != "peers" and "error" in r]
+    parts = {r["part"] for r in rows}
+    assert {"state", "timeline", "ab", "cublas", "rows", "peers", "decision"} <= parts
+    decided = {r["name"] for r in rows if r["part"] == "decision"}
+    from bench import gpu_window
+
+    assert decided == set(gpu_window.THRESHOLDS)
+    ab = {(r["name"], r["config"]) for r in rows if r["part"] == "ab"}
+    assert len(ab) == 6  # 2 ops x (default, overlap, low-memory)
+    tl = [r for r in rows if r["part"] == "timeline"]
+    assert len(tl) == 5 and all(r["kernels"] > 0 for r in tl)  # JS has no overlap arm
+    assert any(r["part"] == "peers" and r["name"] == "ours" and r["ms"] > 0 for r in rows)
+    summary = (tmp_path / "summary.md").read_text()
+    for step in ("state_before", "timeline", "ab", "cublas", "rows", "peers", "state_after"):
+        assert f"| {step} | ok |" in summary, step
+    assert "**decision**" in summary and "dry run" in summary

@@ -42,8 +42,9 @@ def test_gemm_and_row_costs_by_hand():
 def test_predictions_at_the_targets(default_plan):
     """The new plan against the old at V = 151936, d = 4096, N = 16384 bf16 on the H200
     model: the dW GEMMs become compute-bound (K = 2048, first one written), every op is at
-    least as fast as before within 1 GB of buffers, the policy loss 25% faster and inside
-    reach of its 700 TFLOP/s target (met with the epilogue traffic hidden, o = 1)."""
+    least as fast as before within 1 GB of buffers, the policy loss 25% faster. (Its 700
+    TFLOP/s target: out of reach for the refit model even at o = 1, 664: the row passes and
+    their per-call time; test_model_reproduces_the_first_run.)"""
     rows = {(r["op"], r["plan"]): r for r in cost_model.target_rows()}
     for op in cost_model.TARGETS:
         assert rows[(op, "v3")]["ms"] <= rows[(op, "v2")]["ms"] * 1.0001, op
@@ -53,7 +54,7 @@ def test_predictions_at_the_targets(default_plan):
         rows[("linear_policy_loss_fwd_bwd", "v2")],
     )
     assert pol["tflops"] >= 1.25 * old["tflops"]
-    assert int(pol["tflops_range"].split("-")[1]) >= 700 > int(old["tflops_range"].split("-")[1])
+    assert int(pol["tflops_range"].split("-")[1]) > int(old["tflops_range"].split("-")[1])
     assert rows[("linear_logprobs_fwd_bwd", "v3")]["tflops"] > (
         rows[("linear_logprobs_fwd_bwd", "v2")]["tflops"] * 1.1
     )
@@ -64,6 +65,31 @@ def test_predictions_at_the_targets(default_plan):
     # the counted FLOPs are the plan's (6 N d V for the policy loss)
     p = cost_model.predict("linear_policy_loss_fwd_bwd", 16384, 151936, 4096, 1)
     assert p.flops == 6 * 16384 * 151936 * 4096 and p.gemms == 8 * 2 + 40
+
+
+def test_model_reproduces_the_first_run(default_plan):
+    """The H200 figures, refit on the first run (measured bandwidth 4.25 TB/s, the row
+    kernels' measured rates, the JS GEMM floor of 157 ms, 0.12 ms per row-kernel call),
+    reproduce that run's three ops within 5 % (bench/results/gpu-2026-12-04-h200.md: 101.7,
+    140.1 and 192.5 ms); the JS plan's GEMMs alone give its 157 ms floor, and the policy
+    loss's GEMMs its 83.9 ms floor within 5 %."""
+    n, v, d = 16384, 151936, 4096
+    assert cost_model.FIRST_RUN_MS == {"linear_policy_loss_fwd_bwd": 101.7,
+                                       "linear_logprobs_fwd_bwd": 140.1,
+                                       "linear_js_distance": 192.5}  # fmt: skip
+    for op, ms in cost_model.FIRST_RUN_MS.items():
+        p = cost_model.predict(op, n, v, d, 4 if op == "linear_js_distance" else 1)
+        assert abs(p.total_s * 1e3 / ms - 1) <= 0.05, (op, p.total_s * 1e3, ms)
+    js = cost_model.predict("linear_js_distance", n, v, d, 4)
+    assert js.gemm_s * 1e3 == pytest.approx(cost_model.JS_GEMM_FLOOR_MS, rel=1e-3)
+    pol = cost_model.predict("linear_policy_loss_fwd_bwd", n, v, d, 1)
+    assert abs(pol.gemm_s * 1e3 / 83.9 - 1) <= 0.05
+    # the per-call time is part of the row time: one per row-kernel call of the plan
+    plan = chunk_plan.chunk_plan("linear_policy_loss", n, v, d, grad16=True)
+    no_call = cost_model.replace(cost_model.H200, row_call_s=0.0)
+    bare = cost_model.predict_plans("linear_policy_loss_fwd_bwd", [plan], n, v, d, 1, no_call)
+    extra = (pol.row_s - bare.row_s) / cost_model.H200.row_call_s
+    assert extra == pytest.approx(len(plan.row_passes))
 
 
 def test_default_grad_buffer_is_the_models_choice(default_plan):

@@ -18,7 +18,10 @@ import pytest
 import torch
 from triton_cases._harness import CASES, interpreted, run_groups, run_interpreted
 
+from mrtpo_kernels import PolicyLossSettings
 from mrtpo_kernels.backends.contract import RowKernel
+
+CFG = PolicyLossSettings()  # the policy loss's defaults (temperature 1, clip 0.2, no KL)
 
 
 @interpreted
@@ -56,11 +59,7 @@ def test_low_memory_setting():
         os.environ["MRTPO_LOW_MEMORY"] = "sometimes"
         with pytest.raises(ValueError, match="MRTPO_LOW_MEMORY"):
             settings.low_memory(1)
-        os.environ["MRTPO_TRITON_VARIANT"] = "fastest"
-        with pytest.raises(ValueError, match="MRTPO_TRITON_VARIANT"):
-            settings.triton_variant()
     finally:
-        os.environ.pop("MRTPO_TRITON_VARIANT", None)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -159,9 +158,7 @@ def test_chunk_plan_is_what_the_driver_runs(monkeypatch, keep_rows):
             _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
 
     def policy():
-        _chunked.linear_policy_loss(
-            kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
-        )
+        _chunked.linear_policy_loss(kern, h, w, None, y, -one, one, one, one[:0], CFG, True)
 
     def plan(op, **kw):
         p = chunk_plan.chunk_plan(op, n, v, d, **kw)
@@ -385,8 +382,9 @@ def test_16bit_path_against_float64(monkeypatch, backend, keep):
     mask = (y != -100).float()
     tw = mask / mask.sum()
     kern.calls.clear()
+    cfg = PolicyLossSettings(temperature=0.8)
     loss, lp2, cl, dh2, dw2, db2 = _chunked.linear_policy_loss(
-        kern, h, w, b, y, old, adv, tw, tw[:0], 0.8, 0.2, 0.2, 0.0, -100, True
+        kern, h, w, b, y, old, adv, tw, tw[:0], cfg, True
     )
     h64, w64, b64 = (t.double().requires_grad_() for t in (h, w, b))
     rloss, _ = ref.linear_policy_loss_ref(
@@ -472,9 +470,7 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
             _, ent, lse, saved = _chunked.linear_logprobs_fwd(kern, h, w, None, y, 1.0, -100, False)
             _chunked.linear_logprobs_bwd(kern, h, w, None, y, lse, ent, one, ent, 1.0, -100, saved)
         else:
-            _chunked.linear_policy_loss(
-                kern, h, w, None, y, -one, one, one, one[:0], 1.0, 0.2, 0.2, 0.0, -100, True
-            )
+            _chunked.linear_policy_loss(kern, h, w, None, y, -one, one, one, one[:0], CFG, True)
         widths = [s.shape[1] for s in kern.stats_norms]  # token chunks of at most 8 rows
         assert sum(widths) == n and max(widths) <= 8 and len(widths) == 3, (path, widths)
         buf = kern.cols_norms[0]
@@ -501,53 +497,75 @@ def test_low_memory_driver_hands_the_norm_buffer_to_the_column_kernel(monkeypatc
     assert torch.equal(saved, before)
 
 
+class _Recorder:
+    """Recording stand-ins for CUDA streams and events (and Tensor.record_stream): every
+    call lands in ``log`` in order, so the overlap's stream ordering can be checked on the
+    CPU (the GPU test compares the overlap bitwise with the serial driver)."""
+
+    def __init__(self, monkeypatch):
+        log = self.log = []
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.id = Event.count
+
+            def record(self, stream):
+                log.append(("record", stream.name, self.id))
+
+        class Stream:
+            def __init__(self, name="side", device=None):
+                self.name = name
+
+            def wait_event(self, ev):
+                log.append(("wait", self.name, ev.id))
+
+            def wait_stream(self, other):
+                log.append(("wait_stream", self.name, other.name))
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                log.append(("enter", self.stream.name))
+
+            def __exit__(self, *exc):
+                log.append(("exit", self.stream.name))
+
+        self.main = Stream("main")
+        self.storages = {}  # id of a storage -> a name given by the test
+
+        def record_stream(t, stream):
+            name = self.storages.get(t.untyped_storage().data_ptr(), "other")
+            log.append(("record_stream", name, stream.name))
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.main)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+
+    def name(self, t, name):
+        self.storages[t.untyped_storage().data_ptr()] = name
+
+
 def test_row_lanes_order_the_streams(monkeypatch):
-    """MRTPO_OVERLAP_ROWS's stream ordering, checked on the CPU with recording stand-ins for
-    CUDA streams and events (the GPU test compares it bitwise with the serial driver): each
-    row kernel waits for its own chunk's logits GEMM, a GEMM into a buffer waits for the row
-    kernel that last read that buffer, the two buffers alternate, and join makes the current
-    stream wait for the side stream."""
+    """MRTPO_OVERLAP_ROWS's stream ordering, checked on the CPU with recording stand-ins:
+    each row kernel waits for its own chunk's logits GEMM, a GEMM into a buffer waits for
+    the row kernel that last read that buffer, the two buffers alternate and are held for
+    the side stream (record_stream), and join makes the current stream wait for the side
+    stream."""
     from mrtpo_kernels.backends import _chunked
 
-    log = []
-
-    class Event:
-        count = 0
-
-        def __init__(self):
-            Event.count += 1
-            self.id = Event.count
-
-        def record(self, stream):
-            log.append(("record", stream.name, self.id))
-
-    class Stream:
-        def __init__(self, name="side", device=None):
-            self.name = name
-
-        def wait_event(self, ev):
-            log.append(("wait", self.name, ev.id))
-
-        def wait_stream(self, other):
-            log.append(("wait_stream", self.name, other.name))
-
-    class StreamContext:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            log.append(("enter", self.stream.name))
-
-        def __exit__(self, *exc):
-            log.append(("exit", self.stream.name))
-
-    main = Stream("main")
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    rec = _Recorder(monkeypatch)
+    log = rec.log
     z_buf = torch.zeros(2, 3)
     lanes = _chunked._RowLanes(z_buf, torch.zeros(1))
+    assert log == [("record_stream", "other", "side")] * 2  # both chunk buffers, at once
+    log.clear()
     bufs = {id(b.untyped_storage()): i for i, b in enumerate(lanes.bufs)}
     seen = []
 
@@ -587,4 +605,179 @@ def test_row_lanes_order_the_streams(monkeypatch):
     assert log[i:] == [("wait_stream", "main", "side")]
     # off the GPU, or with the setting off, the driver keeps its serial loop
     monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "1")
-    assert _chunked._RowLanes.make(True, z_buf, torch.zeros(1)) is None  # a CPU tensor
+    assert not _chunked._RowLanes.enabled(True, torch.zeros(1))  # a CPU tensor
+    monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "0")
+
+
+class _FakeHead:
+    """A stand-in for backends._lm_head.Head in the 16-bit path (``low``), logging its
+    GEMMs; ``fail_at``: the number of the logits GEMM that raises (1-based), or 0."""
+
+    low = True
+
+    def __init__(self, log, rec, fail_at=0, fail_backward=False):
+        self.log, self.rec, self.fail_at, self.fail_backward = log, rec, fail_at, fail_backward
+        self.calls = 0
+
+    def logits(self, h, buf):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("GEMM failed")
+        self.log.append(("gemm", h.shape[0]))
+        return buf[: h.shape[0]].fill_(float(self.calls))
+
+    def grad_buffer(self, rows, cols, like):
+        g = like.new_empty((rows, cols))
+        self.rec.name(g, "grad buffer")
+        return g
+
+    def backward(self, g, h, dh_rows, dw, db, first):
+        if self.fail_backward:
+            raise RuntimeError("dh GEMM failed")
+        self.log.append(("dh dw", h.shape[0]))
+
+
+def _lanes_on_cpu(monkeypatch, rec):
+    """Let the driver build its lanes on CPU tensors (the recording stand-ins run them), and
+    name each lane buffer in the log by its order of creation."""
+    from mrtpo_kernels.backends import _chunked
+
+    made = []
+    real_init = _chunked._RowLanes.__init__
+
+    def init(self, z_buf, hidden):
+        rec.name(z_buf, f"chunk {len(made) * 2}")
+        real_empty = torch.empty_like
+        monkeypatch.setattr(torch, "empty_like", lambda t: rec_named(real_empty(t)))
+
+        def rec_named(t):
+            rec.name(t, f"chunk {len(made) * 2 + 1}")
+            return t
+
+        real_init(self, z_buf, hidden)
+        monkeypatch.setattr(torch, "empty_like", real_empty)
+        made.append(self)
+
+    monkeypatch.setattr(_chunked._RowLanes, "__init__", init)
+    monkeypatch.setattr(_chunked._RowLanes, "enabled", staticmethod(lambda wanted, h: wanted))
+    return made
+
+
+@pytest.mark.parametrize("fail", ["gemm", "row", "backward"])
+def test_row_lanes_join_when_the_driver_raises(monkeypatch, fail):
+    """The overlap's failure path (_run_backward, as the policy loss and the log-prob
+    backward run it): an exception between a side-stream row kernel and the join (the next
+    chunk's logits GEMM, a row kernel's launch, the dh / dW GEMMs) still makes the current
+    stream wait for the side stream before the exception leaves the driver, after every
+    side-stream launch; the chunk buffers and the gradient buffer's rows were held for the
+    side stream (record_stream) before any side work on them was queued."""
+    from mrtpo_kernels.backends import _chunked
+
+    rec = _Recorder(monkeypatch)
+    log = rec.log
+    made = _lanes_on_cpu(monkeypatch, rec)
+    n, v, c = 12, 5, 3  # 4 chunks of 3 rows in one gradient buffer of 12 rows
+    monkeypatch.setenv("MRTPO_GRAD_BUFFER_BYTES", str(2 * v * n))
+    head = _FakeHead(log, rec, fail_at=3 if fail == "gemm" else 0,
+                     fail_backward=fail == "backward")  # fmt: skip
+    rows_run = []
+
+    def row_fn(z, g, a, b):
+        if fail == "row" and a == 6:
+            raise RuntimeError("row kernel launch failed")
+        log.append(("row", a))
+        rows_run.append(a)
+
+    hidden = torch.zeros(n, 2)
+    spans = [(0, n, False)]
+    with pytest.raises(RuntimeError, match="failed"):
+        _chunked._run_backward(head, hidden, torch.zeros(v, 2), None, spans, None, 0, row_fn, c,
+                               need_dw=True)  # fmt: skip
+    assert len(made) == 1
+    # the join is the last thing, after every side-stream launch (an exit of the side context)
+    assert log[-1] == ("wait_stream", "main", "side")
+    last_exit = max(i for i, e in enumerate(log) if e == ("exit", "side"))
+    assert last_exit < len(log) - 1
+    assert log.count(("enter", "side")) == log.count(("exit", "side"))
+    # the buffers the side stream touches are held for it before it is given work
+    first_enter = log.index(("enter", "side"))
+    held = {e[1] for e in log[:first_enter] if e[0] == "record_stream" and e[2] == "side"}
+    assert {"chunk 0", "chunk 1", "grad buffer"} <= held
+    assert rows_run == {"gemm": [0, 3], "row": [0, 3], "backward": [0, 3, 6, 9]}[fail]
+    # the serial path, for comparison: no lanes, no stream calls
+    monkeypatch.setattr(_chunked._RowLanes, "enabled", staticmethod(lambda wanted, h: False))
+    log.clear()
+    head = _FakeHead(log, rec)
+    _chunked._run_backward(head, hidden, torch.zeros(v, 2), None, spans, None, 0,
+                           lambda z, g, a, b: None, c, need_dw=True)  # fmt: skip
+    assert [e[0] for e in log] == ["gemm"] * 4 + ["dh dw"]
+
+
+@pytest.mark.parametrize("fail_at", [0, 2, 4])
+def test_row_lanes_cover_the_logprobs_forward(monkeypatch, fail_at):
+    """The log-prob forward's statistics on the side stream (MRTPO_OVERLAP_ROWS=1): each
+    span's stats after its own GEMM, the kept rows' GEMM into ``saved`` on the current
+    stream and their stats on the side, one join at the end, also when a GEMM raises
+    (fail_at: the failing logits GEMM; 0: none). Without a failure the outputs equal the
+    serial forward's."""
+    from mrtpo_kernels.backends import _chunked
+
+    rec = _Recorder(monkeypatch)
+    log = rec.log
+    made = _lanes_on_cpu(monkeypatch, rec)
+    n, v, d = 12, 50, 4
+    monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * v * 3))  # 3-row spans
+    monkeypatch.setenv("MRTPO_KEEP_LOGITS_BYTES", str(4 * v * 2))  # 2 kept rows
+
+    class Kern:
+        GRAD_OUT = True
+        NORM = False
+
+        @staticmethod
+        def stats(z, labels, inv_t, ii, with_ent, **kw):
+            log.append(("stats", z.shape[0]))
+            return z[:, 0].clone(), (z[:, 1].clone() if with_ent else None), z[:, 2].clone()
+
+    def fake_head(kern, hidden, weight, bias):
+        return _FakeHead(log, rec, fail_at=fail_at)
+
+    monkeypatch.setattr(_chunked, "Head", fake_head)
+    monkeypatch.setattr(_chunked, "_low_memory", lambda kern, weight: False)
+    h, w = torch.zeros(n, d), torch.zeros(v, d)
+    y = torch.zeros(n, dtype=torch.long)
+    if fail_at:
+        with pytest.raises(RuntimeError, match="GEMM failed"):
+            _chunked.linear_logprobs_fwd(Kern, h, w, None, y, 1.0, -100, True)
+        assert log[-1] == ("wait_stream", "main", "side")
+        assert log.count(("enter", "side")) == log.count(("exit", "side")) == fail_at - 1
+        return
+    logp, ent, lse, saved = _chunked.linear_logprobs_fwd(Kern, h, w, None, y, 1.0, -100, True)
+    assert len(made) == 1
+    # 4 spans of 2-3 rows (10 rows), then the kept 2 rows: 5 GEMMs, 5 side launches
+    kinds = [e[0] for e in log if e[0] in ("gemm", "stats", "enter", "wait_stream")]
+    assert kinds == ["gemm", "enter", "stats"] * 5 + ["wait_stream"]
+    assert saved.numel() == 2 * v and bool((saved.view(2, v) == 5.0).all())  # the kept GEMM
+    # each row's statistics come from its own span's GEMM (the fake fills span i with i)
+    want = torch.tensor([1.0] * 3 + [2.0] * 3 + [3.0] * 2 + [4.0] * 2 + [5.0] * 2)
+    assert torch.equal(logp, want) and torch.equal(lse, want)
+
+
+def test_plan_counts_the_overlap_chunk(monkeypatch):
+    """MRTPO_OVERLAP_ROWS's second fp32 logits chunk is in the plan's buffer bytes (16-bit
+    path: the backward's and policy loss's chunk, the log-prob forward's span buffer); the
+    GEMMs and row passes do not change, and the fp32 path (no overlap there) keeps its
+    bytes."""
+    from mrtpo_kernels import chunk_plan
+
+    n, v, d = 16384, 151936, 4096
+    for op in ("linear_policy_loss", "linear_logprobs"):
+        off = chunk_plan.chunk_plan(op, n, v, d, grad16=True, overlap=False)
+        on = chunk_plan.chunk_plan(op, n, v, d, grad16=True, overlap=True)
+        assert on.gemms == off.gemms and on.row_passes == off.row_passes
+        chunk = on.rows_per_chunk * 4 * v  # the driver's chunk buffer: chunk_rows(V) rows
+        assert on.buffer_bytes == off.buffer_bytes + chunk, op
+        monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "1")
+        assert chunk_plan.chunk_plan(op, n, v, d, grad16=True).buffer_bytes == on.buffer_bytes
+        assert chunk_plan.chunk_plan(op, n, v, 896).buffer_bytes == chunk_plan.chunk_plan(
+            op, n, v, 896, overlap=False).buffer_bytes  # fmt: skip
+        monkeypatch.delenv("MRTPO_OVERLAP_ROWS")

@@ -348,9 +348,6 @@ def test_settings_reject_non_numbers(monkeypatch):
     monkeypatch.setenv("MRTPO_STRICT_BACKEND", "maybe")
     with pytest.raises(ValueError, match="MRTPO_STRICT_BACKEND"):
         settings.strict_backend()
-    monkeypatch.setenv("MRTPO_JS_GEMM", "128,256")
-    with pytest.raises(ValueError, match="MRTPO_JS_GEMM"):
-        settings.js_gemm()
     for bad in ("2048", "3000,8", "2048,3", "8,4", "a,b"):
         monkeypatch.setenv("MRTPO_ROW_BLOCK", bad)
         with pytest.raises(ValueError, match="MRTPO_ROW_BLOCK"):

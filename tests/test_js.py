@@ -6,14 +6,13 @@
   ``slow``-marked ``test_fuzz_long``.
 - Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
   must be on before triton is imported, so the ``group_*`` functions below run in
-  subprocesses started by tests/triton_cases/_harness.py, one per group on the default
-  variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the stacked row kernel) and all
-  groups in one more on the fused one (triton_kernels/js.py): odd shapes N = 1, 7, 129,
+  subprocesses started by tests/triton_cases/_harness.py, one per group (the chunk driver
+  with the stacked row kernel, triton_kernels/rows.py): odd shapes N = 1, 7, 129,
   V = 1, 1000, 5003, d = 3, 64, K = 1, 3, 5, temperature, bias, extreme and -inf logits,
   identical -> 0, disjoint -> 1, several token chunks, bf16/fp16; torch.library.opcheck;
   torch.compile(fullgraph=True) with aot_eager. Error rule (README.md, "Numerics"): our
   error against float64 is at most 2x that of the "torch" backend in the same dtype, plus a
-  small atol (_harness.close). The kernels' sm_90 build without a GPU.
+  small atol (_harness.close). The kernels' sm_90 build without a GPU: test_triton_rows.py.
 - GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): V = 151936, d = 896 and 4096, N up
   to 16384, bf16 and fp32, K = 4, against float64 references computed in row chunks; offsets
   beyond 2^31 elements; torch.compile(fullgraph=True) of a caller.
@@ -290,7 +289,7 @@ test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 # ----------------------------------------------------------- Triton (interpreter, sm_90 build)
 
 
-ROWS_GROUPS = [  # one subprocess each on the default variant
+ROWS_GROUPS = [  # one subprocess each
     "linear_shapes",
     "linear_chunks_dtypes",
     "linear_special",
@@ -303,13 +302,7 @@ ROWS_GROUPS = [  # one subprocess each on the default variant
 @interpreted
 @pytest.mark.parametrize("group", ROWS_GROUPS)
 def test_triton_js_under_interpreter(group):
-    run_groups(__file__, group, env={"MRTPO_TRITON_VARIANT": "rows"})
-
-
-@interpreted
-def test_triton_js_fused_variant_under_interpreter():
-    """Every group on MRTPO_TRITON_VARIANT=fused (triton_kernels/js.py), in one process: ~20 s."""
-    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": "fused"})
+    run_groups(__file__, group)
 
 
 @needs_triton
@@ -317,15 +310,16 @@ def test_triton_js_fused_variant_under_interpreter():
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_js_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton_kernels import js
+    from mrtpo_kernels.backends import triton_backend as tb
 
     with pytest.raises(ValueError, match="hidden_p"):
-        js.linear_js_distance(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
+        tb.linear_js_distance(torch.randn(3, 4), torch.randn(1, 3, 4), torch.randn(5, 4), None, 1.0)
     with pytest.raises(ValueError, match="logits_p"):
-        js.js_distance(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
+        tb.js_distance(torch.randn(3, 5), torch.randn(1, 3, 5), 1.0)
 
 
 # --------------------------------------------------------------------------- Hopper build
+# (the JS row kernels' sm_90 build: test_triton_rows.py; these helpers serve other files)
 
 
 def _compile_for_hopper(fn, signature, constexprs, div16=(), **options):
@@ -351,64 +345,6 @@ def _nvidia_backend_present() -> bool:
     from triton.backends import backends
 
     return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_backend_present(), reason="triton's NVIDIA backend is absent")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs compiled mode")
-def test_triton_js_kernels_compile_for_hopper():
-    """Every kernel builds for sm_90 (catches what the interpreter does not: types, layouts,
-    shared memory), and the GEMM at the default 16-bit tiles is a pipelined wgmma loop."""
-    from mrtpo_kernels.triton_kernels import js
-
-    cfg = js._gemm_configs(torch.bfloat16)[0]
-    gemm_sig = {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "z_ptr": "*fp32",
-        "part_ptr": "*fp32", "M": "i32", "D": "i32", "V": "i32", "n_vt": "i32",
-        "inv_t": "fp32", "stride_a": "i32", "stride_w": "i32", "HAS_BIAS": "constexpr",
-        "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr", "BLOCK_M": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-    }  # fmt: skip
-    k = _compile_for_hopper(
-        js._js_logits_kernel, gemm_sig,
-        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
-         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k},
-        div16=("M", "D", "V", "stride_a", "stride_w"), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
-    ttgir = k.asm["ttgir"]
-    assert "warp_group_dot" in ttgir, "the GEMM does not use wgmma"
-    assert "async_copy_global_to_local" in ttgir or "async_tma" in ttgir, "loads not pipelined"
-    assert k.metadata.shared <= 227 * 1024
-    gemm_sig.update(a_ptr="*fp32", w_ptr="*fp32", b_ptr="*fp32")
-    cfg32 = js._gemm_configs(torch.float32)[0]
-    _compile_for_hopper(
-        js._js_logits_kernel, gemm_sig,
-        {"HAS_BIAS": False, "DOT_PRECISION": "ieee", "UPCAST_DOT": False,
-         "BLOCK_M": cfg32.block_m, "BLOCK_N": cfg32.block_n, "BLOCK_K": cfg32.block_k},
-        num_warps=cfg32.num_warps, num_stages=cfg32.num_stages,
-    )  # fmt: skip
-    _compile_for_hopper(
-        js._row_lse_kernel,
-        {"x_ptr": "*bf16", "out_ptr": "*fp32", "cols": "i32", "stride_xs": "i64",
-         "stride_xr": "i32", "stride_os": "i32", "scale": "fp32", "BLOCK": "constexpr"},
-        {"BLOCK": 2048}, num_warps=8,
-    )  # fmt: skip
-    _compile_for_hopper(
-        js._js_sum_kernel,
-        {"zp_ptr": "*fp32", "zq_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32",
-         "K": "i32", "cols": "i32", "cols_per_split": "i32", "stride_p": "i32",
-         "stride_qk": "i64", "stride_q": "i32", "stride_ls": "i32", "stride_part_s": "i32",
-         "stride_part_k": "i32", "scale": "fp32", "BLOCK_K": "constexpr",
-         "BLOCK_V": "constexpr", "FAST_LOG": "constexpr"},
-        {"BLOCK_K": 4, "BLOCK_V": 1024, "FAST_LOG": True}, num_warps=8,
-    )  # fmt: skip
-    _compile_for_hopper(
-        js._js_finish_kernel,
-        {"part_ptr": "*fp32", "out_ptr": "*fp32", "K": "i32", "rows": "i32", "splits": "i32",
-         "row0": "i32", "stride_part_s": "i32", "stride_part_k": "i32",
-         "stride_out_k": "i32", "BLOCK": "constexpr"},
-        {"BLOCK": 1024}, num_warps=4,
-    )  # fmt: skip
 
 
 def in_unit_interval(name, d):

@@ -6,11 +6,10 @@
   ``slow``-marked ``test_fuzz_long``.
 - Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
   must be set before triton is imported, so the ``group_*`` functions below run in a
-  subprocess per Triton variant (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row
-  kernels of triton_kernels/rows.py; fused: triton_kernels/logprobs.py), started by
+  subprocess (the chunk driver with the row kernels of triton_kernels/rows.py), started by
   tests/triton_cases/_harness.py: odd shapes, all tokens ignored, extreme logits,
   temperature, bias, gradients with random upstream gradients, torch.library.opcheck. The
-  fused policy loss is in tests/test_policy_loss.py.
+  policy loss is in tests/test_policy_loss.py.
 - GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
   against float64 references computed in row chunks, torch.compile(fullgraph=True) of a
   caller, and N x V > 2^31.
@@ -45,7 +44,6 @@ from fuzzing import (
 from hypothesis import strategies as st
 from triton_cases import _harness
 from triton_cases._harness import (
-    VARIANTS,
     close,
     expect,
     interpreted,
@@ -383,10 +381,9 @@ test_fuzz, test_fuzz_long = fuzz_tests(FUZZ)
 
 
 @interpreted
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_triton_logprobs_under_interpreter(variant):
-    """The groups below (group_*), one subprocess per Triton variant."""
-    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": variant})
+def test_triton_logprobs_under_interpreter():
+    """The groups below (group_*), in one subprocess."""
+    run_groups(__file__)
 
 
 @needs_triton
@@ -394,14 +391,14 @@ def test_triton_logprobs_under_interpreter(variant):
     os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiled (non-interpreted) mode"
 )
 def test_triton_backend_rejects_cpu_tensors_without_interpreter():
-    from mrtpo_kernels.triton_kernels import logprobs
+    from mrtpo_kernels.backends import triton_backend as tb
 
     h, w = torch.randn(3, 4), torch.randn(5, 4)
     lab = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="hidden"):
-        logprobs.linear_logprobs_fwd(h, w, None, lab, 1.0, -100, False)
+        tb.linear_logprobs_fwd(h, w, None, lab, 1.0, -100, False)
     with pytest.raises(ValueError, match="logits"):
-        logprobs.logprobs_from_logits_fwd(torch.randn(3, 5), lab, 1.0, -100, False)
+        tb.logprobs_from_logits_fwd(torch.randn(3, 5), lab, 1.0, -100, False)
 
 
 def _leaf(t, dtype):
@@ -474,8 +471,8 @@ def group_linear_flags():
 
 
 def group_linear_chunks():
-    """Backward over several vocabulary chunks (a tiny MRTPO_CHUNK_BYTES)."""
-    # 512 columns per vocabulary chunk (fused variant), 13 rows per token chunk (rows)
+    """The driver over several chunks (a tiny MRTPO_CHUNK_BYTES): 13 rows per token chunk
+    (the low-memory mode's vocabulary chunks: tests/triton_cases/rows_cases.py)."""
     with _harness.env(MRTPO_CHUNK_BYTES=129 * 4 * 512):
         _triton_linear_case(129, 5003, 64, bias=True, temp=0.9, entropy=True, tag=" chunked")
 
@@ -730,7 +727,7 @@ def test_mutated_op_arguments_have_no_default():
 
 @gpu_test
 def test_gpu_no_int32_overflow():
-    """N x V > 2^31 for both the logits path (5 GB of bf16 logits) and the fused path."""
+    """N x V > 2^31 for both the logits path (5 GB of bf16 logits) and the LM-head path."""
     n, v = 16384, V_REAL
     assert n * v > 2**31
     g = torch.Generator(device=DEV).manual_seed(6)

@@ -243,7 +243,7 @@ _TRITON_SCRIPT = textwrap.dedent(
     import torch
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as R
-    from mrtpo_kernels.triton_kernels import logprobs as TL
+    from mrtpo_kernels.backends import triton_backend as TL  # the backend's entry points
     torch.manual_seed(0)
     N, V, D = 5, 37, 8
     fails = 0
@@ -394,10 +394,10 @@ _TRITON_SWEEP = textwrap.dedent(
 @interpreted
 def test_triton_row_kernels_scale_sweep_under_interpreter():
     """The scale sweep of test_scale_sweep_against_float64 on the Triton row kernels (the
-    default "triton" variant: chunk driver + triton_kernels/rows.py) under TRITON_INTERPRET=1:
+    chunk driver + triton_kernels/rows.py) under TRITON_INTERPRET=1:
     log-probs, entropy and their gradient, JS (js_many), the policy loss and its gradient
     (through linear_policy_loss with an identity head, so the logits are exactly z)."""
-    run_interpreted("-c", _TRITON_SWEEP, env={"MRTPO_TRITON_VARIANT": None})
+    run_interpreted("-c", _TRITON_SWEEP)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -89,9 +89,9 @@ def test_row_kernel_clip_rule_matches_reference(backend, clip_c, beta):
     n = z.shape[0]
     ref_lp = torch.full((n,), -1.25)
     tw = torch.ones(n)
+    cfg = mk.PolicyLossSettings(beta=beta, ignore_index=II, clip_ratio_c=clip_c)
     loss, logp, clipped = kern.policy_(
-        z, labels, old, adv, tw, ref_lp if beta else None, 1.0, 0.2, 0.2, beta, II, True,
-        clip_ratio_c=clip_c, kl_iw=False,
+        z, labels, old, adv, tw, ref_lp if beta else None, cfg, True
     )  # fmt: skip
     want_l, want_c, want_g = policy_token_reference(  # from the kernel's own log p
         logp, old, adv, labels, 0.2, 0.2, None if math.isinf(clip_c) else clip_c, beta, ref_lp

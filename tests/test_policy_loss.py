@@ -6,14 +6,13 @@
   ``slow``-marked ``test_fuzz_long``; the clip-fraction rule on NaN and inf ratios.
 - Triton under the interpreter (marker ``triton``; ``make test-triton``): TRITON_INTERPRET=1
   must be switched on before triton is imported, so the ``group_*`` functions below run in a
-  subprocess per Triton variant, started by tests/triton_cases/_harness.py
-  (MRTPO_TRITON_VARIANT=rows: the chunk driver with the row kernels; fused:
-  triton_kernels/policy_loss.py, both of its modes: recompute and kept logits over several
-  token chunks): bias, KL term, the three aggregation rules, bf16, torch.library.opcheck,
+  subprocess, started by tests/triton_cases/_harness.py (the chunk driver with the row
+  kernels, over one and several token chunks): bias, KL term, the three aggregation
+  rules, bf16, torch.library.opcheck,
   the k3 KL term's digits. Error rule (README.md, "Numerics"): the kernel's error against
   float64 may be at most 2x that of plain PyTorch in the same dtype, plus atol.
 - GPU (``-m gpu``, on the H200 through bench/gpu_check.sh): the real shapes in bf16 and fp32
-  against the float64 reference, both variants.
+  against the float64 reference, with and without the low-memory backward.
 The clip rule of every backend's token kernels is in tests/test_policy_clip_rule.py.
 """
 
@@ -38,7 +37,7 @@ from fuzzing import (
 from hypothesis import strategies as st
 from test_logprobs import DEV, _gpu_inputs, _leaf, _within_budget, gpu_test
 from triton_cases import _harness
-from triton_cases._harness import VARIANTS, close, expect, interpreted, opcheck, run_groups
+from triton_cases._harness import close, expect, interpreted, opcheck, run_groups
 
 import mrtpo_kernels as mk
 from mrtpo_kernels import reference as R
@@ -680,10 +679,9 @@ def test_clip_fraction_strict_rule_on_nan_and_inf_ratio(backend):
 
 
 @interpreted
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_triton_policy_loss_under_interpreter(variant):
-    """The groups below (group_*), one subprocess per Triton variant."""
-    run_groups(__file__, env={"MRTPO_TRITON_VARIANT": variant})
+def test_triton_policy_loss_under_interpreter():
+    """The groups below (group_*), in one subprocess."""
+    run_groups(__file__)
 
 
 def group_backend():
@@ -772,12 +770,13 @@ def group_policy_options():
     )  # fmt: skip
 
 
-def group_policy_keep_logits():
-    """Variant (a): kept fp32 logits in token chunks (several chunks: a small budget)."""
-    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 1000 * 32):
+def group_policy_chunks():
+    """Several token chunks of fp32 logits (a small budget), then no gradient wanted, then
+    every token ignored."""
+    with _harness.env(MRTPO_CHUNK_BYTES=4 * 1000 * 32):
         _triton_policy_case(37, 1000, 64, bias=True, beta=0.1)  # 32 rows per chunk
         _triton_policy_case(37, 1000, 64, bias=False, beta=0.0, dtype=torch.bfloat16)
-    with _harness.env(MRTPO_POLICY_KEEP_LOGITS=1, MRTPO_CHUNK_BYTES=4 * 5003 * 64):
+    with _harness.env(MRTPO_CHUNK_BYTES=4 * 5003 * 64):
         _triton_policy_case(129, 5003, 3, bias=True, beta=0.05, aggregation="seq-mean-token-mean")
     # no gradient wanted: loss and metrics only
     g = torch.Generator().manual_seed(3)
@@ -813,8 +812,8 @@ def group_opcheck():
 
 
 def group_kl_digits():
-    """The k3 KL term keeps its digits on the Triton policy kernels (the variant of the
-    process), as test_kl_term_keeps_its_digits_in_loss_and_metric on the CPU backends."""
+    """The k3 KL term keeps its digits on the Triton policy kernels, as
+    test_kl_term_keeps_its_digits_in_loss_and_metric on the CPU backends."""
     for d in KL_DIFFS:
         loss, kl, want = _kl_loss_case(d, "triton")
         for what, got in (("loss", loss), ("kl", kl)):
@@ -831,11 +830,12 @@ GROUPS = {
 
 
 @gpu_test
-@pytest.mark.parametrize("keep_logits", ["0", "1"])
+@pytest.mark.parametrize("low_memory", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_linear_policy_loss_real_shape(dtype, keep_logits, monkeypatch):
-    """Both variants of triton_kernels/policy_loss.py: (b) recompute (default), (a) kept logits."""
-    monkeypatch.setenv("MRTPO_POLICY_KEEP_LOGITS", keep_logits)
+def test_gpu_linear_policy_loss_real_shape(dtype, low_memory, monkeypatch):
+    """The chunk driver at the real shape, with the fp32 dW accumulator and with the
+    low-memory backward (vocabulary chunks, dW written once)."""
+    monkeypatch.setenv("MRTPO_LOW_MEMORY", low_memory)
     n, d = 2048, 4096
     h, w, lab = _gpu_inputs(n, d, dtype, seed=3)
     with torch.no_grad():

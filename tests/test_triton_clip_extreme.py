@@ -3,10 +3,11 @@ Triton interpreter; TRITON_INTERPRET=1 must be set before triton is imported, so
 live in tests/triton_cases/clip_extreme_cases.py and run here in a subprocess per group:
 
 clip: the clipped flag, loss and gradient follow reference.policy_loss_ref (ties and NaN
-    included) in every Triton kernel and variant (the CPU backends:
-    tests/test_policy_clip_rule.py);
-extreme: the fused variant and the low-memory column kernel keep the row kernels' accuracy
-    at large |z / tau| (log p from each row's raw max and log s, not the rounded lse).
+    included) in every Triton kernel, on both Triton paths (the chunk driver and its
+    low-memory mode; the CPU backends: tests/test_policy_clip_rule.py);
+extreme: the public ops over several chunks, and the low-memory column kernel, keep the row
+    kernels' accuracy at large |z / tau| (log p from each row's raw max and log s, not the
+    rounded lse).
 See the cases file for what each group checks.
 """
 
@@ -23,5 +24,5 @@ def test_triton_clip_flag_follows_reference_under_interpreter():
 
 
 @interpreted
-def test_triton_extreme_logits_fused_and_low_memory_under_interpreter():
+def test_triton_extreme_logits_under_interpreter():
     run_interpreted(SCRIPT, "extreme")

@@ -1,7 +1,6 @@
-"""The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels of
-the default variant (mrtpo_kernels/triton_kernels/rows.py, row_cols.py) and the opt-in fused
-log-prob and policy-loss kernels (MRTPO_TRITON_VARIANT=fused; the JS kernels: test_js.py).
-Their numerics are checked under the interpreter by tests/test_chunk_driver.py."""
+"""The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels
+(mrtpo_kernels/triton_kernels/rows.py, row_cols.py, the JS terms of js_terms.py). Their
+numerics are checked under the interpreter by tests/test_chunk_driver.py."""
 
 from __future__ import annotations
 
@@ -92,18 +91,41 @@ def test_row_kernels_compile_for_hopper(out_dtype):
 
 @hopper
 @compiled_mode
+def test_split_stats_kernels_compile_for_hopper():
+    """The split-row statistics (issue 35, item 4): the per-(row, split) scan and the
+    per-row merge build for sm_90 (the numerics: rows_cases.py, group split_stats)."""
+    from mrtpo_kernels.triton_kernels import rows
+
+    block = rows.row_block(151936)
+    _compile(rows._stats_split_kernel, {
+        "z_ptr": "*fp32", "part_ptr": "*fp32", "V": "i32", "rows": "i32", "plane": "i32",
+        "cols_per_split": "i32", "stride_z": "i64", "inv_t": "fp32",
+        "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
+        {"WITH_ENT": True, "BLOCK": block}, num_warps=8)  # fmt: skip
+    for with_norm in (True, False):
+        _compile(rows._stats_merge_kernel, {
+            "z_ptr": "*fp32", "part_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
+            "ent_ptr": "*fp32", "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32",
+            "rows": "i32", "splits": "i32", "plane": "i32", "norm_stride": "i32",
+            "stride_z": "i64", "inv_t": "fp32", "ignore_index": "i64",
+            "WITH_ENT": "constexpr", "WITH_NORM": "constexpr", "BLOCK_S": "constexpr"},
+            {"WITH_ENT": True, "WITH_NORM": with_norm, "BLOCK_S": 4}, num_warps=1)  # fmt: skip
+
+
+@hopper
+@compiled_mode
 @pytest.mark.parametrize("k", [1, 4, 5])
 def test_js_row_kernels_compile_for_hopper(k):
     """js_many's kernels: per-row (raw max, log sum) of the stacked rows, then the split
     sums of the terms for K streams (block sizes as js_many picks them on a GPU)."""
-    from mrtpo_kernels.triton_kernels import js, rows
+    from mrtpo_kernels.triton_kernels import js_terms, rows
 
     block = rows.row_block(151936)
     _compile(rows._row_norm_kernel, {
         "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "V": "i32", "rows": "i32",
         "stride_s": "i64", "stride_r": "i64", "inv_t": "fp32", "BLOCK": "constexpr"},
         {"BLOCK": block}, num_warps=8)  # fmt: skip
-    block_k, block_v = js._sum_blocks(k)
+    block_k, block_v = js_terms._sum_blocks(k)
     sig = {
         "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "part_ptr": "*fp32",
         "K": "i32", "rows": "i32", "cols": "i32", "cols_per_split": "i32", "stride_s": "i64",
@@ -115,69 +137,11 @@ def test_js_row_kernels_compile_for_hopper(k):
     # the GPU build takes its log from the special function unit, not libdevice's logf
     assert "lg2.approx.f32" in fast.asm["ptx"] and "__nv_logf" not in fast.asm["ptx"]
     assert "__nv_logf" in slow.asm["ptx"]  # (what tl.log alone compiles to)
-
-
-@hopper
-@compiled_mode
-def test_fused_logprob_and_policy_kernels_compile_for_hopper():
-    """The opt-in fused variant: forward partials (16-bit GEMM tiles), their combine,
-    dlogits (with and without the saved (raw max, log s)), the GEMM, and the policy token
-    kernel."""
-    import torch
-
-    from mrtpo_kernels.triton_kernels import logprobs, policy_loss
-
-    cfg = logprobs.tiles(torch.bfloat16)
-    tiles = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D")}
-    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    k = _compile(logprobs._stats_partial_kernel, {
-        "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
-        "part_ptr": "*fp32", "store_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32",
-        "stride_src": "i32", "stride_w": "i32", "stride_store": "i32", "inv_t": "fp32",
-        "num_splits": "i32", "blocks_per_split": "i32", "STORE_LOGITS": "constexpr",
-        "FROM_LOGITS": "constexpr", "HAS_BIAS": "constexpr", "WITH_ENT": "constexpr",
-        "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "BLOCK_D": "constexpr",
-        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
-        {"STORE_LOGITS": False, "FROM_LOGITS": False, "HAS_BIAS": False, "WITH_ENT": True,
-         "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False, **tiles}, **opts)  # fmt: skip
-    assert "warp_group_dot" in k.asm["ttgir"], "the fused forward does not use wgmma"
-    _compile(logprobs._stats_combine_kernel, {
-        "part_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
-        "lse_ptr": "*fp32", "norm_ptr": "*fp32", "N": "i32", "V": "i32", "num_splits": "i32",
-        "inv_t": "fp32", "ignore_index": "i64", "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
-        {"WITH_ENT": True, "BLOCK": 1024})  # fmt: skip
-    for has_norm in (True, False):
-        _compile(logprobs._dlogits_kernel, {
-            "src_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "labels_ptr": "*i64",
-            "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
-            "g_ent_ptr": "*fp32", "out_ptr": "*bf16", "db_ptr": "*fp32", "N": "i32",
-            "V": "i32", "v_lo": "i32", "v_hi": "i32", "D": "i32", "stride_src": "i32",
-            "stride_w": "i32", "stride_out": "i32", "inv_t": "fp32", "ignore_index": "i64",
-            "FROM_LOGITS": "constexpr", "HAS_BIAS": "constexpr", "HAS_NORM": "constexpr",
-            "HAS_ENT_GRAD": "constexpr", "BIAS_GRAD": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_V": "constexpr", "BLOCK_D": "constexpr", "GROUP": "constexpr",
-            "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
-            {"FROM_LOGITS": False, "HAS_BIAS": False, "HAS_NORM": has_norm, "HAS_ENT_GRAD": True,
-             "BIAS_GRAD": False, "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
-             **tiles}, **opts)  # fmt: skip
-    g = logprobs._gemm_tiles(torch.bfloat16)
-    _compile(logprobs._matmul_kernel, {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "M": "i32", "N": "i32",
-        "K": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32",
-        "stride_bn": "i32", "stride_cm": "i32", "stride_cn": "i32", "ACCUMULATE": "constexpr",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-        "GROUP": "constexpr", "DOT_PRECISION": "constexpr", "UPCAST_DOT": "constexpr"},
-        {"ACCUMULATE": True, "GROUP": 8, "DOT_PRECISION": "tf32", "UPCAST_DOT": False,
-         **{k: g[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}},
-        num_warps=g["num_warps"], num_stages=g["num_stages"])  # fmt: skip
-    import inspect
-
-    params = list(inspect.signature(policy_loss._policy_token_kernel.fn).parameters)
-    types = {"labels_ptr": "*i64", "N": "i32", "ignore_index": "i64"}
-    types.update({p: "*fp32" for p in params if p.endswith("_ptr") and p not in types})
-    sig = {p: ("constexpr" if p.isupper() else types.get(p, "fp32")) for p in params}
-    _compile(policy_loss._policy_token_kernel, sig,
-             {p: (1024 if p == "BLOCK" else True) for p in params if p.isupper()})  # fmt: skip
+    _compile(js_terms._js_finish_kernel, {
+        "part_ptr": "*fp32", "out_ptr": "*fp32", "K": "i32", "rows": "i32", "splits": "i32",
+        "row0": "i32", "stride_part_s": "i32", "stride_part_k": "i32",
+        "stride_out_k": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 1024}, num_warps=4)  # fmt: skip
 
 
 @interpreted

@@ -133,10 +133,12 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     spans = logprobs_spans(n, v, k)
     span_rows = max([0] + [e - s for s, e in spans])
     kept = saved.view(k, v) if not low else saved[:0].view(0, v)
+    overlap = _RowLanes.enabled(head.low, hidden) and span_rows > 0
     # the kept block doubles as the buffer of the spans before it where it is large enough
-    buf = kept if k >= span_rows else _buffer(span_rows, n, v, hidden, acc)
+    # (not with the overlap: the lanes own their two buffers)
+    buf = kept if k >= span_rows and not overlap else _buffer(span_rows, n, v, hidden, acc)
 
-    def stats(z, s, e):  # the kernel on slices of at most c rows of the span's logits z
+    def stats(z, g, s, e):  # the kernel on slices of at most c rows of the span's logits z
         for a, b in balanced(e - s, c, s):
             lp, en, ls = kern.stats(
                 z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
@@ -147,11 +149,25 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
             if with_ent:
                 ent[a:b] = en
 
-    for s, e in spans:
-        stats(head.logits(hidden[s:e], buf), s, e)
-    del buf
-    if k:
-        stats(head.logits(hidden[n - k :], kept), n - k, n)  # one GEMM for the kept rows
+    lanes = _RowLanes(buf, hidden) if overlap else None
+    try:
+        for s, e in spans:
+            # logits = h[s:e] W^T (+ b), fp32, (e - s) x V: one GEMM per span
+            if lanes is None:
+                stats(head.logits(hidden[s:e], buf), None, s, e)
+            else:
+                lanes.run(lambda zb, s=s, e=e: head.logits(hidden[s:e], zb), stats, None, s, e)
+        del buf
+        if k:
+            # logits of the kept rows = h[n-k:] W^T (+ b) straight into ``saved``: one GEMM
+            z = head.logits(hidden[n - k :], kept)
+            if lanes is None:
+                stats(z, None, n - k, n)
+            else:
+                lanes.on_side(stats, z, None, n - k, n)
+    finally:
+        if lanes is not None:  # also on an exception: see _RowLanes
+            lanes.join()
     return logp, ent, lse, saved  # the base, not a view (the backward may write it)
 
 
@@ -206,45 +222,66 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
     # the fp32 logits chunk: a slice of rows in the 16-bit path, a whole buffer in place
     rows = [e - s for s, e, fk in spans if not (sep and fk)]
     z_buf = _buffer(min(c, max(rows)) if sep else max(rows), n, v, hidden, acc) if rows else None
-    lanes = _RowLanes.make(sep, z_buf, hidden)
-    first = True
-    for s, e, from_kept in spans:
-        z_span = None
-        if from_kept:
-            z_span = kept[s - (n - k) : e - (n - k)]
-            if not sep:  # in place: the gradient must not overwrite the forward's output
-                z_span = z_buf[: e - s].copy_(z_span)
-        elif not sep:
-            z_span = head.logits(hidden[s:e], z_buf)
-        g = None if g_buf is None else g_buf[: e - s]
-        for a, b in balanced(e - s, c, s):
-            gs = None if g is None else g[a - s : b - s]
-            if z_span is not None:
-                row_fn(z_span[a - s : b - s], gs, a, b)
-            elif lanes is not None:
-                lanes.run(lambda zb, a=a, b=b: head.logits(hidden[a:b], zb), row_fn, gs, a, b)
-            else:
-                row_fn(head.logits(hidden[a:b], z_buf), gs, a, b)
-        if lanes is not None:
-            lanes.join()  # the gradient buffer is complete before dh and dW read it
-        if need_dw:
-            gd = g if sep else z_span
-            head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None, first)
-            first = False
-    if lanes is not None:
-        lanes.join()
+    overlap = sep and z_buf is not None and _RowLanes.enabled(head.low, hidden)
+    lanes = _RowLanes(z_buf, hidden) if overlap else None
+    try:
+        first = True
+        for s, e, from_kept in spans:
+            z_span = None
+            if from_kept:
+                z_span = kept[s - (n - k) : e - (n - k)]
+                if not sep:  # in place: the gradient must not overwrite the forward's output
+                    z_span = z_buf[: e - s].copy_(z_span)
+            elif not sep:
+                # logits = h[s:e] W^T (+ b), fp32, one GEMM for the whole buffer (in place)
+                z_span = head.logits(hidden[s:e], z_buf)
+            g = None if g_buf is None else g_buf[: e - s]
+            for a, b in balanced(e - s, c, s):
+                gs = None if g is None else g[a - s : b - s]
+                if z_span is not None:
+                    row_fn(z_span[a - s : b - s], gs, a, b)
+                elif lanes is not None:
+                    # logits = h[a:b] W^T (+ b), fp32, per slice; its row kernel on the side
+                    lanes.run(lambda zb, a=a, b=b: head.logits(hidden[a:b], zb), row_fn, gs, a, b)
+                else:
+                    # logits = h[a:b] W^T (+ b), fp32, per slice (16-bit path)
+                    row_fn(head.logits(hidden[a:b], z_buf), gs, a, b)
+            if lanes is not None:
+                lanes.join()  # the gradient buffer is complete before dh and dW read it
+            if need_dw:
+                gd = g if sep else z_span
+                # dh[s:e] = G W and dW (=, first buffer; +=, later) G^T h[s:e]: Head.backward
+                head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None,
+                              first)  # fmt: skip
+                first = False
+    finally:
+        if lanes is not None:  # also on an exception: see _RowLanes
+            lanes.join()
     return dh, dw, db
 
 
 class _RowLanes:
-    """MRTPO_OVERLAP_ROWS=1 on a CUDA device (16-bit gradient path): each chunk's row kernel
-    runs on a side stream while the current stream's GEMM makes the next chunk's logits into
-    the other of two fp32 chunk buffers (one chunk buffer more of memory). Ordering, by
-    events: a chunk's row kernel waits for its logits GEMM (and so for all earlier work of
-    the current stream: its inputs, and the dh / dW GEMMs that read the gradient buffer it
-    writes); a GEMM into a buffer waits for the row kernel that last read it; ``join`` makes
-    the current stream wait for every row kernel (before dh / dW, and before returning, so
-    the outputs the row kernels write are ready for the caller's stream)."""
+    """MRTPO_OVERLAP_ROWS=1 on a CUDA device (16-bit GEMM path): each chunk's row kernel runs
+    on a side stream while the current stream's GEMM makes the next chunk's logits into the
+    other of two fp32 chunk buffers (one chunk buffer more of memory, counted in
+    ``chunk_plan``'s buffer_bytes). Used by the backward and the policy loss
+    (``_run_backward``) and by the log-probs forward's statistics. Ordering, by events: a
+    chunk's row kernel waits for its logits GEMM (and so for all earlier work of the current
+    stream: its inputs, and the dh / dW GEMMs that read the gradient buffer it writes); a
+    GEMM into a buffer waits for the row kernel that last read it; ``join`` makes the
+    current stream wait for every row kernel (before dh / dW, and before returning, so the
+    outputs the row kernels write are ready for the caller's stream).
+
+    Errors: the callers join in a ``finally``, so an exception between a side-stream row
+    kernel and the join (a failing GEMM, a row kernel's launch, anything in between) still
+    makes the current stream wait for the side stream before the exception leaves the
+    driver: a buffer freed on the way out can only be reused by work ordered after every
+    pending row kernel. The buffers the side stream reads or writes that the driver made on
+    the current stream (the two chunk buffers, the gradient buffer's rows) are also marked
+    with ``record_stream``, so the caching allocator holds them until the side stream's
+    work on them is done, whichever stream asks for the memory next.
+    JS is not covered: its chunk is the stacked (1 + K) C rows of a 768 MiB scratch, and a
+    second one would pass the 1 GB target."""
 
     def __init__(self, z_buf, hidden):
         self.bufs = [z_buf, torch.empty_like(z_buf)]
@@ -252,29 +289,38 @@ class _RowLanes:
         self.side = torch.cuda.Stream(device=hidden.device)
         self.free = [None, None]  # per buffer: the event after the row kernel that read it
         self.turn = 0
+        for buf in self.bufs:
+            buf.record_stream(self.side)
 
-    @classmethod
-    def make(cls, wanted, z_buf, hidden):
-        """The lanes where wanted (the 16-bit gradient path with a logits chunk to fill) on a
-        CUDA device with MRTPO_OVERLAP_ROWS=1, else None (the serial loop)."""
-        if not wanted or z_buf is None or not hidden.is_cuda or not settings.overlap_rows():
-            return None
-        return cls(z_buf, hidden)
+    @staticmethod
+    def enabled(wanted: bool, hidden) -> bool:
+        """Whether to overlap: ``wanted`` (the 16-bit GEMM path) on a CUDA device with
+        MRTPO_OVERLAP_ROWS=1 (read at each call)."""
+        return bool(wanted) and hidden.is_cuda and settings.overlap_rows()
 
     def run(self, logits_into, row_fn, g, a, b):
+        """logits_into(buffer) on the current stream into the next of the two buffers, then
+        row_fn(z, g, a, b) on the side stream (``on_side``)."""
         j = self.turn
         self.turn ^= 1
         if self.free[j] is not None:
             self.main.wait_event(self.free[j])
         z = logits_into(self.bufs[j])
+        self.free[j] = self.on_side(row_fn, z, g, a, b)
+
+    def on_side(self, row_fn, z, g, a, b):
+        """row_fn(z, g, a, b) on the side stream after everything the current stream has
+        queued so far; returns the event recorded after it."""
         ready = torch.cuda.Event()
         ready.record(self.main)
+        if g is not None:
+            g.record_stream(self.side)  # rows of the driver's gradient buffer
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)
             row_fn(z, g, a, b)
             done = torch.cuda.Event()
             done.record(self.side)
-        self.free[j] = done
+        return done
 
     def join(self):
         self.main.wait_stream(self.side)
@@ -305,17 +351,20 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
         v1 = min(v, v0 + cols)
         w_c = weight[v0:v1] if head.low else head.w[v0:v1]
         b_c = None if head.b32 is None else head.b32[v0:v1]
+        # logits[:, v0:v1] = h W[v0:v1]^T (+ b), fp32, all N rows: the recompute GEMM
         z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
         g = None if g16 is None else g16[: n * (v1 - v0)].view(n, v1 - v0)
         kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
                         **_out(g, 0, n), **nkw)  # fmt: skip
         if head.low:
-            torch.mm(g.t(), hidden, out=dw[v0:v1])  # fp32 accumulation inside the GEMM
+            # dW[v0:v1] = G^T h, written once in the weight's dtype (fp32 inside the GEMM)
+            torch.mm(g.t(), hidden, out=dw[v0:v1])
+            # dh += G W[v0:v1] into the fp32 (N, d) accumulator
             _lm_head.addmm_f32(dh32, g, w_c)
         else:
             g = z
-            dw[v0:v1] = g.t() @ upcast(hidden)
-            dh32.addmm_(g, w_c)
+            dw[v0:v1] = g.t() @ upcast(hidden)  # dW[v0:v1] = G^T h, fp32
+            dh32.addmm_(g, w_c)  # dh += G W[v0:v1]
         if bias is not None:
             db[v0:v1] = g.sum(0, dtype=acc)
     return dh32.to(hidden.dtype), dw, db
@@ -334,9 +383,11 @@ def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
     buf_p = _buffer(c, n, v, hidden_p, acc)
     buf_q = _buffer(c, n, v, hidden_p, acc)
     for s, e in balanced(n, c):
-        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)  # P's logits: once per chunk, for all K
+        # P's logits = h_p[s:e] W^T (+ b), fp32: once per chunk, for all K streams
+        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)
         lse_p = None
         for j in range(k):
+            # stream j's logits = h_q[j, s:e] W^T (+ b), fp32
             zq = fp32_logits(hidden_q[j, s:e], w32, b32, buf_q)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
@@ -363,6 +414,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
         a = a_buf[: streams * rows * d].view(streams, rows, d)
         a[0].copy_(hidden_p[s:e])
         a[1:].copy_(hidden_q[:, s:e])
+        # the stacked logits = [h_p; h_q[0]; ...; h_q[K-1]][s:e] W^T (+ b), fp32: one GEMM
         z = head.logits(a.view(streams * rows, d), z_buf.view(-1, v))
         out[:, s:e] = kern.js_many(z.view(streams, rows, v), 1.0 / temperature)
     return out
@@ -431,33 +483,20 @@ def js_distance(kern, logits_p, logits_q, temperature):
 
 
 def linear_policy_loss(
-    kern,
-    hidden,
-    weight,
-    bias,
-    labels,
-    old_logp,
-    adv,
-    token_weight,
-    ref_logp,
-    temperature,
-    clip_low,
-    clip_high,
-    beta,
-    ignore_index,
+    kern, hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg,
     need_grad,
-    clip_ratio_c=float("inf"),
-    kl_iw=False,
-):
+):  # fmt: skip
+    """(loss, logp, clipped, dh, dw, db): the clipped-surrogate loss sum_t token_weight[t]
+    L_t and, with need_grad, its gradient in the same pass; ``cfg`` the op's scalar
+    settings (``PolicyLossSettings``), handed to the row kernel as they are."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
     head = Head(kern, hidden, weight, bias)
-    inv_t = 1.0 / temperature
     ref_logp = _none_if_empty(ref_logp)
     if need_grad and _low_memory(kern, weight):
         return _policy_by_vocab(
-            kern, head, hidden, weight, bias, labels, old_logp, adv, token_weight, ref_logp,
-            inv_t, clip_low, clip_high, beta, ignore_index, clip_ratio_c, kl_iw,
+            kern, head, hidden, weight, bias, labels, old_logp, advantages, token_weight,
+            ref_logp, cfg,
         )  # fmt: skip
     logp = hidden.new_empty(n, dtype=acc)
     clipped = hidden.new_empty(n, dtype=acc)
@@ -465,10 +504,8 @@ def linear_policy_loss(
 
     def rows(z, g, a, b):  # the token terms and, with need_grad, dL/dz in place or into g
         per_tok, lp, cl = kern.policy_(
-            z, labels[a:b], old_logp[a:b], adv[a:b], token_weight[a:b],
-            None if ref_logp is None else ref_logp[a:b], inv_t, clip_low, clip_high, beta,
-            ignore_index, need_grad, clip_ratio_c=clip_ratio_c, kl_iw=kl_iw,
-            **_out(g, 0, b - a),
+            z, labels[a:b], old_logp[a:b], advantages[a:b], token_weight[a:b],
+            None if ref_logp is None else ref_logp[a:b], cfg, need_grad, **_out(g, 0, b - a),
         )  # fmt: skip
         loss.add_((per_tok * token_weight[a:b]).sum())
         logp[a:b] = lp
@@ -481,28 +518,32 @@ def linear_policy_loss(
     return loss, logp, clipped, dh, dw, db
 
 
-def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old, adv, tw, ref, inv_t,
-                     clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw):  # fmt: skip
+def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old_logp, advantages,
+                     token_weight, ref_logp, cfg):  # fmt: skip
     """Low-memory policy loss: the log-probs and lse by token chunks (1 GEMM), the token
     terms from them, then the vocabulary-chunked backward (3 GEMMs: one is a recompute)."""
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
+    inv_t, ignore_index = 1.0 / cfg.temperature, cfg.ignore_index
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
     norm = norm_buffer(kern, n, hidden) if n else None  # (raw max, log s) per row
     c = chunk_rows(v)
     buf = _buffer(c, n, v, hidden, acc)
     for s, e in balanced(n, c):
+        # logits = h[s:e] W^T (+ b), fp32: the forward's one GEMM per token chunk
         z = head.logits(hidden[s:e], buf)
-        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ii, False, **norm_rows(norm, s, e))
+        lp, _, ls = kern.stats(
+            z, labels[s:e], inv_t, ignore_index, False, **norm_rows(norm, s, e)
+        )  # fmt: skip
         logp[s:e] = lp
         lse[s:e] = ls
     del buf
     per_tok, clipped, g = kern.policy_terms(
-        logp, labels, old, adv, tw, ref, v, clip_low, clip_high, beta, ii, clip_ratio_c, kl_iw
+        logp, labels, old_logp, advantages, token_weight, ref_logp, v, cfg
     )
-    loss = (per_tok * tw).sum()
+    loss = (per_tok * token_weight).sum()
     dh, dw, db = _backward_by_vocab(
-        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ii, norm
+        kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ignore_index, norm
     )
     return loss, logp, clipped, dh, dw, db

@@ -88,7 +88,7 @@ class Head:
         if not self.low:
             return fp32_logits(h, w, b32, buf)
         out = buf[: h.shape[0]]
-        mm_f32(h, w.t(), out)
+        mm_f32(h, w.t(), out)  # logits = h W^T, 16-bit operands, fp32 out
         if b32 is not None:
             out += b32
         return out
@@ -105,23 +105,23 @@ class Head:
         the call, dw += g^T h after it (fp32, accumulated inside the GEMM); db += column
         sums of g."""
         if self.low:
-            torch.mm(g, self.w, out=dh_rows)
+            torch.mm(g, self.w, out=dh_rows)  # dh = G W (16-bit, fp32 inside the GEMM)
             if first:
-                mm_f32(g.t(), h, dw)
+                mm_f32(g.t(), h, dw)  # dW = G^T h, fp32, written (no zeroing first)
             else:
-                addmm_f32(dw, g.t(), h)
+                addmm_f32(dw, g.t(), h)  # dW += G^T h, fp32, accumulated in the GEMM
             if db is not None:
                 db += g.sum(0, dtype=db.dtype)
             return
         h32 = upcast(h)
-        if dh_rows.dtype == g.dtype:
+        if dh_rows.dtype == g.dtype:  # dh = G W, fp32 (or float64)
             torch.mm(g, self.w, out=dh_rows)
         else:
-            dh_rows.copy_(g @ self.w)
+            dh_rows.copy_(g @ self.w)  # dh = G W, rounded to hidden's dtype
         if first:
-            torch.mm(g.t(), h32, out=dw)
+            torch.mm(g.t(), h32, out=dw)  # dW = G^T h, written
         else:
-            dw.addmm_(g.t(), h32)
+            dw.addmm_(g.t(), h32)  # dW += G^T h
         if db is not None:
             db += g.sum(0)
 

@@ -16,12 +16,12 @@ classes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from .._types import PolicyLossSettings
 from . import Serves
 
 
@@ -108,16 +108,15 @@ class JSDistanceEntryPoints(Protocol):
 class LinearPolicyLossEntryPoints(Protocol):
     def linear_policy_loss(
         self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        old_logp: Tensor, adv: Tensor, token_weight: Tensor, ref_logp: Tensor,
-        temperature: float, clip_low: float, clip_high: float, beta: float,
-        ignore_index: int, need_grad: bool, clip_ratio_c: float = math.inf,
-        kl_iw: bool = False,
+        old_logp: Tensor, advantages: Tensor, token_weight: Tensor, ref_logp: Tensor,
+        cfg: PolicyLossSettings, need_grad: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-        """old_logp, adv, token_weight (N,), ref_logp (N,) or (0,) -> (loss (), logp (N,),
-        clipped (N,), grad_hidden (N, d) or (0,), grad_weight (V, d) fp32 or (0,),
-        grad_bias (V,) fp32 or (0,)): loss = sum_t token_weight[t] L_t and its gradient,
-        computed in the same pass (only with need_grad). clip_ratio_c: the dual clip (inf:
-        none); kl_iw: the KL term times the importance ratio."""
+        """old_logp, advantages, token_weight (N,), ref_logp (N,) or (0,) -> (loss (),
+        logp (N,), clipped (N,), grad_hidden (N, d) or (0,), grad_weight (V, d) fp32 or
+        (0,), grad_bias (V,) fp32 or (0,)): loss = sum_t token_weight[t] L_t and its
+        gradient, computed in the same pass (only with need_grad). ``cfg``: the scalar
+        settings, one value built by the custom op (temperature, clip range, beta,
+        ignore_index, the dual clip clip_ratio_c, inf for none, kl_importance_weight)."""
         ...
 
 
@@ -201,14 +200,13 @@ class RowKernel(Protocol):
         ...
 
     def policy_(
-        self, z: Tensor, labels: Tensor, old: Tensor, adv: Tensor, tw: Tensor,
-        ref: Tensor | None, inv_t: float, clip_low: float, clip_high: float, beta: float,
-        ignore_index: int, need_grad: bool, clip_ratio_c: float = math.inf,
-        kl_iw: bool = False,
+        self, z: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor,
+        token_weight: Tensor, ref_logp: Tensor | None, cfg: PolicyLossSettings,
+        need_grad: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """-> (per-token loss, logp, clipped); with need_grad, dL/dz for the token weights
-        tw written over z (or into ``out=``). clip_ratio_c: the dual clip (inf: none);
-        kl_iw: the KL term times the ratio."""
+        written over z (or into ``out=``). ``cfg``: the scalar settings (the temperature
+        among them: the kernel forms 1 / cfg.temperature itself)."""
         ...
 
     def js_many(self, z: Tensor, inv_t: float) -> Tensor:
@@ -225,9 +223,8 @@ class RowKernel(Protocol):
         raise NotImplementedError(f"{type(self).__name__} does not declare GRAD_COLS")
 
     def policy_terms(
-        self, logp: Tensor, labels: Tensor, old: Tensor, adv: Tensor, tw: Tensor,
-        ref: Tensor | None, vocab: int, clip_low: float, clip_high: float, beta: float,
-        ignore_index: int, clip_ratio_c: float, kl_iw: bool,
+        self, logp: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor,
+        token_weight: Tensor, ref_logp: Tensor | None, vocab: int, cfg: PolicyLossSettings,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """GRAD_COLS: the token terms from log-probs -> (per-token loss, clipped, g), g
         the upstream gradient of each row's log-prob for grad_cols_."""

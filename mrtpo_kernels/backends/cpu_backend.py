@@ -11,7 +11,6 @@ the CPU.
 from __future__ import annotations
 
 import functools
-import math
 
 from . import FLOAT_DTYPES, Serves, _chunked, _saved_state
 from .contract import RowKernel
@@ -65,26 +64,23 @@ class _CppChunkKernel(RowKernel):
         return _C.js_many(z, inv_t)
 
     @staticmethod
-    def policy_(
-        z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad,
-        clip_ratio_c=math.inf, kl_iw=False,
-    ):  # fmt: skip
+    def policy_(z, labels, old_logp, advantages, token_weight, ref_logp, cfg, need_grad):
         dt = z.dtype
         return _C.policy_(
             z,
             labels.contiguous(),
-            old.to(dt).contiguous(),
-            adv.to(dt).contiguous(),
-            tw.to(dt).contiguous(),
-            None if ref is None else ref.to(dt).contiguous(),
-            inv_t,
-            clip_low,
-            clip_high,
-            beta,
-            ii,
+            old_logp.to(dt).contiguous(),
+            advantages.to(dt).contiguous(),
+            token_weight.to(dt).contiguous(),
+            None if ref_logp is None else ref_logp.to(dt).contiguous(),
+            1.0 / cfg.temperature,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.beta,
+            cfg.ignore_index,
             need_grad,
-            clip_ratio_c,
-            kl_iw,
+            cfg.clip_ratio_c,
+            cfg.kl_importance_weight,
         )
 
 

@@ -111,22 +111,18 @@ class _TorchChunkKernel(RowKernel):
         return torch.sqrt(jsd.clamp(min=0.0) / LN2).clamp(max=1.0), lse_p
 
     @staticmethod
-    def policy_(
-        z, labels, old, adv, tw, ref, inv_t, clip_low, clip_high, beta, ii, need_grad,
-        clip_ratio_c=math.inf, kl_iw=False,
-    ):  # fmt: skip
-        valid, use, safe = _label_masks(labels, ii, z.shape[-1])
+    def policy_(z, labels, old_logp, advantages, token_weight, ref_logp, cfg, need_grad):
+        inv_t = 1.0 / cfg.temperature
+        valid, use, safe = _label_masks(labels, cfg.ignore_index, z.shape[-1])
         x, log_s, _, ok = _shift(z, inv_t)
         logp = x.gather(-1, safe[:, None])[:, 0] - log_s
         logp = torch.where(use & ok, logp, _nan_like(logp))
         logp = torch.where(valid, logp, torch.zeros_like(logp))
-        per_tok, dlogp, clipped = policy_token_terms(
-            logp, old, adv, ref, clip_low, clip_high, clip_ratio_c, beta, kl_iw
-        )
+        per_tok, dlogp, clipped = policy_token_terms(logp, old_logp, advantages, ref_logp, cfg)
         per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
         clipped = torch.where(valid & clipped, 1.0, 0.0)
         if need_grad:
-            g = torch.where(use, dlogp * tw, torch.zeros_like(dlogp))
+            g = torch.where(use, dlogp * token_weight, torch.zeros_like(dlogp))
             p = torch.exp(x - log_s[:, None])
             grad = -p * g[:, None]
             grad.scatter_add_(-1, safe[:, None], g[:, None])

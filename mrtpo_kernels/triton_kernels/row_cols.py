@@ -169,52 +169,39 @@ def grad_cols_(
     )
 
 
-def policy_terms(
-    logp,
-    labels,
-    old,
-    adv,
-    tw,
-    ref,
-    vocab,
-    clip_low,
-    clip_high,
-    beta,
-    ii,
-    clip_ratio_c=math.inf,
-    kl_iw=False,
-):
+def policy_terms(logp, labels, old_logp, advantages, token_weight, ref_logp, vocab, cfg):
     """(per-token loss, clipped, g = w dL/dlogp) from the log-probs: the token terms of
-    ``policy_`` for the low-memory mode, where the gradient comes later."""
+    ``policy_`` for the low-memory mode, where the gradient comes later; ``cfg`` the op's
+    scalar settings (``PolicyLossSettings``)."""
     check_device("logp", logp)
     n = logp.shape[0]
     f32 = dict(dtype=torch.float32, device=logp.device)
     loss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
     if n == 0:
         return loss, clipped, g
-    has_ref = ref is not None and beta != 0.0
-    old = _f32(old)
+    has_ref = ref_logp is not None and cfg.beta != 0.0
+    old = _f32(old_logp)
     block = 256 if interpreting() else 1024
     _policy_terms_kernel[(triton.cdiv(n, block),)](
         _f32(logp),
         labels.contiguous(),
         old,
-        _f32(adv),
-        _f32(tw),
-        _f32(ref) if has_ref else old,
+        _f32(advantages),
+        _f32(token_weight),
+        _f32(ref_logp) if has_ref else old,
         loss,
         clipped,
         g,
         N=n,
         V=int(vocab),
-        clip_low=float(clip_low),
-        clip_high=float(clip_high),
-        clip_c=_clip_c(clip_ratio_c),
-        beta=float(beta),
-        ignore_index=int(ii),
+        clip_low=float(cfg.clip_low),
+        clip_high=float(cfg.clip_high),
+        clip_c=_clip_c(cfg.clip_ratio_c),
+        beta=float(cfg.beta),
+        ignore_index=int(cfg.ignore_index),
         HAS_REF=has_ref,
-        DUAL_CLIP=math.isfinite(clip_ratio_c),
-        KL_IW=bool(kl_iw),
+        DUAL_CLIP=math.isfinite(cfg.clip_ratio_c),
+        KL_IW=bool(cfg.kl_importance_weight),
         BLOCK=block,
     )
     return loss, clipped, g

@@ -25,7 +25,15 @@ def _row_offset(row, stride):
 @triton.jit
 def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
     """One pass over a row: (M raw max, s, t, bad) with s = sum exp(x), t = sum e^x x
-    relative to M, bad = the row holds a NaN or +inf.
+    relative to M, bad = the row holds a NaN or +inf (``_span_scan`` over [0, V))."""
+    return _span_scan(row_ptr, 0, V, inv_t, WITH_T, BLOCK)
+
+
+@triton.jit
+def _span_scan(row_ptr, lo, hi, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over the columns [lo, hi) of a row: (M raw max, s, t, bad) with
+    s = sum exp(x), t = sum e^x x relative to M, bad = a NaN or +inf among them (M = -inf,
+    s = t = 0 where every column is -inf or the span is empty).
 
     Each of the BLOCK lanes keeps its own running max m_l, s_l and t_l over the columns it
     reads (one exp per element: exp(-|d|), d the element's x against the lane max, serves
@@ -37,9 +45,9 @@ def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     bad = tl.zeros([BLOCK], tl.int32)
-    for v0 in range(0, V, BLOCK):
+    for v0 in range(lo, hi, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        z = tl.load(row_ptr + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
         nonfinite = (z != z) | (z == float("inf"))
         bad = bad | nonfinite.to(tl.int32)
         zc = tl.where(nonfinite, float("-inf"), z)  # the max and sums of the finite part
@@ -55,15 +63,25 @@ def _row_scan(row_ptr, V, inv_t, WITH_T: tl.constexpr, BLOCK: tl.constexpr):
             t = tl.where(up, t_up, tl.where(live & (e > 0.0), t + e * d, t))
         s = tl.where(up, s * e + 1.0, tl.where(live, s + e, s))
         m = tl.where(up, zc, m)
+    mx, s_all, t_all = _merge_parts(m, s, t, inv_t, WITH_T)
+    return mx, s_all, t_all, tl.max(bad, axis=0)
+
+
+@triton.jit
+def _merge_parts(m, s, t, inv_t, WITH_T: tl.constexpr):
+    """(M, s, t) of a row from the (m_i, s_i, t_i) of its parts (the lanes of one program,
+    or the splits of ``_stats_split_kernel``), each relative to its own max m_i:
+    M = max m_i, s = sum_i s_i exp(sh_i), t = sum_i exp(sh_i) (t_i + s_i sh_i) with
+    sh_i = (m_i - M) / tau; an empty part (m_i = -inf, s_i = 0) adds nothing."""
     mx = tl.max(m, axis=0)
     base = tl.where(mx == float("-inf"), 0.0, mx)
-    sh = (m * 0.5 - base * 0.5) * two_inv_t  # -inf for an empty lane
+    sh = (m * 0.5 - base * 0.5) * (2.0 * inv_t)  # -inf for an empty part
     a = tl.exp(sh)
     s_all = tl.sum(s * a, axis=0)
-    t_all = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+    t_all = tl.sum(tl.zeros_like(s), axis=0)
     if WITH_T:
         t_all = tl.sum(tl.where(a > 0.0, a * (t + s * sh), 0.0), axis=0)
-    return mx, s_all, t_all, tl.max(bad, axis=0)
+    return mx, s_all, t_all
 
 
 @triton.jit

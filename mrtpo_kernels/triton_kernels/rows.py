@@ -33,7 +33,7 @@ it).
 
 Row offsets are int64 (``_row_offset``): C x V passes 2^31 at V = 151936 beyond 14134 rows.
 JS one-vs-many (``js_many``) runs on the stacked (1 + K) C rows of one GEMM: a per-row
-pass for (M, log s), then split sums of the terms of js.py over the vocabulary, with
+pass for (M, log s), then split sums of the terms of js_terms.py over the vocabulary, with
 log p = x - log s formed from each row's own raw max (no z / tau, no rounded lse).
 """
 
@@ -45,17 +45,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, interpreting
-from .js import _js_terms
+from ._common import check_device, interpreting, num_sms
+from .js_terms import _js_finish_kernel, _js_terms, _splits, _sum_blocks
 from .row_cols import grad_cols_, policy_terms
 from .row_math import (
     _check_out,
     _clip_c,
     _f32,
+    _merge_parts,
     _norm,
     _policy_terms,
     _row_offset,
     _row_scan,
+    _span_scan,
     _target_x,
     _warps,
     _write_grad,
@@ -85,6 +87,18 @@ def _stats_rows_kernel(
     r = tl.program_id(0)
     row_ptr = z_ptr + _row_offset(r, stride_z)
     m, s, t, bad = _row_scan(row_ptr, V, inv_t, WITH_ENT, BLOCK)
+    _store_stats(row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride,
+                 m, s, t, bad, inv_t, ignore_index, WITH_ENT, WITH_NORM)  # fmt: skip
+
+
+@triton.jit
+def _store_stats(
+    row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride, m, s, t, bad,
+    inv_t, ignore_index, WITH_ENT: tl.constexpr, WITH_NORM: tl.constexpr,
+):  # fmt: skip
+    """Row r's outputs from its (M, s, t, bad): log p (the label's x less log s), lse,
+    entropy, and with WITH_NORM the (M, log s) pair; NaN for an undefined row, 0 for an
+    ignored one (the header's rules)."""
     ok = (bad == 0) & (m > float("-inf"))
     y = tl.load(labels_ptr + r)
     valid = y != ignore_index
@@ -100,6 +114,73 @@ def _stats_rows_kernel(
     if WITH_ENT:
         ent = tl.where(ok, log_s - t / s, float("nan"))
         tl.store(ent_ptr + r, tl.where(valid, ent, 0.0))
+
+
+@triton.jit
+def _stats_split_kernel(
+    z_ptr,
+    part_ptr,  # (4, S, rows) fp32: each split's raw max m, s, t and bad (1.0: a NaN / +inf)
+    V,
+    rows,
+    plane,  # S x rows: elements from one part plane to the next
+    cols_per_split,
+    stride_z,
+    inv_t,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The split-row statistics, first pass: one program per (row, vocabulary split), the
+    one-program-per-row scan (``_span_scan``) over the split's columns only, so that a
+    chunk of a few hundred rows still fills the GPU (S programs per row)."""
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    lo = sp * cols_per_split
+    hi = tl.minimum(lo + cols_per_split, V)
+    m, s, t, bad = _span_scan(row_ptr, lo, hi, inv_t, WITH_ENT, BLOCK)
+    at = _row_offset(sp, rows) + r
+    tl.store(part_ptr + at, m)
+    tl.store(part_ptr + plane + at, s)
+    tl.store(part_ptr + 2 * plane + at, t)
+    tl.store(part_ptr + 3 * plane + at, bad.to(tl.float32))
+
+
+@triton.jit
+def _stats_merge_kernel(
+    z_ptr,
+    part_ptr,
+    labels_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    norm_ptr,
+    V,
+    rows,
+    splits,
+    plane,
+    norm_stride,
+    stride_z,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    WITH_NORM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The split-row statistics, second pass: one program per row merges its S splits'
+    (m, s, t) like the lanes of one program (``_merge_parts``) and stores the outputs of
+    ``_stats_rows_kernel`` (``_store_stats``)."""
+    r = tl.program_id(0)
+    i = tl.arange(0, BLOCK_S)
+    live = i < splits
+    at = i.to(tl.int64) * rows + r
+    m = tl.load(part_ptr + at, mask=live, other=float("-inf"))
+    s = tl.load(part_ptr + plane + at, mask=live, other=0.0)
+    t = tl.load(part_ptr + 2 * plane + at, mask=live, other=0.0)
+    bad = tl.max(tl.load(part_ptr + 3 * plane + at, mask=live, other=0.0), axis=0)
+    mx, s_all, t_all = _merge_parts(m, s, t, inv_t, WITH_ENT)
+    row_ptr = z_ptr + _row_offset(r, stride_z)
+    _store_stats(row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride,
+                 mx, s_all, t_all, bad, inv_t, ignore_index, WITH_ENT, WITH_NORM)  # fmt: skip
 
 
 @triton.jit
@@ -271,7 +352,7 @@ def _js_rows_sum_kernel(
     """One program per (token row, vocabulary split), P's block shared by the K streams:
     log p = (z_p - M_p) / tau - log s_p and log q likewise, each from its own row's raw max
     and sum (no z / tau, no rounded lse), delta = log p - log q from the raw differences
-    where that form rounds less (close rows), then the terms of js._js_terms."""
+    where that form rounds less (close rows), then the terms of js_terms._js_terms."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
@@ -361,6 +442,62 @@ class TritonRowKernel:
         return logp, (ent if with_ent else None), lse
 
     @staticmethod
+    def stats_split(z, labels, inv_t, ignore_index, with_ent, norm=None, splits=None):
+        """``stats`` by split rows (issue 35, item 4; not yet the driver's: the GPU window
+        measures it against ``stats``): each row's vocabulary in S contiguous splits, one
+        program per (row, split), then one merging program per row, for the chunk's few
+        hundred rows that leave one program per row latency-bound on 132 SMs. ``splits``:
+        S (default: enough programs for 8 per SM, at most one split per column step)."""
+        check_device("z", z)
+        rows, v = z.shape
+        f32 = dict(dtype=torch.float32, device=z.device)
+        logp, lse = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        ent = torch.empty(rows if with_ent else 0, **f32)
+        if rows == 0:
+            return logp, (ent if with_ent else None), lse
+        block = row_block(v)
+        if splits is None:
+            splits = max(1, min(triton.cdiv(8 * num_sms(z.device), rows), triton.cdiv(v, block)))
+        per = triton.cdiv(triton.cdiv(v, int(splits)), block) * block  # whole column steps
+        splits = triton.cdiv(v, per)  # every split non-empty
+        part = torch.empty((4, splits, rows), **f32)
+        _stats_split_kernel[(rows, splits)](
+            z,
+            part,
+            V=v,
+            rows=rows,
+            plane=splits * rows,
+            cols_per_split=per,
+            stride_z=z.stride(0),
+            inv_t=float(inv_t),
+            WITH_ENT=bool(with_ent),
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+        _stats_merge_kernel[(rows,)](
+            z,
+            part,
+            labels.contiguous(),
+            logp,
+            ent if with_ent else lse,
+            lse,
+            lse if norm is None else _norm(norm, rows),
+            V=v,
+            rows=rows,
+            splits=splits,
+            plane=splits * rows,
+            norm_stride=0 if norm is None else norm.stride(0),
+            stride_z=z.stride(0),
+            inv_t=float(inv_t),
+            ignore_index=int(ignore_index),
+            WITH_ENT=bool(with_ent),
+            WITH_NORM=norm is not None,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            num_warps=1,
+        )
+        return logp, (ent if with_ent else None), lse
+
+    @staticmethod
     def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, out=None):
         """dL/dz over z in place, or into ``out`` (same rows). The row's max and sum are
         recomputed from z (lse is not read: it is rounded at large |z / tau|)."""
@@ -390,23 +527,10 @@ class TritonRowKernel:
         )
 
     @staticmethod
-    def policy_(
-        z,
-        labels,
-        old,
-        adv,
-        tw,
-        ref,
-        inv_t,
-        clip_low,
-        clip_high,
-        beta,
-        ii,
-        need_grad,
-        clip_ratio_c=math.inf,
-        kl_iw=False,
-        out=None,
-    ):
+    def policy_(z, labels, old_logp, advantages, token_weight, ref_logp, cfg, need_grad, out=None):
+        """(per-token loss, logp, clipped) of rows z; with need_grad, dL/dz for the token
+        weights over z or into ``out``; ``cfg`` the op's scalar settings
+        (``PolicyLossSettings``)."""
         check_device("z", z)
         rows, v = z.shape
         f32 = dict(dtype=torch.float32, device=z.device)
@@ -414,32 +538,32 @@ class TritonRowKernel:
         if rows == 0:
             return loss, logp, clipped
         out = _check_out(z, out)
-        has_ref = ref is not None and beta != 0.0
-        old = _f32(old)
+        has_ref = ref_logp is not None and cfg.beta != 0.0
+        old = _f32(old_logp)
         block = row_block(v)
         _policy_rows_kernel[(rows,)](
             z,
             out,
             labels.contiguous(),
             old,
-            _f32(adv),
-            _f32(tw),
-            _f32(ref) if has_ref else old,
+            _f32(advantages),
+            _f32(token_weight),
+            _f32(ref_logp) if has_ref else old,
             loss,
             logp,
             clipped,
             V=v,
             stride_z=z.stride(0),
             stride_out=out.stride(0),
-            inv_t=float(inv_t),
-            clip_low=float(clip_low),
-            clip_high=float(clip_high),
-            clip_c=_clip_c(clip_ratio_c),
-            beta=float(beta),
-            ignore_index=int(ii),
+            inv_t=1.0 / float(cfg.temperature),
+            clip_low=float(cfg.clip_low),
+            clip_high=float(cfg.clip_high),
+            clip_c=_clip_c(cfg.clip_ratio_c),
+            beta=float(cfg.beta),
+            ignore_index=int(cfg.ignore_index),
             HAS_REF=has_ref,
-            DUAL_CLIP=math.isfinite(clip_ratio_c),
-            KL_IW=bool(kl_iw),
+            DUAL_CLIP=math.isfinite(cfg.clip_ratio_c),
+            KL_IW=bool(cfg.kl_importance_weight),
             NEED_GRAD=bool(need_grad),
             BLOCK=block,
             num_warps=_warps(block),
@@ -451,8 +575,6 @@ class TritonRowKernel:
         """(K, C) distances between row block 0 of z (1 + K, C, V) fp32 (P) and each of the
         K blocks after it (Q streams). Each row is shifted by its raw max before the
         temperature, as in stats: finite logits never overflow through z / tau."""
-        from .js import _js_finish_kernel, _splits, _sum_blocks
-
         check_device("z", z)
         streams, rows, v = z.shape
         k = streams - 1
@@ -493,7 +615,7 @@ class TritonRowKernel:
             inv_t=float(inv_t),
             BLOCK_K=block_k,
             BLOCK_V=block_v,
-            FAST_LOG=not interpreting(),  # lg2.approx on a GPU (js._log1p_unit)
+            FAST_LOG=not interpreting(),  # lg2.approx on a GPU (js_terms._log1p_unit)
             num_warps=8,
         )
         _js_finish_kernel[(triton.cdiv(k * rows, 1024),)](

@@ -38,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "triton_cases"
-VARIANTS = ("rows", "fused")  # MRTPO_TRITON_VARIANT: the Triton paths of the public ops
 
 FAILURES: list[str] = []
 CHECKS = [0]
@@ -101,9 +100,8 @@ def run_interpreted(*argv, env: dict | None = None, timeout: float = 900) -> str
     found = _SUMMARY.findall(proc.stdout)
     if os.environ.get("MRTPO_CHECKS_LOG"):  # the check count of every run, for a tally
         last = [ln for ln in proc.stdout.splitlines() if _SUMMARY.match(ln)][-1:]
-        variant = (env or {}).get("MRTPO_TRITON_VARIANT", "")
         with open(os.environ["MRTPO_CHECKS_LOG"], "a") as log:
-            log.write(f"{' '.join(map(str, argv))[:120]!r} {variant} {last}\n")
+            log.write(f"{' '.join(map(str, argv))[:120]!r} {last}\n")
     assert found and found[-1] == "0", f"no summary line with 0 failures:\n{out}"
     return proc.stdout
 
@@ -228,9 +226,8 @@ def policy_token_reference(logp, old, adv, labels, clip_low, clip_high, clip_c, 
 
 
 ENV_KEYS = (
-    "MRTPO_TRITON_VARIANT",
     "MRTPO_LOW_MEMORY",
-    "MRTPO_POLICY_KEEP_LOGITS",
+    "MRTPO_OVERLAP_ROWS",
     "MRTPO_CHUNK_BYTES",
     "MRTPO_GRAD_BUFFER_BYTES",
     "MRTPO_JS_SCRATCH_BYTES",

@@ -6,12 +6,13 @@ float64 reference under the Triton interpreter (tests/test_triton_clip_extreme.p
 clip: the clipped flag (clip_fraction) is the reference's ratio A > clamp(ratio) A, strictly:
     a tie is not clipped and passes the whole gradient, a NaN is not clipped and gives a NaN
     loss and gradient (reference.policy_loss_ref and its autograd), in every Triton kernel:
-    the row kernel, the low-memory token terms (triton_kernels/rows.py) and the fused token kernel
-    (triton_kernels/policy_loss.py), through the public op in every variant.
+    the row kernel and the low-memory token terms (triton_kernels/rows.py, row_cols.py),
+    through the public op on both Triton paths (the chunk driver, and its low-memory mode).
 extreme: at large |z / tau| (~1e4, one logit dominating, a tiny temperature, |z / tau| past
-    float max) the fused variant (MRTPO_TRITON_VARIANT=fused: triton_kernels/logprobs.py and
-    policy_loss.py) and the low-memory column kernel (rows.grad_cols_ with the (raw max,
-    log s) of rows.stats) keep the row kernels' accuracy: log p is formed as
+    float max) the public ops through the chunk driver over several chunks (log-probs,
+    policy loss: the row kernels, and the low-memory mode's column kernel) and the column
+    kernel alone (rows.grad_cols_ with the (raw max, log s) of rows.stats) keep the row
+    kernels' accuracy: log p is formed as
     (z/2 - M/2)(2/tau) - log s, never z / tau - lse from the rounded fp32 lse. Inputs are
     exact in fp32 (powers of two times small integers), so the error budget (2x plain
     PyTorch fp32 against float64, plus atol and rtol x the largest reference value) is tight.
@@ -36,16 +37,14 @@ from mrtpo_kernels.reference import (  # noqa: E402
     linear_policy_loss_ref,
     logprobs_from_logits_ref,
 )
-from mrtpo_kernels.triton_kernels import policy_loss, rows  # noqa: E402
+from mrtpo_kernels.triton_kernels import rows  # noqa: E402
 
 II = -100
 # exact inputs (powers of two times small integers): a tight default budget
 close = functools.partial(_harness.close, atol=1e-6, rtol=1e-6)
-VARIANTS = {  # the Triton paths of the public ops
-    "rows": dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY="0"),
-    "rows low-memory": dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY="1"),
-    "fused": dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS="0"),
-    "fused keep-logits": dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS="1"),
+MODES = {  # the Triton paths of the public ops: the chunk driver, and its low-memory mode
+    "rows": dict(MRTPO_LOW_MEMORY="0"),
+    "rows low-memory": dict(MRTPO_LOW_MEMORY="1"),
 }
 
 
@@ -83,8 +82,8 @@ def _token_inputs():
 
 
 def check_clip_token_kernels():
-    """The low-memory token terms (rows.policy_terms) and the fused token kernel
-    (policy_loss._token_terms) on every token kind, with and without the dual clip / KL."""
+    """The low-memory token terms (rows.policy_terms) on every token kind, with and without
+    the dual clip / KL (the row kernel's: check_clip_public_op)."""
 
     logp, old, adv, labels = _token_inputs()
     n = logp.shape[0]
@@ -95,22 +94,15 @@ def check_clip_token_kernels():
         )
         tag = f"clip_low={cl} clip_high={ch} clip_c={clip_c} beta={beta}"
         tw = torch.ones(n)
+        cfg = mk.PolicyLossSettings(
+            clip_low=cl, clip_high=ch, beta=beta, ignore_index=II, clip_ratio_c=clip_c
+        )
         loss, clipped, g = rows.policy_terms(
-            logp, labels, old, adv, tw, ref_lp if beta else None, 5, cl, ch, beta, II, clip_c
+            logp, labels, old, adv, tw, ref_lp if beta else None, 5, cfg
         )
         close(f"rows.policy_terms loss {tag}", loss, want_l)
         close(f"rows.policy_terms dloss/dlogp {tag}", g, want_g)
         expect(f"rows.policy_terms clipped {tag}", torch.equal(clipped.double(), want_c),
-               f"{clipped.tolist()} != {want_c.tolist()}")  # fmt: skip
-        f32 = dict(dtype=torch.float32)
-        wloss, clipped, g = (torch.empty(n, **f32) for _ in range(3))
-        policy_loss._token_terms(
-            logp, labels, old, adv, tw, ref_lp if beta else None, wloss, clipped, g, cl, ch,
-            beta, II, clip_c,
-        )  # fmt: skip
-        close(f"fused token kernel loss {tag}", wloss, want_l)
-        close(f"fused token kernel dloss/dlogp {tag}", g, want_g)
-        expect(f"fused token kernel clipped {tag}", torch.equal(clipped.double(), want_c),
                f"{clipped.tolist()} != {want_c.tolist()}")  # fmt: skip
 
 
@@ -145,7 +137,7 @@ def _clip_head(nan_cases: bool):
 
 
 def check_clip_public_op():
-    """clip_fraction, loss and gradients of mk.linear_policy_loss in every Triton variant
+    """clip_fraction, loss and gradients of mk.linear_policy_loss on both Triton paths
     against linear_policy_loss_ref: exact ties (finite inputs: every value compared), then
     NaN inputs with the value checks off (the reference's clip_fraction, NaN loss, and its
     gradient's NaN pattern: the token's row of d hidden, all of d weight)."""
@@ -156,7 +148,7 @@ def check_clip_public_op():
         h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
         rl, rm = linear_policy_loss_ref(h64, w64, lab, old.double(), adv.double(), **kw)
         rl.backward()
-        for name, env in VARIANTS.items():
+        for name, env in MODES.items():
             tag = f"{name} nan_cases={nan_cases}"
             with _harness.env(
                 MRTPO_SKIP_VALUE_CHECKS="1", MRTPO_CHUNK_BYTES=str(4 * 40 * 3), **env
@@ -215,9 +207,10 @@ def _ref_logprobs(h, w, lab, temp, g, ge, dtype):
     return lp, en, hh.grad, ww.grad
 
 
-def check_fused_linear_logprobs():
-    """The fused log-probs forward and backward (vocabulary-chunked recompute over several
-    chunks) at |z / T| ~ 1e4: values and gradients against float64."""
+def check_linear_logprobs():
+    """linear_logprobs forward and backward through the chunk driver (2-row token chunks,
+    kept rows and recomputed ones; in low-memory mode 128-column vocabulary chunks) at
+    |z / T| ~ 1e4: values and gradients against float64."""
 
     for kind in ("big", "tiny_t", "dominant"):
         h, w, lab, temp = _extreme_head(kind)
@@ -225,16 +218,21 @@ def check_fused_linear_logprobs():
         g, ge = torch.randn(h.shape[0], generator=gen), torch.randn(h.shape[0], generator=gen)
         want = _ref_logprobs(h, w, lab, temp, g, ge, torch.float64)
         same = _ref_logprobs(h, w, lab, temp, g, ge, torch.float32)
-        with _harness.env(MRTPO_TRITON_VARIANT="fused", MRTPO_CHUNK_BYTES=str(12 * 2 * 256)):
-            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            lp, en = mk.linear_logprobs(
-                hh, ww, lab, temperature=temp, return_entropy=True, backend="triton"
-            )
-            ((lp * g).sum() + (en * ge).sum()).backward()
-        for i, (what, got) in enumerate(
-            (("logp", lp), ("entropy", en), ("grad hidden", hh.grad), ("grad weight", ww.grad))
-        ):
-            close(f"fused linear_logprobs {kind} {what}", got, want[i], same[i], rtol=1e-5)
+        for mode, env in MODES.items():
+            with _harness.env(
+                MRTPO_CHUNK_BYTES=str(12 * 2 * 256),
+                MRTPO_KEEP_LOGITS_BYTES=str(4 * 700 * 3),
+                **env,
+            ):
+                hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+                lp, en = mk.linear_logprobs(
+                    hh, ww, lab, temperature=temp, return_entropy=True, backend="triton"
+                )
+                ((lp * g).sum() + (en * ge).sum()).backward()
+            for i, (what, got) in enumerate(
+                (("logp", lp), ("entropy", en), ("grad hidden", hh.grad), ("grad weight", ww.grad))
+            ):
+                close(f"{mode} linear_logprobs {kind} {what}", got, want[i], same[i], rtol=1e-5)
 
 
 def _extreme_logits():
@@ -284,9 +282,9 @@ def _ref_from_logits(z, lab, temp, g, ge, dtype):
     return lp, en, dz
 
 
-def check_fused_from_logits():
-    """Fused logprobs_from_logits (the same dlogits kernel with FROM_LOGITS) on the extreme
-    rows at T = 1, 0.5 and 1e-3: values and gradients against float64."""
+def check_from_logits():
+    """logprobs_from_logits (the row kernels over 3-row chunks) on the extreme rows at
+    T = 1, 0.5 and 1e-3: values and gradients against float64."""
 
     z, lab = _extreme_logits()
     gen = torch.Generator().manual_seed(8)
@@ -294,7 +292,7 @@ def check_fused_from_logits():
     for temp in (1.0, 0.5, 1e-3):
         want = _ref_from_logits(z, lab, temp, g, ge, torch.float64)
         same = _ref_from_logits(z, lab, temp, g, ge, torch.float32)
-        with _harness.env(MRTPO_TRITON_VARIANT="fused", MRTPO_SKIP_VALUE_CHECKS="1"):
+        with _harness.env(MRTPO_SKIP_VALUE_CHECKS="1", MRTPO_CHUNK_BYTES=str(3 * 4 * 300)):
             zz = z.clone().requires_grad_()
             lp, en = mk.logprobs_from_logits(
                 zz, lab, temperature=temp, return_entropy=True, backend="triton"
@@ -303,7 +301,7 @@ def check_fused_from_logits():
             (
                 (torch.where(defined, lp, 0) * g).sum() + (torch.where(defined, en, 0) * ge).sum()
             ).backward()
-        tag = f"fused logprobs_from_logits T={temp}"
+        tag = f"logprobs_from_logits T={temp}"
         close(f"{tag} logp", lp, want[0], same[0], rtol=1e-6)
         close(f"{tag} entropy", en, want[1], same[1], rtol=1e-6)
         close(f"{tag} grad (defined rows)", zz.grad[~torch.isnan(want[2][:, 0])],
@@ -342,23 +340,21 @@ def close_policy(tag, ours, runs, **tol):
     _harness.close(f"{tag} grad weight", dw, ref[3], same[3], **tol)
 
 
-def check_fused_policy():
-    """The fused policy loss, both variants ((b) recompute over 2 vocabulary chunks, (a)
-    kept logits over 2 token chunks), at |z / T| ~ 1e4: loss, metrics and gradients against
+def check_policy():
+    """linear_policy_loss through the chunk driver (32-row token chunks; in low-memory mode
+    2 vocabulary chunks of 560 columns) at |z / T| ~ 1e4: loss, metrics and gradients against
     float64."""
     for kind in ("big", "tiny_t", "dominant"):
         h, w, lab, temp = _extreme_head(kind, n=40)
         old, adv, runs = policy_refs(h, w, lab, temp, seed=6)
-        for keep in ("0", "1"):
-            env = dict(MRTPO_TRITON_VARIANT="fused", MRTPO_POLICY_KEEP_LOGITS=keep)
-            # 2 token chunks of kept logits (a), 2 vocabulary chunks of the recompute (b)
+        for mode, env in MODES.items():
             with _harness.env(MRTPO_CHUNK_BYTES=str(4 * w.shape[0] * 32), **env):
                 hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
                 loss, met = mk.linear_policy_loss(
                     hh, ww, lab, old, adv, temperature=temp, backend="triton"
                 )
                 loss.backward()
-            tag = f"fused policy keep_logits={keep} {kind}"
+            tag = f"{mode} policy {kind}"
             close_policy(tag, (loss, met, hh.grad, ww.grad), runs, atol=1e-6, rtol=1e-5)
 
 
@@ -408,9 +404,9 @@ def check_low_memory_columns():
 GROUPS = {
     "clip": (check_clip_token_kernels, check_clip_public_op),
     "extreme": (
-        check_fused_linear_logprobs,
-        check_fused_from_logits,
-        check_fused_policy,
+        check_linear_logprobs,
+        check_from_logits,
+        check_policy,
         check_low_memory_columns,
     ),
 }

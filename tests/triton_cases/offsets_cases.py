@@ -26,6 +26,7 @@ _harness.use_interpreter()  # before triton is imported
 import torch  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402
 
+from mrtpo_kernels import PolicyLossSettings  # noqa: E402
 from mrtpo_kernels import reference as ref  # noqa: E402
 from mrtpo_kernels.triton_kernels import rows  # noqa: E402
 
@@ -92,8 +93,8 @@ def group_stats_grad_policy():
     close("past 2^31 grad_ into a far 16-bit view", g16.float(), want, atol=1e-2, rtol=1e-2)
     _harness.expect("past 2^31: the logits are read, not written", torch.equal(z, vals))
     old, adv, tw = torch.tensor([-8.0, -2.0]), torch.tensor([1.0, -0.5]), torch.ones(2)
-    loss, lp, _ = k.policy_(z, lab, old, adv, tw, None, 1 / 0.8, 0.2, 0.2, 0.0, II, True,
-                            out=g16)  # fmt: skip
+    cfg = PolicyLossSettings(temperature=0.8, ignore_index=II)
+    loss, lp, _ = k.policy_(z, lab, old, adv, tw, None, cfg, True, out=g16)
     close("past 2^31 policy_ log-prob", lp, rl, atol=2e-5, rtol=2e-5)
     want_loss, _ = ref.policy_loss_ref(
         rl.detach(), old.double(), adv.double(), torch.ones(2, dtype=torch.bool),

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from mrtpo_kernels import PolicyLossSettings as _cfg  # noqa: E402
 from mrtpo_kernels import reference as ref  # noqa: E402
 from mrtpo_kernels.backends import _chunked, _lm_head, cpu_backend, torch_backend  # noqa: E402
 from mrtpo_kernels.triton_kernels import rows  # noqa: E402
@@ -122,7 +123,7 @@ def check_all_ignored():
     rows.TritonRowKernel.grad_(gz, lab, lse, ent, torch.ones(5), torch.ones(5), 1.0, II)
     close("all ignored grad", gz, torch.zeros(5, 300))
     loss, lp, cl = rows.TritonRowKernel.policy_(
-        z.clone(), lab, lse, torch.ones(5), torch.ones(5), None, 1.0, 0.2, 0.2, 0.0, II, True
+        z.clone(), lab, lse, torch.ones(5), torch.ones(5), None, _cfg(ignore_index=II), True
     )
     close("all ignored policy loss", loss, torch.zeros(5))
     close("all ignored policy clipped", cl, torch.zeros(5))
@@ -145,22 +146,9 @@ def check_policy(c, v, temp, seed, beta, clip_c, kl_iw, extreme):
     tw = valid.float() / valid.sum()
     tag = f"C={c} V={v} T={temp} beta={beta} clip_c={clip_c} kl_iw={kl_iw} extreme={extreme}"
     gz = z.clone()
-    loss, logp, clipped = rows.TritonRowKernel.policy_(
-        gz,
-        lab,
-        old,
-        adv,
-        tw,
-        refl,
-        1.0 / temp,
-        0.2,
-        0.28,
-        beta,
-        II,
-        True,
-        clip_ratio_c=clip_c,
-        kl_iw=kl_iw,
-    )
+    cfg = _cfg(temperature=temp, clip_low=0.2, clip_high=0.28, beta=beta, ignore_index=II,
+               clip_ratio_c=clip_c, kl_importance_weight=kl_iw)  # fmt: skip
+    loss, logp, clipped = rows.TritonRowKernel.policy_(gz, lab, old, adv, tw, refl, cfg, True)
     close(f"policy logp {tag}", logp, rl)
     # float64 reference on the defined rows: token-mean loss and its gradient by autograd
     keep = defined
@@ -187,9 +175,7 @@ def check_policy(c, v, temp, seed, beta, clip_c, kl_iw, extreme):
             torch.full((int((valid & ~defined).sum()),), float("nan")),
         )
     # the low-memory pieces: token terms from the log-probs, column-chunked gradient
-    per_tok, cl2, g = rows.policy_terms(
-        logp, lab, old, adv, tw, refl, v, 0.2, 0.28, beta, II, clip_c, kl_iw
-    )
+    per_tok, cl2, g = rows.policy_terms(logp, lab, old, adv, tw, refl, v, cfg)
     close(f"policy_terms loss {tag}", per_tok, loss)
     close(f"policy_terms clipped {tag}", cl2, clipped)
     _, _, lse = rows.TritonRowKernel.stats(z, lab, 1.0 / temp, II, False)
@@ -298,7 +284,7 @@ def check_driver(name, kern, n, v, d, dtype, chunk_rows_, low_memory, bias):
     adv = torch.randn(n, generator=gen)
     tw = (lab != II).float() / (lab != II).sum()
     loss, _, _, dh2, dw2, db2 = _chunked.linear_policy_loss(
-        kern, h, w, b, lab, old, adv, tw, tw[:0], 0.9, 0.2, 0.2, 0.0, II, True
+        kern, h, w, b, lab, old, adv, tw, tw[:0], _cfg(temperature=0.9, ignore_index=II), True
     )
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     b64 = None if b is None else b.double().requires_grad_()
@@ -332,7 +318,7 @@ def check_low_memory_extreme():
         g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         want = _ref_logprobs(h, w, lab, temp, g, ge, torch.float64)
         same = _ref_logprobs(h, w, lab, temp, g, ge, torch.float32)
-        env = dict(MRTPO_TRITON_VARIANT="rows", MRTPO_LOW_MEMORY=1)
+        env = dict(MRTPO_LOW_MEMORY=1)
         with _harness.env(MRTPO_CHUNK_BYTES=4 * n * 256, **env):  # 256 columns a chunk
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             lp, en = mk.linear_logprobs(
@@ -369,6 +355,66 @@ def group_row_kernels():
     for k in (1, 3, 5):
         check_js(k, 8, 1100, 0.9, seed=k, extreme=(k == 3))
     check_offsets()
+
+
+def check_split_stats(c, v, temp, seed, extreme, splits):
+    """TritonRowKernel.stats_split (split-row statistics, issue 35 item 4) against float64:
+    log-probs, entropy and lse of every row (NaN rows, -inf columns, a 3e38 logit, ignored
+    and out-of-range labels), the (M, log s) norm it writes into a column slice of a (2, N)
+    buffer, and agreement with the one-program-per-row kernel; ``splits`` from 1 (one
+    split) to more splits than column steps (clamped)."""
+    z, lab = _logits(c, v, seed)
+    if extreme:
+        z = _extreme(z)
+    lab[2] = v - 1
+    lab[-1] = v + 3  # out of range (value checks off): NaN log-prob
+    tag = f"split C={c} V={v} T={temp} extreme={extreme} splits={splits}"
+    k = rows.TritonRowKernel
+    norm_buf = torch.full((2, c + 3), 7.0)
+    norm = norm_buf[:, 2 : 2 + c]
+    logp, ent, lse = k.stats_split(z, lab, 1.0 / temp, II, True, norm=norm, splits=splits)
+    z64 = z.double()
+    rl, re = ref.logprobs_from_logits_ref(
+        z64, lab, temperature=temp, ignore_index=II, return_entropy=True
+    )
+    close(f"{tag} logp", logp, rl)
+    close(f"{tag} entropy", ent, re)
+    want_lse = torch.logsumexp(z64 / temp, -1)
+    bad_row = torch.isnan(z64).any(-1) | (z64 == float("inf")).any(-1)
+    want_lse = torch.where(bad_row, float("nan"), want_lse)
+    want_lse = torch.where(torch.isinf(want_lse) & (want_lse < 0), float("nan"), want_lse)
+    close(f"{tag} lse", lse, want_lse)
+    p_logp, p_ent, p_lse = k.stats(z, lab, 1.0 / temp, II, True)
+    close(f"{tag} = per-row logp", logp, p_logp.double(), atol=1e-5, rtol=1e-6)
+    close(f"{tag} = per-row entropy", ent, p_ent.double(), atol=1e-5, rtol=1e-6)
+    # the norm: raw max M and log s, log p = (z/2 - M/2)(2/tau) - log s at the label
+    mx = torch.where(torch.isnan(z64), float("-inf"), z64).amax(-1)  # the finite part's
+    good = ~bad_row & torch.isfinite(mx)
+    empty = mx == float("-inf")
+    _harness.expect(f"{tag} norm M of an all -inf row", bool((norm[0][empty] == mx[empty]).all()))
+    close(f"{tag} norm M (defined rows)", norm[0][good], mx[good], atol=0, rtol=0)
+    want_ls = want_lse - mx / temp
+    close(f"{tag} norm log s (defined rows)", norm[1][good], want_ls[good])
+    _harness.expect(f"{tag} norm written only in its slice",
+                    bool((norm_buf[:, :2] == 7.0).all() and (norm_buf[:, 2 + c :] == 7.0).all()),
+                    "")  # fmt: skip
+    lp2, none, lse2 = k.stats_split(z, lab, 1.0 / temp, II, False, splits=splits)
+    _harness.expect(f"{tag} no entropy asked", none is None, "")
+    close(f"{tag} logp without entropy", lp2, rl)
+
+
+def group_split_stats():
+    for c, v, temp, extreme, splits in (
+        (7, 300, 1.0, True, 3),
+        (9, 1500, 0.7, False, 2),
+        (9, 1500, 1.3, True, 40),  # more than its column steps: clamped
+        (3, 2049, 1.0, False, 1),
+        (5, 5003, 0.5, False, None),  # the default split count
+    ):
+        check_split_stats(c, v, temp, seed=c + 10, extreme=extreme, splits=splits)
+    empty = rows.TritonRowKernel.stats_split(torch.empty(0, 50), torch.empty(0, dtype=torch.long),
+                                             1.0, II, True)  # fmt: skip
+    _harness.expect("split stats of no rows", all(t.numel() == 0 for t in empty), "")
 
 
 def group_driver():
