@@ -316,3 +316,90 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
     trained = res.checkpoint / "model"
     assert (trained / "config.json").exists()
+
+
+class ParityVerifier:
+    """Spans: the include sentence; score: the parity of the word count (varies in groups),
+    0 on the even examples (whose groups then have nothing that moves)."""
+
+    name = "parity"
+
+    def __call__(self, ex, response):
+        score = float(len(response.split()) % 2) if int(ex.id[2:]) % 2 else 0.0
+        return Verdict(score, (tuple(ex.fields["include_span"]),))
+
+
+class GradedVerifier:
+    """Spans: the end sentence; a graded score in {0, 0.5, 1} (responses at a group's mean),
+    1 on the even examples."""
+
+    name = "graded"
+
+    def __call__(self, ex, response):
+        score = (sum(map(ord, response)) % 3) / 2 if int(ex.id[2:]) % 2 else 1.0
+        return Verdict(score, (tuple(ex.fields["end_span"]),))
+
+
+def mixed_task() -> Task:
+    """The stand-in task with two rewards that vary within groups: zero-variance groups
+    (include, ending), varying ones and responses at their group's mean, a reward without
+    spans (short)."""
+    examples = [make_example(i) for i in range(24)]
+    verifiers = [IncludeVerifier(), ParityVerifier(), GradedVerifier(), EndVerifier(),
+                 ShortVerifier()]  # fmt: skip
+    return Task("mixed", verifiers, examples[:20], examples[20:])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"relevance": "specific"}, {"relevance": "control", "stop_credit": "uniform"}],
+    ids=["js", "specific", "control-stop"],
+)
+def test_replay_skip_leaves_training_bit_for_bit(tmp_path, monkeypatch, settings):
+    """mrtpo train replays only the pairs whose GDPO advantage moves (replay_mask_from_rewards):
+    the token advantages, losses and trained weights are those of a full replay bit for bit
+    (zero-variance groups, responses at their group's mean), the step logs its replayed and
+    skipped pairs, and the relevance diagnostics are over the replayed pairs."""
+    import mrtpo.trainer as trainer_mod
+
+    def run(name, full):
+        seen = {"adv": [], "mask": []}
+        real_adv, real_mask = trainer_mod.compute_advantages, trainer_mod.replay_mask_from_rewards
+
+        def advantages(*a, **kw):
+            out = real_adv(*a, **kw)
+            seen["adv"].append(out[0].clone())
+            return out
+
+        def mask(rewards, group_ids, *, has_info, whole_rows):
+            got = real_mask(rewards, group_ids, has_info=has_info, whole_rows=whole_rows)
+            seen["mask"].append((got, has_info.clone()))
+            return has_info.clone() if full else got
+
+        monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
+        monkeypatch.setattr(trainer_mod, "replay_mask_from_rewards", mask)
+        cfg = tiny_config(tmp_path / name, steps=3, group_size=4, **settings)
+        cfg.cache_dir = str(tmp_path / "cache")  # one warm start for both runs
+        tr = Trainer(cfg, task=mixed_task())
+        tr.run(progress=False)
+        monkeypatch.undo()
+        return tr, seen
+
+    full, seen_full = run("full", True)
+    skip, seen_skip = run("skip", False)
+    for a, b in zip(seen_full["adv"], seen_skip["adv"]):
+        assert torch.equal(a, b)
+    for (na, pa), (nb, pb) in zip(full.model.named_parameters(), skip.model.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    keys = ("loss", "grad_norm", "clip_fraction", "mean_ratio", "all_pass")
+    skipped_total = 0
+    for rf, rs, (got, info) in zip(full.metrics, skip.metrics, seen_skip["mask"]):
+        assert all(rf[k] == rs[k] for k in keys)
+        assert rs["replay/pairs"] == int(got.sum())
+        assert rs["replay/skipped"] == int(info.sum()) - int(got.sum())
+        assert rf["replay/skipped"] == 0 and rf["replay/pairs"] == int(info.sum())
+        skipped_total += rs["replay/skipped"]
+        if settings.get("relevance") == "specific":  # whole rows: a row all in or all out
+            assert torch.equal(got, info & got.any(1, keepdim=True))
+    assert skipped_total > 0  # the skip happened
+    assert any(r["replay/pairs"] for r in skip.metrics)  # and some pairs were replayed
