@@ -4,8 +4,10 @@ Two ``mrtpo train`` runs at once, one thread each, from the same warm start and 
 issue 25's settings (docs/results/real_k4/command.sh: SmolLM2-135M-Instruct, 2 prompts x 4
 samples, 32 new tokens, bfloat16 autocast): GDPO and MRTPO. MRTPO replays only the
 (response, reward) pairs whose GDPO advantage is not 0 (``mrtpo.replay.replay_mask_from_rewards``).
-Writes a Markdown record with the command, the load (``uptime``) before and after, per step
-each run's phases, MRTPO's replayed and skipped pairs, and the step-time ratio.
+Writes a Markdown record with the command, the load (``uptime``) before, during (every 30 s)
+and after, per step each run's phases, MRTPO's replayed and skipped pairs, and the step-time
+ratio. GDPO is given twice the steps and stopped when MRTPO ends, so that every MRTPO step
+runs beside a GDPO step (the ratio uses the first ``--steps`` of each).
 
     python -m bench.k4_step_time --steps 10 --out runs/k4-step-time \
         --record bench/results/k4-step-time-DATE.md
@@ -55,6 +57,12 @@ def warm_start(cache_dir: str) -> Path:
     )  # fmt: skip
 
 
+def _load1(line: str) -> str:
+    """The 1-minute load average of an ``uptime`` line."""
+    part = line.rpartition("load average:")[2].strip()
+    return part.split(",")[0] if part else "?"
+
+
 def step_seconds(row: dict) -> float:
     return sum(v for k, v in row["time"].items() if k != "replays")
 
@@ -66,63 +74,83 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/k4-step-time"))
     ap.add_argument("--cache-dir", default="runs/cache")
     ap.add_argument("--record", type=Path, required=True, help="the Markdown file to write")
+    ap.add_argument(
+        "--summarize",
+        action="store_true",
+        help="only write the record from the runs already in --out (and its loads.txt)",
+    )
     args = ap.parse_args(argv)
+    if args.summarize:
+        loads = (args.out / "loads.txt").read_text().splitlines()
+        return summarize(args, loads[0], loads[-1], loads[1:-1], float("nan"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     folder = warm_start(args.cache_dir)
     print(f"warm start: {folder}")
     load_before = uptime()
     procs = {}
     t0 = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
     for algo in ("gdpo", "mrtpo"):
-        out = args.out / algo
+        steps = args.steps * (2 if algo == "gdpo" else 1)
         cmd = [sys.executable, "-m", "mrtpo", "train", *SETTINGS, "--algo", algo,
-               "--seed", str(args.seed), "--steps", str(args.steps), "--out", str(out),
-               "--overwrite", "--checkpoint-every", str(args.steps), "--cache-dir",
+               "--seed", str(args.seed), "--steps", str(steps), "--out", str(args.out / algo),
+               "--overwrite", "--checkpoint-every", str(steps), "--cache-dir",
                args.cache_dir, "--quiet"]  # fmt: skip
-        args.out.mkdir(parents=True, exist_ok=True)
         log = open(args.out / f"{algo}.log", "w")
-        procs[algo] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), cmd)
+        procs[algo] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     loads = []
-    while any(p.poll() is None for p, _ in procs.values()):
+    while procs["mrtpo"].poll() is None:
         time.sleep(30)
         loads.append(uptime())
     wall = time.time() - t0
     load_after = uptime()
-    for algo, (p, _) in procs.items():
-        if p.returncode:
-            print(f"{algo} failed ({p.returncode}); see {args.out / (algo + '.log')}")
-            return 1
+    gdpo = procs["gdpo"]
+    if gdpo.poll() is None:  # it was given more steps on purpose: stop it (our own child)
+        gdpo.terminate()
+        gdpo.wait()
+    elif gdpo.returncode:
+        print(f"gdpo failed ({gdpo.returncode}); see {args.out / 'gdpo.log'}")
+        return 1
+    if procs["mrtpo"].returncode:
+        print(f"mrtpo failed ({procs['mrtpo'].returncode}); see {args.out / 'mrtpo.log'}")
+        return 1
+    (args.out / "loads.txt").write_text("\n".join([load_before, *loads, load_after]) + "\n")
+    return summarize(args, load_before, load_after, loads, wall)
+
+
+def summarize(args, load_before: str, load_after: str, loads: list, wall: float) -> int:
     rows = {
         a: [json.loads(x) for x in (args.out / a / "metrics.jsonl").read_text().splitlines()]
-        for a in procs
+        for a in ("gdpo", "mrtpo")
     }
-    g, m = rows["gdpo"], rows["mrtpo"]
+    m = rows["mrtpo"][: args.steps]
+    g = rows["gdpo"][: len(m)]
+    command = (
+        f"python -m bench.k4_step_time --steps {args.steps} --seed {args.seed} "
+        f"--out {args.out} --record {args.record}"
+    )
+    each = " ".join(["mrtpo train", *SETTINGS, "--algo A", f"--seed {args.seed}"])
     lines = [
         "# MRTPO / GDPO step time, K = 4 real-model task, side by side (issue 33, item 4)",
         "",
         "Two `mrtpo train` runs at once (one thread each, same warm start and seed), "
         "issue 25's settings; MRTPO replays only the (response, reward) pairs whose GDPO "
         "advantage A_k is not 0 (token advantages bit for bit those of a full replay). "
-        "A shared 2-core machine: the ratio is measured side by side, the load is stated.",
+        "A 2-core machine shared with other agents: the ratio is measured side by side and "
+        "the load is stated.",
         "",
-        "Command (from the checkout's root):",
+        "Command (from the checkout's root; `PYTHONPATH=.`, `OMP_NUM_THREADS=1`):",
         "",
-        "    "
-        + " ".join(
-            [
-                "python -m bench.k4_step_time",
-                f"--steps {args.steps}",
-                f"--seed {args.seed}",
-                f"--out {args.out}",
-                f"--record {args.record}",
-            ]
-        ),  # fmt: skip
+        f"    {command}",
         "",
-        "Each run: `" + " ".join(procs["mrtpo"][1][1:]).replace(" --algo mrtpo", " --algo A") + "`",
+        f"Each run (A = gdpo, mrtpo): `{each}`. GDPO gets twice the steps and is stopped when "
+        "MRTPO ends, so every MRTPO step ran beside a GDPO step.",
         "",
         f"- load before: `{load_before}`",
+        f"- load every 30 s while MRTPO ran (1-minute averages): "
+        f"{', '.join(_load1(x) for x in loads) or '-'}",
         f"- load after: `{load_after}`",
-        f"- wall time of the pair: {wall:.0f} s",
+        f"- wall time of the MRTPO run: {wall:.0f} s",
         "",
         "| step | GDPO s (rollout / replay / update) | MRTPO s (rollout / replay / update) "
         "| pairs replayed | skipped | MRTPO / GDPO |",
@@ -139,22 +167,26 @@ def main(argv=None) -> int:
             f"{tm['update']:.2f}) | {b.get('replay/pairs')} | {b.get('replay/skipped')} | "
             f"{sm / sg:.3f} |"
         )
-    tot_g = sum(map(step_seconds, g))
-    tot_m = sum(map(step_seconds, m))
+    tot_g, tot_m = sum(map(step_seconds, g)), sum(map(step_seconds, m))
+    med_g = statistics.median([step_seconds(r) for r in g[1:]] or [float("nan")])
+    med_m = statistics.median([step_seconds(r) for r in m[1:]] or [float("nan")])
+    rep_g = statistics.median([r["time"]["replay"] for r in g[1:]] or [float("nan")])
+    rep_m = statistics.median([r["time"]["replay"] for r in m[1:]] or [float("nan")])
     pairs = sum(b.get("replay/pairs") or 0 for b in m)
     skipped = sum(b.get("replay/skipped") or 0 for b in m)
-    rep_g = sum(a["time"]["replay"] for a in g)
-    rep_m = sum(b["time"]["replay"] for b in m)
     lines += [
         "",
-        f"- steps: {len(m)}; total step time GDPO {tot_g:.1f} s, MRTPO {tot_m:.1f} s: "
-        f"**ratio {tot_m / tot_g:.3f}** (median of the per-step ratios "
-        f"{statistics.median(ratios):.3f})",
-        f"- replay phase: GDPO {rep_g:.1f} s (its old-log-prob forward), MRTPO {rep_m:.1f} s",
+        f"- {len(m)} steps side by side. Total step time GDPO {tot_g:.1f} s, MRTPO "
+        f"{tot_m:.1f} s: ratio of totals {tot_m / tot_g:.3f}. Median step from step 2 on "
+        f"(step 1 loads lazily): GDPO {med_g:.1f} s, MRTPO {med_m:.1f} s: **ratio of "
+        f"medians {med_m / med_g:.3f}**; median of the per-step ratios "
+        f"{statistics.median(ratios):.3f}.",
+        f"- replay phase, median from step 2 on: GDPO {rep_g:.2f} s (its old-log-prob "
+        f"forward), MRTPO {rep_m:.2f} s.",
         f"- pairs with spans: {pairs + skipped}, replayed {pairs}, skipped {skipped} "
-        f"({skipped / max(1, pairs + skipped):.0%})",
-        "- rollouts differ after step 1 (the two policies part after their first update), so "
-        "the per-step ratio also carries the response lengths; the total is the figure.",
+        f"({skipped / max(1, pairs + skipped):.0%}).",
+        "- the rollouts differ after step 1 (the two policies part after their first "
+        "update), so a per-step ratio also carries the response lengths.",
     ]
     args.record.parent.mkdir(parents=True, exist_ok=True)
     args.record.write_text("\n".join(lines) + "\n")
