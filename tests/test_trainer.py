@@ -116,15 +116,19 @@ def _comparable(rows):
 
 
 def test_two_step_train_writes_outputs(tmp_path):
-    res = train(tiny_config(tmp_path), task=standin_task(), progress=False)
+    # the mixed task: the stand-in's rewards never vary in a group on the tiny model, so
+    # nothing would be replayed (replay only what can move)
+    res = train(tiny_config(tmp_path), task=mixed_task(), progress=False)
     assert [r["step"] for r in res.metrics] == [1, 2]
     lines = res.metrics_path.read_text().splitlines()
     assert len(lines) == 2
     row = json.loads(lines[-1])
-    for name in ("include", "ending", "short"):
+    for name in ("include", "ending", "short", "parity", "graded"):
         assert 0.0 <= row[f"pass/{name}"] <= 1.0
     assert row["relevance/short"] is None  # no spans: no replay
-    assert row["relevance/include"] is not None and 0.0 <= row["relevance/include"] <= 1.0
+    rel = [row[f"relevance/{n}"] for n in ("include", "ending", "parity", "graded")]
+    assert row["replay/pairs"] > 0 and any(v is not None for v in rel)
+    assert all(v is None or 0.0 <= v <= 1.0 for v in rel)
     assert res.curves_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = res.html_path.read_text()
     assert "<span class='tok'" in page and "include" in page
@@ -188,7 +192,7 @@ def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monke
     monkeypatch.setattr(trainer_mod, "generate_rollouts", rollouts)
     monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
     cfg = tiny_config(tmp_path, steps=1, max_new_tokens=3, truncated_credit=mode)
-    Trainer(cfg, task=standin_task()).train_step()
+    Trainer(cfg, task=mixed_task()).train_step()  # rewards that move: a replay to allocate
     cut = torch.tensor(seen["ro"].truncated)
     spans = torch.tensor([[len(s) > 0 for s in row] for row in seen["ro"].spans])
     assert cut.any() and spans.any()  # 3 tokens: answers are cut
@@ -313,7 +317,14 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     res = train(
         tiny_config(tmp_path, model=str(tmp_path / "llama"), steps=1), task=task, progress=False
     )
-    assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
+    row = res.metrics[0]  # the stand-in's rewards do not move: the replay is skipped
+    assert row["step"] == 1 and row["replay/pairs"] == 0 and row["replay/skipped"] > 0
+    assert row["relevance/include"] is None
+    res = train(tiny_config(tmp_path, model=str(tmp_path / "llama"), steps=1, overwrite=True),
+                task=mixed_task(), progress=False)  # fmt: skip
+    row = res.metrics[0]  # rewards that move: the untied head serves the replay
+    assert row["replay/pairs"] > 0
+    assert any(row[f"relevance/{n}"] is not None for n in ("parity", "graded"))
     trained = res.checkpoint / "model"
     assert (trained / "config.json").exists()
 
