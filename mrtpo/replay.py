@@ -100,9 +100,11 @@ def replay_mask_from_rewards(
     advantage (``gdpo_advantages(rewards, group_ids, weights=, eps=, nan=)``: a group of one,
     a reward with zero variance in its group and a response at its group's mean give
     exactly 0) and, with ``has_info`` (n, K), where the reward names spans. Where it is 0,
-    ``mrtpo_token_advantages`` multiplies the pair's allocation weight by 0 (every weight is
-    finite), so whatever relevance the pair has, the token advantages are the same bit for
-    bit; the divisor D (batch std and cancellation floor) reads only the A_k. Give the
+    ``mrtpo_token_advantages`` multiplies the pair's (finite) allocation weight by 0 and
+    gives a token GDPO's value wherever every reward that moves has weight 1, whatever the
+    weights of those that do not; the divisor D (batch std and cancellation floor) reads
+    only the A_k. So whatever relevance such a pair has (0 when skipped) and whatever its
+    has_info, the token advantages are the same bit for bit. Give the
     ``rewards``, ``group_ids``, ``weights``, ``eps`` and ``nan`` the advantages are computed
     with (the whole batch's: with several processes, every process's rewards).
 
