@@ -39,6 +39,9 @@ class RelevanceMode:
 
     name: str
     pointwise = False
+    # whether a reward's allocating relevance reads the other rewards' d on the same
+    # response: then the replay skips whole rows only (replay_mask_from_rewards(whole_rows=))
+    mixes_rewards = False
 
     def control_spans(self, examples, spans) -> list | None:
         return None
@@ -76,6 +79,7 @@ class SpecificRelevance(RelevanceMode):
     (``specific_relevance``; no extra forward)."""
 
     name = "specific"
+    mixes_rewards = True
 
     def allocating(self, relevance, has_info, lengths, control=None) -> torch.Tensor:
         return specific_relevance(relevance, has_info, cu_seqlens=_cu_seqlens(lengths))

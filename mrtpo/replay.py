@@ -11,21 +11,27 @@ shared by all K and by the old log-probs) and after every x^{-k}, in batched for
 gradient; a prompt's forward runs once and its key/value cache serves every response that
 follows it. The last hidden states at the response positions and the LM head go to
 ``linear_js_distance`` one-vs-many: hidden_p (N, d) against hidden_q (K, N, d), chunk by chunk
-of rows. Rewards without spans need no replay: their hidden_q rows are hidden_p itself
-(distance 0) and has_info is False.
+of rows. Rewards without spans need no replay: their distance is 0 and has_info is False.
+
+Replay only what can move (``replay_mask``): a reward whose GDPO advantage A_k is exactly 0
+for a response moves none of its tokens (METHOD.md section 5), so its replay can be skipped
+without changing one bit of the token advantages (``replay_mask_from_rewards`` says which
+pairs can move). A skipped pair gets no forward and no JS (its relevance is 0); a row whose
+every pair is skipped gets only the with-information forward (the old log-probs).
 
 The teacher-forced batches and the prefix-shared forwards are mrtpo/teacher_forcing.py's.
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mrtpo_kernels import linear_js_distance, linear_logprobs
+from mrtpo_kernels import ADVANTAGE_DEFAULTS, gdpo_advantages, linear_js_distance, linear_logprobs
 
 from .model import lm_head
 from .prompting import ChatPrompter, Span, merge_spans
@@ -43,6 +49,8 @@ class ReplayResult:
     # (K, N) |log p(y_t | prompt) - log p(y_t | prompt without reward k's spans)| of the
     # sampled tokens, if asked (0 where reward k has no spans)
     logratio: torch.Tensor | None = None
+    pairs: int = 0  # (response, reward) pairs replayed (control replays not counted)
+    skipped: int = 0  # pairs with spans left out by replay_mask (relevance 0 there)
 
 
 def control_span(prompt: str, spans_by_reward: Sequence[Sequence[Span]]) -> list[Span]:
@@ -75,6 +83,79 @@ def control_span(prompt: str, spans_by_reward: Sequence[Sequence[Span]]) -> list
     return [(a, b)]
 
 
+def replay_mask_from_rewards(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    has_info=None,
+    weights: torch.Tensor | None = None,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
+    whole_rows: bool = False,
+) -> torch.Tensor:
+    """(n, K) bool on the CPU: the (response, reward) pairs whose replay can move a token
+    advantage, the ``replay_mask`` of ``replay_relevance`` and ``contrastive_replay``.
+
+    A pair can move only where lambda_k A_k[i] is not exactly 0, A_k the GDPO per-reward
+    advantage (``gdpo_advantages(rewards, group_ids, weights=, eps=, nan=)``: a group of one,
+    a reward with zero variance in its group and a response at its group's mean give
+    exactly 0) and, with ``has_info`` (n, K), where the reward names spans. Where it is 0,
+    ``mrtpo_token_advantages`` multiplies the pair's (finite) allocation weight by 0 and
+    gives a token GDPO's value wherever every reward that moves has weight 1, whatever the
+    weights of those that do not; the divisor D (batch std and cancellation floor) reads
+    only the A_k. So whatever relevance such a pair has (0 when skipped) and whatever its
+    has_info, the token advantages are the same bit for bit. Give the
+    ``rewards``, ``group_ids``, ``weights``, ``eps`` and ``nan`` the advantages are computed
+    with (the whole batch's: with several processes, every process's rewards).
+
+    ``whole_rows``: a row replays every pair with spans as soon as one of its pairs can move
+    (needs ``has_info``). For a relevance that mixes a response's rewards (``specific``: r_k
+    subtracts the other rewards' d), whose pairs cannot be skipped one by one.
+    """
+    g = gdpo_advantages(rewards, group_ids, weights=weights, eps=eps, nan=nan)
+    moves = g.per_reward != 0
+    if weights is not None:
+        lam = torch.as_tensor(weights, device=moves.device).reshape(1, -1)
+        moves = moves & (lam != 0)
+    moves = moves.cpu()
+    if has_info is not None:
+        info = _bool_matrix(has_info, "has_info", *moves.shape)
+        moves = moves & info
+        if whole_rows:
+            moves = info & moves.any(dim=1, keepdim=True)
+    elif whole_rows:
+        raise ValueError("whole_rows: needs has_info (which pairs of a row have spans)")
+    return moves
+
+
+def _bool_matrix(value, name: str, b: int, k: int) -> torch.Tensor:
+    """A (b, k) bool tensor on the CPU from a tensor or nested lists of bools (or 0 / 1)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name}: expected a bool (B, K) tensor, got {value.dtype}")
+        if tuple(value.shape) != (b, k):
+            raise ValueError(f"{name}: expected shape ({b}, {k}) (B, K), got "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        t = value.detach().cpu()
+        if t.dtype != torch.bool and bool(((t != 0) & (t != 1)).any()):
+            raise ValueError(f"{name}: expected True / False (or 0 / 1) entries")
+        return t.bool()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != b:
+        raise ValueError(f"{name}: expected a (B, K) bool tensor or {b} lists of {k} bools")
+    rows = []
+    for i, row in enumerate(value):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != k:
+            raise ValueError(f"{name}: sample {i} needs one entry per reward (K = {k})")
+        for j, x in enumerate(row):
+            if isinstance(x, bool) or (isinstance(x, int) and x in (0, 1)):
+                continue
+            if hasattr(x, "dtype") and getattr(x, "ndim", 1) == 0 and x in (0, 1):
+                continue
+            raise ValueError(f"{name}: sample {i}, reward {j}: expected a bool, got {x!r}")
+        rows.append([bool(x) for x in row])
+    return torch.tensor(rows, dtype=torch.bool).reshape(b, k)
+
+
 def prompt_without(prompter: ChatPrompter, prompt: str, spans, cache: dict) -> list[int]:
     """Token ids of the templated prompt with ``spans`` removed (memoized per batch)."""
     key = (prompt, tuple(sorted(tuple(s) for s in spans)))
@@ -97,6 +178,7 @@ def contrastive_replay(
     replay: bool = True,
     control: Sequence[Sequence[Span]] | None = None,
     pointwise: bool = False,
+    replay_mask=None,
 ) -> ReplayResult:
     """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans:
     ``replay_relevance``'s engine on packed rows, for ``mrtpo train`` (prompts rendered by
@@ -114,16 +196,28 @@ def contrastive_replay(
             JS distance d_ctrl (0 for a response whose control span is empty).
         pointwise: also return ``logratio`` (K, N), the absolute change of each sampled
             token's log-prob when reward k's spans are removed (from the same replays).
+        replay_mask: optional (n, K) bool (``replay_mask_from_rewards``): a pair that is
+            False is not replayed and its relevance is 0; a response none of whose pairs
+            is replayed gets no control replay either.
     """
     n = len(responses)
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
         raise ValueError("prompt_texts, prompt_ids, spans: expected one entry per response")
     k = len(spans[0]) if n else 0
     streams = [list(row) for row in spans] if replay else [[] for _ in range(n)]
+    keep = None
+    if replay and replay_mask is not None:
+        keep = _bool_matrix(replay_mask, "replay_mask", n, k).tolist()
+    named = [[bool(s) for s in row] for row in streams]
+    kept = named if keep is None else [[a and b for a, b in zip(x, y)] for x, y in zip(named, keep)]
+    pairs = sum(map(sum, kept))
+    skipped = sum(map(sum, named)) - pairs
     if replay and control is not None:
         if len(control) != n:
             raise ValueError(f"control: expected one entry per response ({n}), got {len(control)}")
         streams = [row + [c] for row, c in zip(streams, control)]
+        if keep is not None:  # the control replay of a row that replays some reward
+            keep = [row + [any(row)] for row in keep]
     cache: dict = {}
 
     def encode(text):
@@ -136,15 +230,16 @@ def contrastive_replay(
         [list(r) for r in responses], num_streams=len(streams[0]) if n else 0,
         pad_id=prompter.tokenizer.pad_token_id,
         temperature=temperature, micro_batch=micro_batch, pointwise=pointwise and replay,
-        keep_hidden=True,
+        keep_hidden=True, keep=keep,
     )  # fmt: skip
     if not replay or k == 0:
         return ReplayResult(core.hidden_p, core.old_logprobs, None, 0)
     ctrl = core.distance[k] if control is not None else None
     ratio = None if core.logratio is None else core.logratio[:k]
     return ReplayResult(
-        core.hidden_p, core.old_logprobs, core.distance[:k], core.replayed, ctrl, ratio
-    )
+        core.hidden_p, core.old_logprobs, core.distance[:k], core.replayed, ctrl, ratio,
+        pairs, skipped,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the engine
@@ -217,14 +312,19 @@ class _Core:
 
 
 def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
-                 micro_batch, max_tokens=None, pointwise=False,
-                 keep_hidden=False) -> _Core:  # fmt: skip
+                 micro_batch, max_tokens=None, pointwise=False, keep_hidden=False,
+                 keep=None) -> _Core:  # fmt: skip
     """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
     ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
     forward per distinct prompt, its key/value cache shared by the responses after it), the
-    forwards without each stream's spans (shared the same way by rows whose prompt without
-    the spans is the same), then the fused JS of the chunk's tokens. Only the chunk's hidden
-    states are held."""
+    forwards without each stream's spans, then the fused JS of the chunk's tokens. Only the
+    chunk's hidden states are held.
+
+    A replay forward holds one unit: the chunk's rows of one stream whose prompt without the
+    spans is the same (a group's rows, for one reward), its prompt run once. ``keep`` (n, J)
+    bools, optional: a (row, stream) that is False is not replayed and its distance is 0; a
+    unit runs when one of its rows is kept, all of its rows, so that what a kept pair gets
+    never depends on which others were left out (the same forward, bit for bit)."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
     if max_tokens is not None and (
@@ -277,27 +377,65 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
             hidden_p[idx] = hp
         if j_n == 0:
             continue
+        units: dict[tuple, list] = {}  # (stream, prompt ids) -> its jobs (row in chunk, kept)
+        for a, r in enumerate(rows):
+            for j, ids in enumerate(stream_ids[r]):
+                if ids is not None:
+                    units.setdefault((j, tuple(ids)), []).append((a, keep is None or keep[r][j]))
+        units = {u: js for u, js in units.items() if any(kp for _, kp in js)}
+        if not units:  # nothing to replay in this chunk: distance 0, no JS
+            continue
+        # the JS runs on the rows and streams that have a kept replay only; a (row, stream)
+        # without one inside them holds hidden_p itself (and gets distance 0)
+        jobs = [(a, j, kp) for (j, _), js in units.items() for a, kp in js]
+        used_rows = sorted({a for a, _, kp in jobs if kp})
+        used = sorted({j for _, j, kp in jobs if kp})
+        slot = {j: s for s, j in enumerate(used)}
         local = [0]
-        for r in rows:
-            local.append(local[-1] + lengths[r])
-        jobs = [(a, j, stream_ids[r][j]) for a, r in enumerate(rows)
-                for j in range(len(stream_ids[r])) if stream_ids[r][j] is not None]  # fmt: skip
-        hq = hp.unsqueeze(0).repeat(j_n, 1, 1)  # no spans: hidden_p itself, distance 0
-        if jobs:
-            h = _rows_hidden(model, [c[2] for c in jobs], [responses[rows[c[0]]] for c in jobs],
-                             pad_id, per_fwd, device)  # fmt: skip
+        for a in used_rows:
+            local.append(local[-1] + lengths[rows[a]])
+        at = {a: u for u, a in enumerate(used_rows)}
+        sel = torch.cat([torch.arange(starts[rows[a]], starts[rows[a] + 1]) for a in used_rows])
+        sel = sel.to(device)
+        if len(used_rows) == len(rows):
+            hp_u, lab_u, lp_u = hp, labels, lp
+        else:
+            li = _local_index(rows, used_rows, lengths).to(device)
+            hp_u, lab_u, lp_u = hp[li], labels[li], lp[li]
+        hq = hp_u.unsqueeze(0).repeat(len(used), 1, 1)
+        cover = torch.zeros((len(used), local[-1]), dtype=torch.bool)
+        for (j, ids), js in units.items():
+            unit_rows = [rows[a] for a, _ in js]
+            h = _rows_hidden(model, [list(ids)] * len(js), [responses[r] for r in unit_rows],
+                             pad_id, len(js), device)  # fmt: skip
             pos = 0
-            for a, j, _ in jobs:
-                t = local[a + 1] - local[a]
-                hq[j, local[a] : local[a + 1]] = h[pos : pos + t]
+            for (a, kp), r in zip(js, unit_rows):
+                t = lengths[r]
+                if kp:
+                    u = at[a]
+                    hq[slot[j], local[u] : local[u + 1]] = h[pos : pos + t]
+                    cover[slot[j], local[u] : local[u + 1]] = True
                 pos += t
-            replayed += len(jobs)
-        dist[:, idx] = linear_js_distance(hp, hq, weight, bias=bias, temperature=temperature)
-        if ratio is not None:  # rows without a replay hold hidden_p itself: |0| there
-            for j in range(j_n):
-                lq = linear_logprobs(hq[j], weight, labels, bias=bias, temperature=temperature)
-                ratio[j, idx] = (lq - lp).abs().float()
+        replayed += len(jobs)
+        cover = cover.to(device)
+        used_t = torch.tensor(used, dtype=torch.long, device=device)
+        d = linear_js_distance(hp_u, hq, weight, bias=bias, temperature=temperature)
+        # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
+        dist[used_t[:, None], sel[None, :]] = torch.where(cover, d.float(), 0.0)
+        if ratio is not None:
+            for s_, j in enumerate(used):
+                lq = linear_logprobs(hq[s_], weight, lab_u, bias=bias, temperature=temperature)
+                ratio[j, sel] = torch.where(cover[s_], (lq - lp_u).abs().float(), 0.0)
     return _Core(dist, old, ratio, hidden_p, replayed)
+
+
+def _local_index(rows, used_rows, lengths) -> torch.Tensor:
+    """Positions, in a chunk's packed tokens (``rows`` in order), of the rows ``used_rows``
+    (indices into ``rows``, ascending)."""
+    local = [0]
+    for r in rows:
+        local.append(local[-1] + lengths[r])
+    return torch.cat([torch.arange(local[a], local[a + 1]) for a in used_rows])
 
 
 # --------------------------------------------------------------------------- neutral API
@@ -314,6 +452,10 @@ class Replay:
     old_logprobs: torch.Tensor  # (B, T) float32 log-probs of the response tokens
     replayed: int  # prompt-without-spans replays run (one per response and reward)
     seconds: float  # wall time of the replay
+    # (B, K) bool: the pairs replayed (has_info and replay_mask); relevance diagnostics
+    # belong to these. has_info & ~replayed_pairs: skipped by replay_mask, relevance 0.
+    replayed_pairs: torch.Tensor | None = None
+    skipped: int = 0  # pairs with spans that replay_mask left out
 
 
 def _prompt_encoder(tokenizer, *, chat_template, add_special_tokens, chat_template_kwargs):
@@ -377,6 +519,7 @@ def replay_relevance(
     micro_batch: int = 16,
     max_tokens: int | None = None,
     pad_token_id: int | None = None,
+    replay_mask=None,
 ) -> Replay:
     """Contrastive replay for any trainer: per response token, how much each reward's prompt
     spans move the policy (METHOD.md section 2), the (K, B, T) relevance and (B, K) has_info.
@@ -407,17 +550,24 @@ def replay_relevance(
         micro_batch, max_tokens: a chunk holds at most ``micro_batch`` responses and, when
             ``max_tokens`` is given, at most ``max_tokens`` padded prompt + response tokens
             (rows x (longest prompt + longest response); a single longer row is a chunk of
-            its own). Each chunk is one forward with its prompts, then forwards of as many
-            rows for its replays. Memory: one such forward (activations without gradient,
+            its own). Each chunk is one forward with its prompts, then forwards of its
+            replays (as many rows at most). Memory: one such forward (activations without gradient,
             one key/value cache per distinct prompt) plus (K + 1) hidden states of d per
             response token of the chunk, in the model's dtype; the JS op runs in fp32 over
             chunks of tokens and keeps no (tokens, V) logits.
+        replay_mask: optional (B, K) bool, a tensor or nested lists
+            (``replay_mask_from_rewards``: the pairs whose GDPO advantage is not 0). A pair
+            that is False is not replayed: no forward, no JS, relevance 0 (has_info still
+            says whether it names spans; the token advantages are the same bit for bit as
+            long as the mask leaves out only pairs with lambda_k A_k = 0). A row with no
+            pair left gets only the with-information forward (its old log-probs).
 
     Returns:
         ``Replay``: relevance (K, B, T) float32 in [0, 1] (0 at padding and wherever
-        has_info is False), has_info (B, K), the response mask, the old log-probs (B, T) of
-        the response tokens (the with-information forward gives them at no extra cost), the
-        number of replays and the seconds taken.
+        has_info is False or the pair was skipped), has_info (B, K), the response mask, the
+        old log-probs (B, T) of the response tokens (the with-information forward gives them
+        at no extra cost), the number of replays, the seconds taken, the (B, K) pairs
+        replayed and the number skipped.
     """
     t0 = time.perf_counter()
     if not isinstance(temperature, (int, float)) or not temperature > 0:
@@ -436,6 +586,10 @@ def replay_relevance(
         raise ValueError(f"prompts: expected {b} (one per response), got {len(prompts)}")
     if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence) or len(spans) != b:
         raise ValueError(f"spans: expected a list of {b} per-sample lists (one per response)")
+    if num_rewards is not None and (
+        isinstance(num_rewards, bool) or not isinstance(num_rewards, int) or num_rewards < 0
+    ):
+        raise ValueError(f"num_rewards: expected an int >= 0 (K), got {num_rewards!r}")
     k = num_rewards if num_rewards is not None else (len(spans[0]) if b else None)
     if k is None:
         raise ValueError("num_rewards: needed when there are no responses (K is unknown)")
@@ -466,15 +620,25 @@ def replay_relevance(
                     "as generation did (encode=, chat_template_kwargs, add_special_tokens), "
                     "and do not truncate prompts that spans refer to"
                 )
+    weight, _ = _head(model)
+    vocab = int(weight.shape[0])
+    for i, r in enumerate(rows):
+        for t in r:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+                raise ValueError(f"responses: sample {i} has token id {t!r}, outside the "
+                                 f"model's vocabulary [0, {vocab})")  # fmt: skip
+        rows[i] = [int(t) for t in r]
+    keep = None if replay_mask is None else _bool_matrix(replay_mask, "replay_mask", b, k)
     stream_ids = _stream_ids(list(prompts), [list(r) for r in spans], encode_memo)
     has_info = torch.tensor([[s is not None for s in row] for row in stream_ids],
                             dtype=torch.bool).reshape(b, k)  # fmt: skip
-    weight, _ = _head(model)
+    replayed_pairs = has_info if keep is None else has_info & keep
     if pad_token_id is None and tokenizer is not None:
         pad_token_id = tokenizer.pad_token_id
     core = _replay_core(model, full, stream_ids, rows, num_streams=k, pad_id=pad_token_id,
                         temperature=float(temperature), micro_batch=micro_batch,
-                        max_tokens=max_tokens)  # fmt: skip
+                        max_tokens=max_tokens,
+                        keep=None if keep is None else keep.tolist())  # fmt: skip
     device = weight.device
     if isinstance(responses, torch.Tensor):
         mask = (torch.ones_like(responses, dtype=torch.bool) if response_mask is None
@@ -486,8 +650,9 @@ def replay_relevance(
             mask[i, : len(r)] = True
     relevance = torch.zeros((k,) + tuple(mask.shape), dtype=torch.float32, device=device)
     relevance[:, mask] = core.distance
-    relevance *= has_info.t().to(device=device, dtype=relevance.dtype)[:, :, None]
+    relevance *= replayed_pairs.t().to(device=device, dtype=relevance.dtype)[:, :, None]
     old = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=device)
     old[mask] = core.old_logprobs
     return Replay(relevance, has_info.to(device), mask, old, core.replayed,
-                  time.perf_counter() - t0)  # fmt: skip
+                  time.perf_counter() - t0, replayed_pairs.to(device),
+                  int(has_info.sum()) - int(replayed_pairs.sum()))  # fmt: skip

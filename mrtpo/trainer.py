@@ -7,7 +7,10 @@ One step:
    default), cut after the first end-of-turn token.
 2. Every verifier scores every response: rewards (n, K) and each verdict's prompt spans.
 3. Contrastive replay (``mrtpo.replay``): the with-information forward gives the old
-   log-probs; the forwards without each reward's spans give the relevance d (K, N).
+   log-probs; the forwards without each reward's spans give the relevance d (K, N). Under
+   mrtpo only the pairs whose GDPO advantage A_k is not 0 are replayed
+   (``replay_mask_from_rewards``; the token advantages are the same bit for bit), and the
+   relevance metrics are over those pairs.
 4. Advantages: ``grpo`` (the summed reward through ``gdpo_advantages`` with K = 1, uniform
    over tokens), ``gdpo`` (``gdpo_advantages``, uniform), ``mrtpo``
    (``mrtpo_token_advantages``, packed with cu_seqlens).
@@ -48,7 +51,7 @@ from .model_folder import check_model_folder
 from .pretrained import stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
-from .replay import contrastive_replay
+from .replay import contrastive_replay, replay_mask_from_rewards
 from .report import plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
 from .tasks import load_task
@@ -312,6 +315,15 @@ class Trainer:
         t1 = time.perf_counter()
         want_replay = cfg.algo == "mrtpo" or cfg.replay_for_baselines
         mode = step_mode(cfg.algo, cfg.relevance)
+        has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
+        has_info = has_info.reshape(len(ro.spans), self.k)
+        # under mrtpo, only the pairs whose advantage can move a token are replayed (the
+        # baselines' replay, a diagnostic, replays every pair)
+        moving = None
+        if cfg.algo == "mrtpo":
+            moving = replay_mask_from_rewards(
+                ro.rewards, ro.group_ids, has_info=has_info, whole_rows=mode.mixes_rewards
+            )
         with self._amp():
             rep = contrastive_replay(
                 self.model,
@@ -325,8 +337,8 @@ class Trainer:
                 replay=want_replay,
                 control=mode.control_spans(ro.examples, ro.spans),
                 pointwise=mode.pointwise,
+                replay_mask=moving,
             )
-        has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
         relevance = mode.relevance(
@@ -369,10 +381,15 @@ class Trainer:
         upd = self._update(ro, rep.old_logprobs.detach().float().cpu(), adv, ref_logp, lengths)
         t3 = time.perf_counter()
         self.step += 1
+        # credit and relevance diagnostics over the pairs replayed (a skipped pair's
+        # relevance is 0 and its allocation uniform, by construction)
+        judged = has_info if moving is None else has_info & moving
         row = step_metrics(
-            self.task, cfg, self.step, ro, relevance if have_rel else None, has_info, alloc, lengths
+            self.task, cfg, self.step, ro, relevance if have_rel else None, judged, alloc, lengths
         )
         row.update(upd)
+        row["replay/pairs"] = rep.pairs if have_rel else None
+        row["replay/skipped"] = rep.skipped if have_rel else None
         row["time"] = {
             "rollout": t1 - t0,
             "replay": t2 - t1,

@@ -339,10 +339,13 @@ def mrtpo_token_advantages(
         clip_max=clip_max,
         backend=be,
     )
-    # A token whose allocation is exactly 1 for every reward (alpha = 0, no spans, relevance
-    # below delta) takes GDPO's sequence value itself: the kernels' sum_k lam_k A_k w_k and
-    # GDPO's S = A lam agree in exact arithmetic but may round differently (a BLAS product
-    # with or without FMA), and METHOD.md's invariant "alpha = 0 is GDPO" is exact.
+    # A token whose allocation is exactly 1 for every reward that moves (alpha = 0, no spans,
+    # relevance below delta; a reward with lam_k A_k = 0 moves nothing whatever its weight)
+    # takes GDPO's sequence value itself: the kernels' sum_k lam_k A_k w_k and GDPO's
+    # S = A lam agree in exact arithmetic but may round differently (a BLAS product with or
+    # without FMA), and METHOD.md's invariants "alpha = 0 is GDPO" and "a reward with
+    # A_k = 0 moves nothing" are exact (so a replay that skips such pairs, leaving their
+    # relevance 0, gives the same token advantages bit for bit: mrtpo.replay.replay_mask).
     seg = torch.repeat_interleave(
         torch.arange(n, device=token.device), lengths, output_size=token.shape[0]
     )
@@ -353,7 +356,8 @@ def mrtpo_token_advantages(
     floored = divisor > g.std + eps_batch
     fix = torch.where(floored, g.sequence - (s_seq - g.mean) / divisor, torch.zeros_like(s_seq))
     token = torch.where(floored, token + fix.to(token.dtype)[seg], token)
-    untouched = (alloc == 1).all(0)  # K = 0: every token (all of nothing)
+    still = (g.per_reward == 0) | (lam == 0)[None, :]  # (n, K): moves nothing
+    untouched = ((alloc == 1) | still.t().to(alloc.device)[:, seg]).all(0)  # K = 0: every token
     token = torch.where(untouched, g.sequence.to(token.dtype)[seg], token)
     # D = 0 (every lambda_k A_k equal across the batch, eps_batch = 0): nothing to move
     token = torch.where(divisor > 0, token, torch.zeros_like(token))

@@ -443,3 +443,249 @@ def test_replay_relevance_token_budget():
     with pytest.raises(ValueError, match="max_tokens"):
         replay_relevance(model, prompts, responses, spans, tokenizer=tok, temperature=0.8,
                          max_tokens=0)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- replay_mask
+
+
+def _random_rewards(gen, sizes, k):
+    """(n, K) rewards over groups of ``sizes``: per (group, reward) all equal, all zero, a
+    response at its group's mean, binary or graded, at random; group ids (n,)."""
+    cols, gids = [], []
+    for g, size in enumerate(sizes):
+        block = torch.empty((size, k), dtype=torch.float32)
+        for j in range(k):
+            kind = int(torch.randint(0, 5, (1,), generator=gen))
+            if kind == 0:  # zero variance
+                block[:, j] = float(torch.randint(0, 2, (1,), generator=gen))
+            elif kind == 1:  # all zero
+                block[:, j] = 0.0
+            elif kind == 2 and size >= 3:  # one response at the group's mean (0.5)
+                block[:, j] = torch.tensor([0.0, 1.0] * size)[:size]
+                block[0, j], block[1, j] = 0.0, 1.0
+                block[2:, j] = 0.5 if size % 2 else block[2:, j]
+                if size % 2 == 0:
+                    block[2, j], block[3, j] = 0.5, 0.5
+            elif kind == 3:
+                block[:, j] = torch.randint(0, 2, (size,), generator=gen).float()
+            else:
+                block[:, j] = torch.rand(size, generator=gen).round(decimals=1)
+        cols.append(block)
+        gids += [g] * size
+    return torch.cat(cols), torch.tensor(gids)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_replay_mask_leaves_token_advantages_bit_for_bit(k):
+    """Zeroing the relevance of every pair replay_mask_from_rewards leaves out (and, either
+    way, has_info of those pairs) gives token advantages equal bit for bit to the full
+    relevance's, whatever the options: those pairs have lambda_k A_k = 0, so their weights
+    multiply 0, and the divisor D (batch std, cancellation floor) reads only the A_k."""
+    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo_kernels import mrtpo_token_advantages
+
+    gen = torch.Generator().manual_seed(k)
+    options = [
+        {},
+        {"alpha": 0.5, "gamma": 2.0},
+        {"clip": (0.2, 3.0), "batch_norm": "token"},
+        {"weights": torch.tensor([1.0, 0.0, 2.0, 0.5][:k]), "delta": 0.0},
+        {"eps": 0.0, "eps_batch": 1e-4},
+    ]
+    skipped_any = kept_any = False
+    for trial in range(12):
+        sizes = [int(torch.randint(1, 6, (1,), generator=gen)) for _ in range(4)]
+        rewards, gids = _random_rewards(gen, sizes, k)
+        n = rewards.shape[0]
+        lengths = torch.randint(1, 9, (n,), generator=gen)
+        cu = torch.zeros(n + 1, dtype=torch.long)
+        cu[1:] = lengths.cumsum(0)
+        rel = torch.rand((k, int(cu[-1])), generator=gen)
+        rel[rel < 0.3] = 0.0
+        if trial % 3 == 0:  # some all-zero relevance rows
+            rel[:, cu[0] : cu[1]] = 0.0
+        has_info = torch.rand((n, k), generator=gen) < 0.8
+        opts = options[trial % len(options)]
+        mask_opts = {key: opts[key] for key in ("weights", "eps") if key in opts}
+        keep = replay_mask_from_rewards(rewards, gids, has_info=has_info, **mask_opts)
+        assert not bool((keep & ~has_info).any())
+        tok_mask = torch.zeros_like(rel, dtype=torch.bool)
+        for i in range(n):
+            tok_mask[:, cu[i] : cu[i + 1]] = keep[i][:, None]
+        skipped = rel * tok_mask  # the skipped pairs' relevance is 0
+        full = mrtpo_token_advantages(rewards, gids, rel, has_info=has_info, cu_seqlens=cu,
+                                      **opts)  # fmt: skip
+        for info in (has_info, has_info & keep):
+            part = mrtpo_token_advantages(rewards, gids, skipped, has_info=info,
+                                          cu_seqlens=cu, **opts)  # fmt: skip
+            assert torch.equal(part.token, full.token), (k, trial, opts)
+        skipped_any |= bool((has_info & ~keep).any())
+        kept_any |= bool(keep.any())
+    assert skipped_any and kept_any  # both kinds of pair were met
+
+
+def test_replay_mask_from_rewards_rules():
+    from mrtpo.replay import replay_mask_from_rewards
+
+    rewards = torch.tensor([
+        [1.0, 1.0, 0.0, 0.3],   # group 0: reward 0 zero variance, reward 2 one at the mean
+        [1.0, 0.0, 1.0, 0.3],
+        [1.0, 1.0, 0.5, 0.3],
+        [0.7, 0.2, 0.1, 0.9],   # group 1: a group of one
+    ])  # fmt: skip
+    gids = torch.tensor([0, 0, 0, 1])
+    got = replay_mask_from_rewards(rewards, gids)
+    want = torch.tensor([[False, True, True, False], [False, True, True, False],
+                         [False, True, False, False], [False] * 4])  # fmt: skip
+    assert torch.equal(got, want)
+    info = [[True, True, False, True], [True, False, True, True], [True] * 4, [True] * 4]
+    assert torch.equal(replay_mask_from_rewards(rewards, gids, has_info=info),
+                       want & torch.tensor(info))  # fmt: skip
+    # a reward weighted 0 moves nothing
+    w = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert not replay_mask_from_rewards(rewards, gids, weights=w)[:, 1].any()
+    # whole rows: every pair with spans of a row with one pair that moves
+    rows = replay_mask_from_rewards(rewards, gids, has_info=info, whole_rows=True)
+    assert rows.tolist() == [[True, True, False, True], [True, False, True, True],
+                             [True] * 4, [False] * 4]  # fmt: skip
+    with pytest.raises(ValueError, match="whole_rows"):
+        replay_mask_from_rewards(rewards, gids, whole_rows=True)
+    with pytest.raises(ValueError, match="has_info"):
+        replay_mask_from_rewards(rewards, gids, has_info=torch.ones(4, 3, dtype=torch.bool))
+
+
+def _group_batch():
+    """Two groups of 4 and a group of one on two prompts, K = 4 rewards (reward 3 without
+    spans on the second prompt), rewards with zero-variance groups, an all-zero reward and
+    responses at their group's mean."""
+    p0, p1 = PROMPTS
+    s0 = [[(0, 5)], [(p0.index("Start"), p0.index("Include"))], [(p0.index("Include"), len(p0))],
+          [(p0.index("blue"), p0.index("blue") + 4)]]  # fmt: skip
+    s1 = [[(0, 5)], [(p1.index("Include"), p1.index("End"))], [(p1.index("End"), len(p1))], []]
+    prompts = [p0] * 4 + [p1] * 4 + [p1]
+    spans = [s0] * 4 + [s1] * 5
+    responses = [[10, 11, 12], [13, 14], [15], [16, 17, 18, 19], [20, 21], [22], [23, 24, 25],
+                 [26, 27], [28, 29, 30]]  # fmt: skip
+    rewards = torch.tensor([
+        [1.0, 0.0, 0.5, 0.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 0.0],
+        [0.0, 1.0, 1.0, 0.2], [0.0, 1.0, 0.0, 0.4], [0.0, 1.0, 1.0, 0.6], [0.0, 1.0, 0.0, 0.8],
+        [1.0, 0.0, 1.0, 0.3],
+    ])  # fmt: skip
+    gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2])
+    return prompts, spans, responses, rewards, gids
+
+
+def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages():
+    """The engine with replay_mask: the replayed pairs' relevance is the full replay's bit
+    for bit (a replay forward holds one (group, reward) unit whatever else is skipped), the
+    skipped pairs' is 0, and so the token advantages are equal (torch.equal)."""
+    from mrtpo.integrations.common import padded_token_advantages
+    from mrtpo.replay import replay_mask_from_rewards
+
+    tok, model = _chat_setup()
+    prompts, spans, responses, rewards, gids = _group_batch()
+    info = has_info_from_spans(spans)
+    keep = replay_mask_from_rewards(rewards, gids, has_info=info)
+    # group 0: rewards 0 and 3 zero variance, reward 2's rows 0 and 3 at the mean; group 1:
+    # rewards 0 and 1 zero variance (reward 3 names no span); group 2, a group of one: none
+    assert keep.sum() == 4 + 2 + 4 and not keep[8].any() and not keep[:, [0, 3]].any()
+    kw = dict(tokenizer=tok, temperature=0.9, micro_batch=16)
+    full = replay_relevance(model, prompts, responses, spans, **kw)
+    part = replay_relevance(model, prompts, responses, spans, replay_mask=keep, **kw)
+    assert torch.equal(part.has_info, full.has_info) and torch.equal(part.replayed_pairs, keep)
+    assert part.skipped == int(info.sum()) - 10 and full.skipped == 0
+    on = keep.t()[:, :, None] & full.response_mask[None]
+    assert torch.equal(part.relevance[on], full.relevance[on])
+    assert bool((part.relevance[~on] == 0).all()) and bool((full.relevance[on] > 0).any())
+    assert torch.equal(part.old_logprobs, full.old_logprobs)
+    for opts in ({}, {"alpha": 0.7, "gamma": 2.0}, {"batch_norm": "token"}):
+        a = padded_token_advantages(rewards, gids, full.response_mask, full.relevance,
+                                    full.has_info, **opts).token  # fmt: skip
+        b = padded_token_advantages(rewards, gids, part.response_mask, part.relevance,
+                                    part.has_info, **opts).token  # fmt: skip
+        assert torch.equal(a, b)
+    # nested lists work as the mask too
+    again = replay_relevance(model, prompts, responses, spans, replay_mask=keep.tolist(), **kw)
+    assert torch.equal(again.relevance, part.relevance)
+
+
+def test_replay_mask_skipped_rows_get_no_replay_forward():
+    """A row whose every pair is skipped gets the with-information forward only; a skipped
+    (group, reward) unit gets no forward at all."""
+    from mrtpo.replay import replay_mask_from_rewards
+
+    tok, model = _chat_setup()
+    prompts, spans, responses, rewards, gids = _group_batch()
+    keep = replay_mask_from_rewards(rewards, gids, has_info=has_info_from_spans(spans))
+    w, b = lm_head(model)
+    rows_seen = []
+
+    def hidden(input_ids, attention_mask, position_ids):
+        rows_seen.append(input_ids.shape[0])
+        out = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False)  # fmt: skip
+        return out.last_hidden_state
+
+    lm = CallableLM(hidden, w, b)
+    kw = dict(tokenizer=tok, temperature=0.9, micro_batch=16)
+    full = replay_relevance(lm, prompts, responses, spans, **kw)
+    n_full = sum(rows_seen)
+    rows_seen.clear()
+    part = replay_relevance(lm, prompts, responses, spans, replay_mask=keep, **kw)
+    # with information: 9 rows; replays: group 0's rewards 1 and 2 (4 rows each, reward 2's
+    # unit whole although two of its rows are skipped), the second prompt's reward 2 (its 5
+    # rows: groups 1 and 2 share the prompt); nothing else
+    assert sum(rows_seen) == 9 + 4 + 4 + 5 and part.replayed == 13
+    assert n_full == 9 + full.replayed and full.replayed == 4 * 4 + 3 * 5
+    nothing = replay_relevance(lm, prompts, responses, spans,
+                               replay_mask=torch.zeros_like(keep), **kw)  # fmt: skip
+    assert nothing.replayed == 0 and bool((nothing.relevance == 0).all())
+    assert nothing.skipped == int(has_info_from_spans(spans).sum())
+    torch.testing.assert_close(nothing.old_logprobs, full.old_logprobs, rtol=0, atol=0)
+
+
+def test_contrastive_replay_mask_with_control_and_pointwise():
+    """mrtpo train's engine: skipped pairs get 0 relevance and log-ratio, the kept pairs
+    the full replay's values bit for bit; a row with nothing kept gets no control replay."""
+    tok, model, pr = _setup()
+    prompts, spans, responses, rewards, gids = _group_batch()
+    ids = [pr.encode(p).ids for p in prompts]
+    control = [[(5, 9)]] * len(prompts)
+    keep = torch.zeros((9, 4), dtype=torch.bool)
+    keep[0:4, 1] = True  # one (group, reward) unit
+    kw = dict(temperature=0.8, micro_batch=16, control=control, pointwise=True)
+    full = contrastive_replay(model, pr, prompts, ids, responses, spans, **kw)
+    part = contrastive_replay(model, pr, prompts, ids, responses, spans, replay_mask=keep, **kw)
+    assert part.replayed == 4 + 4 and part.pairs == 4 and part.skipped == full.pairs - 4
+    n0 = sum(len(r) for r in responses[:4])
+    assert torch.equal(part.relevance[1, :n0], full.relevance[1, :n0])
+    assert torch.equal(part.logratio[1, :n0], full.logratio[1, :n0])
+    assert torch.equal(part.control[:n0], full.control[:n0])
+    assert bool((part.relevance[[0, 2, 3]] == 0).all())
+    assert bool((part.relevance[1, n0:] == 0).all())
+    assert bool((part.control[n0:] == 0).all()) and bool((part.logratio[:, n0:] == 0).all())
+    assert torch.equal(part.old_logprobs, full.old_logprobs)
+    with pytest.raises(ValueError, match="replay_mask"):
+        contrastive_replay(model, pr, prompts, ids, responses, spans, temperature=0.8,
+                           replay_mask=keep[:, :3])  # fmt: skip
+
+
+def test_replay_relevance_bad_mask_token_ids_and_num_rewards():
+    """Issue 32, item 9, and the mask's checks: ValueErrors naming the argument."""
+    tok, model = _chat_setup()
+    p = PROMPTS[0]
+    ok = dict(tokenizer=tok, temperature=1.0)
+    v = lm_head(model)[0].shape[0]
+    with pytest.raises(ValueError, match=rf"responses: sample 1 has token id {v}\b"):
+        replay_relevance(model, [p, p], [[5], [6, v]], [[[]], [[]]], **ok)
+    with pytest.raises(ValueError, match="responses: sample 0 has token id -1"):
+        replay_relevance(model, [p], torch.tensor([[-1, 3]]), [[[]]], **ok)
+    with pytest.raises(ValueError, match="num_rewards: expected an int >= 0"):
+        replay_relevance(model, [], [], [], num_rewards=-1, **ok)
+    with pytest.raises(ValueError, match="num_rewards"):
+        replay_relevance(model, [], [], [], num_rewards=1.5, **ok)
+    for bad, what in (([[True, False]], "sample 0 needs one entry"),
+                      (torch.ones(1, 2), "bool"), ([[2]], "expected a bool"),
+                      (torch.ones(2, 1, dtype=torch.bool), "shape")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"replay_mask: .*{what}"):
+            replay_relevance(model, [p], [[5]], [[[(0, 5)]]], replay_mask=bad, **ok)

@@ -126,15 +126,19 @@ def _comparable(rows):
 
 
 def test_two_step_train_writes_outputs(tmp_path):
-    res = train(tiny_config(tmp_path), task=standin_task(), progress=False)
+    # the mixed task: the stand-in's rewards never vary in a group on the tiny model, so
+    # nothing would be replayed (replay only what can move)
+    res = train(tiny_config(tmp_path), task=mixed_task(), progress=False)
     assert [r["step"] for r in res.metrics] == [1, 2]
     lines = res.metrics_path.read_text().splitlines()
     assert len(lines) == 2
     row = json.loads(lines[-1])
-    for name in ("include", "ending", "short"):
+    for name in ("include", "ending", "short", "parity", "graded"):
         assert 0.0 <= row[f"pass/{name}"] <= 1.0
     assert row["relevance/short"] is None  # no spans: no replay
-    assert row["relevance/include"] is not None and 0.0 <= row["relevance/include"] <= 1.0
+    rel = [row[f"relevance/{n}"] for n in ("include", "ending", "parity", "graded")]
+    assert row["replay/pairs"] > 0 and any(v is not None for v in rel)
+    assert all(v is None or 0.0 <= v <= 1.0 for v in rel)
     assert res.curves_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = res.html_path.read_text()
     assert "<span class='tok'" in page and "include" in page
@@ -202,7 +206,7 @@ def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monke
     monkeypatch.setattr(trainer_mod, "generate_rollouts", rollouts)
     monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
     cfg = tiny_config(tmp_path, steps=1, max_new_tokens=3, truncated_credit=mode)
-    Trainer(cfg, task=standin_task()).train_step()
+    Trainer(cfg, task=mixed_task()).train_step()  # rewards that move: a replay to allocate
     cut = torch.tensor(seen["ro"].truncated)
     spans = torch.tensor([[len(s) > 0 for s in row] for row in seen["ro"].spans])
     assert cut.any() and spans.any()  # 3 tokens: answers are cut
@@ -377,7 +381,14 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     res = train(
         tiny_config(tmp_path, model=str(tmp_path / "llama"), steps=1), task=task, progress=False
     )
-    assert res.metrics[0]["step"] == 1 and res.metrics[0]["relevance/include"] is not None
+    row = res.metrics[0]  # the stand-in's rewards do not move: the replay is skipped
+    assert row["step"] == 1 and row["replay/pairs"] == 0 and row["replay/skipped"] > 0
+    assert row["relevance/include"] is None
+    res = train(tiny_config(tmp_path, model=str(tmp_path / "llama"), steps=1, overwrite=True),
+                task=mixed_task(), progress=False)  # fmt: skip
+    row = res.metrics[0]  # rewards that move: the untied head serves the replay
+    assert row["replay/pairs"] > 0
+    assert any(row[f"relevance/{n}"] is not None for n in ("parity", "graded"))
     trained = res.checkpoint / "model"
     assert (trained / "config.json").exists()
 
@@ -488,3 +499,90 @@ def test_sampling_at_the_smallest_temperature_is_greedy(tmp_path, monkeypatch):
     greedy = generate_rollouts(t.model, t.prompter, t.task, examples, cfg, t.device)
     assert ro.responses == greedy.responses
     assert len({tuple(r) for r in ro.responses[:3]}) == 1
+
+
+class ParityVerifier:
+    """Spans: the include sentence; score: the parity of the word count (varies in groups),
+    0 on the even examples (whose groups then have nothing that moves)."""
+
+    name = "parity"
+
+    def __call__(self, ex, response):
+        score = float(len(response.split()) % 2) if int(ex.id[2:]) % 2 else 0.0
+        return Verdict(score, (tuple(ex.fields["include_span"]),))
+
+
+class GradedVerifier:
+    """Spans: the end sentence; a graded score in {0, 0.5, 1} (responses at a group's mean),
+    1 on the even examples."""
+
+    name = "graded"
+
+    def __call__(self, ex, response):
+        score = (sum(map(ord, response)) % 3) / 2 if int(ex.id[2:]) % 2 else 1.0
+        return Verdict(score, (tuple(ex.fields["end_span"]),))
+
+
+def mixed_task() -> Task:
+    """The stand-in task with two rewards that vary within groups: zero-variance groups
+    (include, ending), varying ones and responses at their group's mean, a reward without
+    spans (short)."""
+    examples = [make_example(i) for i in range(24)]
+    verifiers = [IncludeVerifier(), ParityVerifier(), GradedVerifier(), EndVerifier(),
+                 ShortVerifier()]  # fmt: skip
+    return Task("mixed", verifiers, examples[:20], examples[20:])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"relevance": "specific"}, {"relevance": "control", "stop_credit": "uniform"}],
+    ids=["js", "specific", "control-stop"],
+)
+def test_replay_skip_leaves_training_bit_for_bit(tmp_path, monkeypatch, settings):
+    """mrtpo train replays only the pairs whose GDPO advantage moves (replay_mask_from_rewards):
+    the token advantages, losses and trained weights are those of a full replay bit for bit
+    (zero-variance groups, responses at their group's mean), the step logs its replayed and
+    skipped pairs, and the relevance diagnostics are over the replayed pairs."""
+    import mrtpo.trainer as trainer_mod
+
+    def run(name, full):
+        seen = {"adv": [], "mask": []}
+        real_adv, real_mask = trainer_mod.compute_advantages, trainer_mod.replay_mask_from_rewards
+
+        def advantages(*a, **kw):
+            out = real_adv(*a, **kw)
+            seen["adv"].append(out[0].clone())
+            return out
+
+        def mask(rewards, group_ids, *, has_info, whole_rows):
+            got = real_mask(rewards, group_ids, has_info=has_info, whole_rows=whole_rows)
+            seen["mask"].append((got, has_info.clone()))
+            return has_info.clone() if full else got
+
+        monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
+        monkeypatch.setattr(trainer_mod, "replay_mask_from_rewards", mask)
+        cfg = tiny_config(tmp_path / name, steps=3, group_size=4, **settings)
+        cfg.cache_dir = str(tmp_path / "cache")  # one warm start for both runs
+        tr = Trainer(cfg, task=mixed_task())
+        tr.run(progress=False)
+        monkeypatch.undo()
+        return tr, seen
+
+    full, seen_full = run("full", True)
+    skip, seen_skip = run("skip", False)
+    for a, b in zip(seen_full["adv"], seen_skip["adv"]):
+        assert torch.equal(a, b)
+    for (na, pa), (nb, pb) in zip(full.model.named_parameters(), skip.model.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    keys = ("loss", "grad_norm", "clip_fraction", "mean_ratio", "all_pass")
+    skipped_total = 0
+    for rf, rs, (got, info) in zip(full.metrics, skip.metrics, seen_skip["mask"]):
+        assert all(rf[k] == rs[k] for k in keys)
+        assert rs["replay/pairs"] == int(got.sum())
+        assert rs["replay/skipped"] == int(info.sum()) - int(got.sum())
+        assert rf["replay/skipped"] == 0 and rf["replay/pairs"] == int(info.sum())
+        skipped_total += rs["replay/skipped"]
+        if settings.get("relevance") == "specific":  # whole rows: a row all in or all out
+            assert torch.equal(got, info & got.any(1, keepdim=True))
+    assert skipped_total > 0  # the skip happened
+    assert any(r["replay/pairs"] for r in skip.metrics)  # and some pairs were replayed

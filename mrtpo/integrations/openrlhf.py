@@ -29,6 +29,7 @@ __all__ = [
     "mrtpo_token_advantages_for_experiences",
     "mrtpo_token_advantages_from_experience",
     "relevance_for_experience",
+    "replay_masks_for_experiences",
     "rollout_group_ids",
 ]
 
@@ -181,6 +182,37 @@ def _cat_index(index) -> list:
 # --------------------------------------------------------------------------- the replay
 
 
+def replay_masks_for_experiences(
+    rewards: list[torch.Tensor],
+    n_samples_per_prompt: int,
+    index: list | None = None,
+    *,
+    reward_weights: torch.Tensor | None = None,
+    eps: float = ADVANTAGE_DEFAULTS.eps,
+    nan: str = ADVANTAGE_DEFAULTS.nan,
+) -> list[torch.Tensor]:
+    """Per experience, the (B_j, K) bool ``replay_mask`` of ``relevance_for_experience``:
+    the pairs whose GDPO advantage can move a token (``mrtpo.replay.replay_mask_from_rewards``),
+    over the whole step's rewards (groups may span experiences; ``index`` as in
+    ``mrtpo_token_advantages_for_experiences``). Give the ``reward_weights``, ``eps`` and
+    ``nan`` the advantages are computed with. The rewards are known before the replay runs:
+    replaying only these pairs leaves the token advantages the same bit for bit."""
+    from mrtpo.replay import replay_mask_from_rewards
+
+    if not isinstance(rewards, (list, tuple)) or not rewards:
+        raise ValueError("rewards: expected a list of (B_j, K) tensors, one per experience")
+    for j, r in enumerate(rewards):
+        check_tensor(f"rewards[{j}]", r, ndim=2, floating=True)
+    allr = torch.cat(list(rewards))
+    if index is None:
+        gids = consecutive_group_ids(allr.shape[0], n_samples_per_prompt, allr.device)
+    else:
+        gids = rollout_group_ids(_cat_index(index), allr.shape[0], n_samples_per_prompt)
+    mask = replay_mask_from_rewards(allr, gids.to(allr.device), weights=reward_weights, eps=eps,
+                                    nan=nan)  # fmt: skip
+    return list(torch.split(mask, [r.shape[0] for r in rewards]))
+
+
 @torch.no_grad()
 def relevance_for_experience(
     model,
@@ -195,6 +227,7 @@ def relevance_for_experience(
     micro_batch: int = 16,
     max_tokens: int | None = None,
     check_prompt_ids: bool = True,
+    replay_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(relevance (K, B, A), has_info (B, K)) of an OpenRLHF ``Experience`` (or its samples)
     in the action layout, from ``mrtpo.replay.replay_relevance`` run on ``model`` (the
@@ -216,6 +249,9 @@ def relevance_for_experience(
             with the tokenizer's chat template.
         micro_batch, max_tokens: the replay's chunks (``replay_relevance``).
         check_prompt_ids: each prompt, rendered, must equal the row's prompt tokens.
+        replay_mask: optional (B, K) bool, this experience's entry of
+            ``replay_masks_for_experiences``: only those pairs are replayed (the others get
+            relevance 0; the token advantages are the same bit for bit).
     """
     seq, att, act = experience.sequences, experience.attention_mask, experience.action_mask
     check_tensor("sequences", seq, ndim=2)
@@ -267,6 +303,7 @@ def relevance_for_experience(
         prompt_ids=prompt_rows if check_prompt_ids else None, num_rewards=k,
         micro_batch=micro_batch, max_tokens=max_tokens,
         pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
+        replay_mask=replay_mask,
     )  # fmt: skip
     out = torch.zeros((k, b, a), dtype=torch.float32, device=act.device)
     for i, first in enumerate(firsts):

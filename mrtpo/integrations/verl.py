@@ -42,18 +42,22 @@ from .common import (
 from .verl_replay import (
     HAS_INFO_KEY,
     RELEVANCE_KEY,
+    REPLAY_MASK_KEY,
     REPLAY_METHOD,
+    REWARDS_KEY,
     SPANS_KEY,
     fill_mrtpo_relevance,
     install_replay_hook,
     mrtpo_actor_worker_class,
     replay_options,
+    set_replay_mask,
     worker_compute_relevance,
 )
 
 __all__ = [
     "HAS_INFO_KEY",
     "RELEVANCE_KEY",
+    "REPLAY_MASK_KEY",
     "REPLAY_METHOD",
     "REWARDS_KEY",
     "SPANS_KEY",
@@ -69,10 +73,10 @@ __all__ = [
     "policy_loss_from_hidden",
     "register_with_verl",
     "replay_options",
+    "set_replay_mask",
     "worker_compute_relevance",
 ]
 
-REWARDS_KEY = "mrtpo_rewards"
 ESTIMATOR_NAME = "mrtpo"
 
 
@@ -154,14 +158,27 @@ def _batch_inputs(batch, where: str):
     return batch[REWARDS_KEY], relevance.transpose(0, 1), batch[HAS_INFO_KEY]
 
 
+def _check_options(options: dict, where: str) -> None:
+    """A ValueError naming every option that is not one of ``_OPTION_NAMES``."""
+    unknown = sorted(set(options) - _OPTION_NAMES)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown options {', '.join(map(repr, unknown))}; expected some of "
+            f"{sorted(_OPTION_NAMES)}"
+        )
+
+
 def compute_mrtpo_advantage_for_batch(data, **options):
     """Fill ``data.batch["advantages"]`` and ``data.batch["returns"]`` of a verl DataProto.
 
     Reads ``response_mask`` (or, in older verl, the last response_length columns of
     ``attention_mask``), ``non_tensor_batch["uid"]`` and the three MRTPO keys of this module;
-    ``options`` go to ``compute_mrtpo_outcome_advantage``. Works with any object having
-    ``batch`` (a mapping of tensors) and ``non_tensor_batch`` (a mapping); returns ``data``.
+    ``options`` (``reward_weights``, ``alpha``, ``gamma``, ``epsilon``, ``epsilon_batch``,
+    ``batch_norm``, ``delta``, ``clip``, ``nan``) go to ``compute_mrtpo_outcome_advantage``;
+    any other name is a ValueError. Works with any object having ``batch`` (a mapping of
+    tensors) and ``non_tensor_batch`` (a mapping); returns ``data``.
     """
+    _check_options(options, "compute_mrtpo_advantage_for_batch")
     batch = data.batch
     rewards, relevance, has_info = _batch_inputs(batch, "data.batch")
     if "response_mask" in set(batch.keys()):
@@ -231,11 +248,7 @@ def register_with_verl(name: str = ESTIMATOR_NAME, *, patch_compute_advantage: b
 
     Returns the registered function. Raises ImportError naming verl when it is missing.
     """
-    unknown = set(options) - _OPTION_NAMES
-    if unknown:
-        raise ValueError(
-            f"options: unknown {sorted(unknown)}; expected some of {sorted(_OPTION_NAMES)}"
-        )
+    _check_options(options, "register_with_verl")
     core_algos = require("verl.trainer.ppo.core_algos", "register_with_verl")
     register = getattr(core_algos, "register_adv_est", None)
     if register is None:
@@ -370,6 +383,7 @@ def install_compute_advantage_patch(name: str = ESTIMATOR_NAME, *, allow_unknown
 
     Returns the wrapper (its ``original`` attribute is verl's function).
     """
+    _check_options(options, "install_compute_advantage_patch")
     verl = require("verl", "install_compute_advantage_patch")
     version = getattr(verl, "__version__", "unknown")
     if version not in PATCHED_VERL_VERSIONS and not allow_unknown_version:

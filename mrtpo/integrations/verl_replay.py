@@ -8,6 +8,12 @@ the advantage estimator of ``mrtpo.integrations.verl`` reads:
     data.batch["mrtpo_relevance"]  (bs, K, response_length)
     data.batch["mrtpo_has_info"]   (bs, K) bool
 
+Replay only what can move: when the batch already holds the K rewards (``mrtpo_rewards``)
+and the group keys (``non_tensor_batch["uid"]``) as the replay starts, the driver hook
+writes ``mrtpo_replay_mask`` (bs, K) (``set_replay_mask``: the pairs whose GDPO advantage
+is not 0, over the whole batch) and each worker replays only those pairs of its rows; the
+token advantages are the same bit for bit.
+
 ``mrtpo_actor_worker_class`` registers it on verl's actor worker (``compute_mrtpo_relevance``,
 dispatched like ``compute_log_prob``) and ``install_replay_hook`` calls it after the old
 log-probs, when ``actor_rollout_ref.mrtpo.replay.enable`` is true (``replay_options``).
@@ -23,17 +29,22 @@ from .common import config_value, require
 __all__ = [
     "HAS_INFO_KEY",
     "RELEVANCE_KEY",
+    "REPLAY_MASK_KEY",
     "REPLAY_METHOD",
+    "REWARDS_KEY",
     "SPANS_KEY",
     "fill_mrtpo_relevance",
     "install_replay_hook",
     "mrtpo_actor_worker_class",
     "replay_options",
+    "set_replay_mask",
     "worker_compute_relevance",
 ]
 
 RELEVANCE_KEY = "mrtpo_relevance"
 HAS_INFO_KEY = "mrtpo_has_info"
+REWARDS_KEY = "mrtpo_rewards"
+REPLAY_MASK_KEY = "mrtpo_replay_mask"
 SPANS_KEY = "mrtpo_spans"
 PROMPT_KEY = "raw_prompt"
 REPLAY_METHOD = "compute_mrtpo_relevance"
@@ -74,6 +85,7 @@ def fill_mrtpo_relevance(
     micro_batch: int = 16,
     max_tokens: int | None = None,
     check_prompt_ids: bool = True,
+    replay_mask=None,
 ):
     """Fill ``mrtpo_relevance`` (bs, K, response_length) and ``mrtpo_has_info`` (bs, K) of a
     verl batch with ``mrtpo.replay.replay_relevance`` run on ``model`` (the actor's Hugging
@@ -89,6 +101,8 @@ def fill_mrtpo_relevance(
     tokenizer's chat template (``apply_chat_template_kwargs`` of verl's data config as
     ``chat_template_kwargs``), or by ``encode``; with ``check_prompt_ids`` each must equal
     the prompt ids in the batch (a truncated prompt is an error: its spans would not match).
+    ``replay_mask`` (bs, K) bool, default the batch's ``mrtpo_replay_mask`` when it has one
+    (``set_replay_mask``): only those pairs are replayed (``replay_relevance``).
 
     Returns ``data``.
     """
@@ -135,15 +149,45 @@ def fill_mrtpo_relevance(
 
     from mrtpo.replay import replay_relevance
 
+    if replay_mask is None and REPLAY_MASK_KEY in keys:
+        replay_mask = batch[REPLAY_MASK_KEY]
     rep = replay_relevance(
         model, prompts, ids, spans, response_mask=mask, encode=encode,
         prompt_ids=prompt_rows if check_prompt_ids else None, temperature=temperature,
         micro_batch=micro_batch, max_tokens=max_tokens, num_rewards=k,
         pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
+        replay_mask=replay_mask,
     )  # fmt: skip
     batch[RELEVANCE_KEY] = rep.relevance.transpose(0, 1).contiguous().cpu()
     batch[HAS_INFO_KEY] = rep.has_info.cpu()
     return data
+
+
+def set_replay_mask(data, *, reward_weights=None):
+    """Write ``data.batch["mrtpo_replay_mask"]`` (bs, K) bool, the pairs whose GDPO advantage
+    can move a token (``mrtpo.replay.replay_mask_from_rewards``), from the batch's
+    ``mrtpo_rewards`` ((bs, K), or (bs, K, T) summed over T as the estimator does) and
+    ``non_tensor_batch["uid"]``; on the driver, over the whole batch, before the replay.
+    Nothing (and None returned) where either is missing: then every pair is replayed.
+    NaN rewards count as 0 here (where the estimator refuses them, it does so anyway).
+    Pass the estimator's ``reward_weights`` to skip the rewards weighted 0 too. Local
+    computation only (no collective)."""
+    from mrtpo.replay import replay_mask_from_rewards
+
+    from .common import group_ids_from_index
+
+    batch = data.batch
+    ntb = getattr(data, "non_tensor_batch", None) or {}
+    if REWARDS_KEY not in set(batch.keys()) or "uid" not in ntb:
+        return None
+    rewards = batch[REWARDS_KEY]
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() not in (2, 3):
+        raise ValueError(f"{REWARDS_KEY}: expected a (bs, K) or (bs, K, T) tensor")
+    rewards = rewards.sum(dim=-1) if rewards.dim() == 3 else rewards
+    group_ids = group_ids_from_index(ntb["uid"], device=rewards.device)
+    mask = replay_mask_from_rewards(rewards, group_ids, weights=reward_weights, nan="zero")
+    batch[REPLAY_MASK_KEY] = mask
+    return mask
 
 
 def _max_response_len(data, default):
@@ -281,8 +325,10 @@ def install_replay_hook(*, allow_unknown_version: bool = False):
     Wraps ``RayPPOTrainer._compute_old_log_prob`` (driver side): after the old log-probs,
     when the config has ``actor_rollout_ref.mrtpo.replay.enable: true``, it sends the same
     remove-padding batch to the actor workers' ``compute_mrtpo_relevance`` (workers of
-    ``mrtpo_actor_worker_class``) and writes ``mrtpo_relevance`` / ``mrtpo_has_info`` into
-    the batch, where ``compute_mrtpo_advantage_for_batch`` reads them. Installed once.
+    ``mrtpo_actor_worker_class``; with ``mrtpo_rewards`` and ``uid`` already in the batch,
+    ``set_replay_mask`` first, so they replay only the pairs that can move) and writes
+    ``mrtpo_relevance`` / ``mrtpo_has_info`` into the batch, where
+    ``compute_mrtpo_advantage_for_batch`` reads them. Installed once.
     Returns the worker class to register for the actor role.
     """
     worker_cls = mrtpo_actor_worker_class(allow_unknown_version=allow_unknown_version)
@@ -296,6 +342,7 @@ def install_replay_hook(*, allow_unknown_version: bool = False):
             if replay_options(self.config.actor_rollout_ref) is not None:
                 from verl.workers.utils.padding import left_right_2_no_padding
 
+                set_replay_mask(batch)  # driver-local; every worker is called below
                 td = left_right_2_no_padding(batch.to_tensordict())
                 res = getattr(self.actor_rollout_wg, REPLAY_METHOD)(td)
                 batch.batch[RELEVANCE_KEY] = res[RELEVANCE_KEY]
