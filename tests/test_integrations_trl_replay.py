@@ -179,7 +179,7 @@ def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
     model.load_state_dict(rec["state"])
     m64 = model.double().eval()
     spans = _spans_of(rec["inputs"])
-    relevance, has_info = rec["replay"]  # what the trainer computed and used
+    relevance, has_info = rec["replay"].relevance, rec["replay"].has_info  # what it used
     assert has_info.tolist() == [[True, True, False]] * len(responses)
     replayed = {}
     for i, (p, r) in enumerate(zip([x["prompt"] for x in rec["inputs"]], responses)):

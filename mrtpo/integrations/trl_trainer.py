@@ -195,11 +195,18 @@ def _trainer_mixin():
             self._mrtpo_span_store.clear()
             if self.relevance_fn is not None:
                 relevance, has_info = self.relevance_fn(self, inputs, output)
-            elif spans is not None:
-                relevance, has_info = self._mrtpo_replay(inputs, output, spans, mode)
             else:
-                relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
-                has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
+                # Whether this process replays depends on its rows (another may name spans
+                # where this one names none), so the replay runs no collective; the logging
+                # after it runs the same ones on every process, replayed or not.
+                rep = None
+                if spans is not None:
+                    rep = self._mrtpo_replay(inputs, output, spans, mode)
+                    relevance, has_info = rep.relevance, rep.has_info
+                else:
+                    relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
+                    has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
+                self._log_replay(rep, mode)
             rank = self.accelerator.process_index
             process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
             output["advantages"] = mrtpo_advantages_for_grpo(
@@ -251,25 +258,35 @@ def _trainer_mixin():
                     )  # fmt: skip
             finally:
                 model.train(was_training)
-            self._log_replay(rep, mode)
             self.last_replay = dict(
                 prompts=[x["prompt"] for x in inputs], spans=spans,
                 completion_ids=output["completion_ids"], replay=rep,
             )  # fmt: skip
-            return rep.relevance, rep.has_info
+            return rep
 
         def _log_replay(self, rep, mode):
-            metrics = self._metrics[mode]
+            """One all-reduce, run by every process whatever its rows hold (``rep`` None: this
+            process replayed nothing): the replay's seconds averaged over the processes that
+            replayed, and per reward its relevance summed over the tokens of the samples it
+            names spans of, over every process."""
             dev = self.accelerator.device
-            secs = self.accelerator.reduce(torch.tensor(rep.seconds, device=dev), "mean")
-            metrics["mrtpo/replay_seconds"].append(float(secs))
-            m = rep.response_mask.to(dev).float()
+            k = len(self.reward_func_names)
+            local = torch.zeros(2 + 2 * k, dtype=torch.float64, device=dev)
+            if rep is not None:
+                local[0], local[1] = float(rep.seconds), 1.0
+                m = rep.response_mask.to(dev).double()
+                for j in range(k):
+                    w = m * rep.has_info[:, j].to(dev).double()[:, None]
+                    local[2 + 2 * j] = (rep.relevance[j].to(dev).double() * w).sum()
+                    local[3 + 2 * j] = w.sum()
+            tot = self.accelerator.reduce(local, reduction="sum").cpu()
+            metrics = self._metrics[mode]
+            if float(tot[1]) > 0:
+                metrics["mrtpo/replay_seconds"].append(float(tot[0] / tot[1]))
             for j, name in enumerate(self.reward_func_names):
-                w = m * rep.has_info[:, j].to(dev).float()[:, None]
-                tot = torch.stack([(rep.relevance[j].to(dev) * w).sum(), w.sum()])
-                tot = self.accelerator.reduce(tot, reduction="sum")
-                if float(tot[1]) > 0:
-                    metrics[f"mrtpo/relevance/{name}"].append(float(tot[0] / tot[1]))
+                rel, count = float(tot[2 + 2 * j]), float(tot[3 + 2 * j])
+                if count > 0:
+                    metrics[f"mrtpo/relevance/{name}"].append(rel / count)
 
         # ------------------------------------------------------------ log-probs
         def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
