@@ -166,3 +166,97 @@ def test_the_earlier_trainer_path_gives_the_same_class_and_loads_nothing_back():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+
+def _loss_inputs(b=3, t=4, d=8, v=11):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b, t, d, generator=g)
+    weight = torch.randn(v, d, generator=g)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, 2:] = 0
+    adv = torch.randn(b, t, generator=g)
+    return hidden, weight, ids, mask, adv
+
+
+@pytest.mark.parametrize(
+    "bad", [-4.0, 0, 0.0, float("nan"), float("inf"), "8", True, None, torch.tensor([2.0, 3.0]),
+            torch.tensor(-1.0), torch.tensor(0.0), torch.tensor(float("nan")),
+            torch.tensor(True)],
+)  # fmt: skip
+def test_fused_policy_loss_refuses_a_bad_token_normalizer(bad):
+    """Issue 32, item 10: a negative token_normalizer flipped the loss's sign, 0 gave inf,
+    NaN gave NaN; each is refused, naming the argument."""
+    from mrtpo.integrations.trl import fused_policy_loss
+
+    hidden, weight, ids, mask, adv = _loss_inputs()
+    if bad is None:  # None is the default (this batch's token count): only refused by name
+        loss, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                                    token_normalizer=bad)  # fmt: skip
+        assert torch.isfinite(loss)
+        return
+    with pytest.raises(ValueError, match="token_normalizer"):
+        fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                          token_normalizer=bad)  # fmt: skip
+
+
+def test_fused_policy_loss_token_normalizer_scales_dapo_only():
+    from mrtpo.integrations.trl import fused_policy_loss
+
+    hidden, weight, ids, mask, adv = _loss_inputs()
+    tokens = float(mask.sum())
+    base, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo")
+    for norm in (2.5, torch.tensor(2.5), torch.tensor([2.5]), 3):
+        loss, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                                    token_normalizer=norm)  # fmt: skip
+        torch.testing.assert_close(loss, base * tokens / float(norm))
+    with pytest.raises(ValueError, match="token_normalizer: used by loss_type 'dapo' only"):
+        fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="grpo",
+                          token_normalizer=2.0)  # fmt: skip
+
+
+class _WithSpans:
+    def __init__(self, score, spans):
+        self.score, self.spans = score, spans
+
+
+def test_span_capture_reads_none_spans_as_no_spans():
+    """Issue 32, item 15: ``spans=None`` (a pair or a Verdict-like object) means "no spans",
+    as the replay reads None; a bare score too."""
+    store = {}
+    cap = trl_trainer._SpanCapture(
+        lambda completions, **kw: [(1.0, None), _WithSpans(0.5, None), 0.25, (0.0, [(0, 2)])],
+        0, store,
+    )  # fmt: skip
+    assert cap(completions=["a"] * 4) == [1.0, 0.5, 0.25, 0.0]
+    assert store[0] == [None, None, None, [(0, 2)]]
+
+
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        ([(1.0, [(0, 1)]), (1.0, 5)], r"reward function 'my_reward', sample 1: spans must be"),
+        ([_WithSpans(1.0, 7)], r"reward function 'my_reward', sample 0: spans must be"),
+        ([(1.0, "0-3")], r"reward function 'my_reward', sample 0: spans must be"),
+        ([0.5, ("a", [])], r"reward function 'my_reward', sample 1: expected a score"),
+        ([[1.0, []]], r"reward function 'my_reward', sample 0: expected a score"),
+        ([(1.0, [], "x")], r"reward function 'my_reward', sample 0: a tuple output"),
+        (1.0, r"reward function 'my_reward': expected a list with one output per sample"),
+        ("1.0", r"reward function 'my_reward': expected a list with one output per sample"),
+    ],
+    ids=["pair-int-spans", "object-int-spans", "string-spans", "string-score", "list-pair",
+         "triple", "bare-float", "string"],
+)  # fmt: skip
+def test_span_capture_malformed_outputs_name_the_reward_and_sample(outputs, match):
+    """A malformed reward output was a bare TypeError inside the span capture; now a
+    ValueError naming the reward function and the sample."""
+
+    def my_reward(completions, **kw):
+        return outputs
+
+    cap = trl_trainer._SpanCapture(my_reward, 0, {})
+    with pytest.raises(ValueError, match=match):
+        cap(completions=["a", "b"])

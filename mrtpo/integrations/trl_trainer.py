@@ -38,6 +38,11 @@ class _SpanCapture:
     def _split(self, out):
         if out is None:
             return out
+        if isinstance(out, (str, bytes)) or not isinstance(out, (list, tuple)):
+            raise ValueError(
+                f"reward function {self.__name__!r}: expected a list with one output per "
+                f"sample, got {type(out).__name__}"
+            )
         pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
                  for i, v in enumerate(out)]  # fmt: skip
         self.store[self.k] = [sp for _, sp in pairs]
