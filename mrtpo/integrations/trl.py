@@ -8,11 +8,8 @@ sequence advantage that its loss broadcasts over tokens. MRTPO replaces the (B,)
 by a (B, T) token advantage; ``fused_policy_loss`` takes (B, T) (or (B,)) advantages and
 the policy's last hidden states in place of logits. Nothing here imports TRL.
 
-``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, is ``mrtpo.integrations.trl_trainer``'s
-(which imports this module, never the other way at load). The earlier path,
-``from mrtpo.integrations.trl import MRTPOGRPOTrainer``, still gives it: the module's
-``__getattr__`` imports the trainer's module when the name is first asked for (TRL is
-imported then).
+``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, and its ``MRTPOConfig`` are in
+``mrtpo.integrations.trl_trainer``, which imports TRL (and this module; never the reverse).
 """
 
 from __future__ import annotations
@@ -298,13 +295,3 @@ def _check_token_normalizer(x, loss_type: str):
     if settings.value_checks() and not torch.compiler.is_compiling():
         positive_finite(float(x.item()))
     return x.reshape(())
-
-
-def __getattr__(name):
-    # PEP 562: asked only for a name this loaded module lacks, so this import runs after both
-    # modules exist (no load-time circle); it keeps the earlier path of the trainer working
-    if name == "MRTPOGRPOTrainer":
-        from . import trl_trainer
-
-        return trl_trainer.MRTPOGRPOTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
