@@ -397,3 +397,20 @@ def test_beta_with_a_model_built_in_code_uses_a_frozen_copy_as_reference(tmp_pat
         torch.testing.assert_close(val, initial[key], rtol=0, atol=0)
     moved = any(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
     assert moved
+
+
+def test_mrtpo_config_runs_on_a_cpu_without_flags(tmp_path):
+    """TRL's GRPOConfig defaults to bf16=True, which a machine without a bf16 GPU refuses
+    unless use_cpu=True; MRTPOConfig's unset bf16 is False there, an explicit True is TRL's."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    from mrtpo.integrations.trl_trainer import MRTPOConfig
+
+    cfg = MRTPOConfig(output_dir=str(tmp_path))
+    assert cfg.bf16 == is_torch_bf16_gpu_available()
+    if not is_torch_bf16_gpu_available():
+        with pytest.raises(ValueError, match="bf16"):
+            trl.GRPOConfig(output_dir=str(tmp_path))
+        with pytest.raises(ValueError, match="bf16"):
+            MRTPOConfig(output_dir=str(tmp_path), bf16=True)
+        assert MRTPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16  # TRL's default

@@ -46,7 +46,9 @@ CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 class MRTPOConfig(GRPOConfig):
     r"""``GRPOConfig`` with MRTPO's options (docs/METHOD.md; the ``mrtpo train`` flags of the
     same names). Every GRPOConfig field keeps its meaning; ``scale_rewards`` must stay
-    "group" (MRTPO divides each reward by its group std, as GDPO does).
+    "group" (MRTPO divides each reward by its group std, as GDPO does). One default differs:
+    ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
+    unless ``use_cpu``), so a script runs unchanged on a CPU.
 
     Parameters:
         mrtpo_alpha: share of each reward's advantage reallocated by relevance, in [0, 1];
@@ -105,6 +107,14 @@ class MRTPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        # TRL's bf16 default is True, which TrainingArguments refuses on a machine without a
+        # bf16 GPU (unless use_cpu): there the default is False, so that a script runs
+        # unchanged on the CPU; an explicit bf16=True is left to TRL.
+        if self.bf16 is None and not self.fp16 and not self.use_cpu:
+            from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+            if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+                self.bf16 = False
         super().__post_init__()
         _check_options({name: getattr(self, name) for name in _OPTION_NAMES})
 
