@@ -177,7 +177,7 @@ def main(argv=None):
         num_generations=args.generations, max_completion_length=args.max_completion,
         max_steps=args.steps, learning_rate=args.lr, beta=args.beta,
         temperature=args.temperature, mask_truncated_completions=True, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
+        report_to=[], save_strategy="no", seed=0,  # on a CPU: use_cpu, bf16 off
         mrtpo_alpha=args.alpha,
     )  # fmt: skip
     if task is None:

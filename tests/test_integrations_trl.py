@@ -401,16 +401,21 @@ def test_beta_with_a_model_built_in_code_uses_a_frozen_copy_as_reference(tmp_pat
 
 def test_mrtpo_config_runs_on_a_cpu_without_flags(tmp_path):
     """TRL's GRPOConfig defaults to bf16=True, which a machine without a bf16 GPU refuses
-    unless use_cpu=True; MRTPOConfig's unset bf16 is False there, an explicit True is TRL's."""
+    unless use_cpu=True; MRTPOConfig's unset bf16 is False there, and use_cpu is True where
+    no accelerator exists (else torchrun's CPU processes form no process group: the example
+    under torchrun, tests/test_integrations_examples.py, sets neither)."""
     from transformers.utils import is_torch_bf16_gpu_available
 
-    from mrtpo.integrations.trl_trainer import MRTPOConfig
+    from mrtpo.integrations.trl_trainer import MRTPOConfig, _accelerator_available
 
     cfg = MRTPOConfig(output_dir=str(tmp_path))
     assert cfg.bf16 == is_torch_bf16_gpu_available()
+    # no accelerator: use_cpu, without which torchrun's processes formed no process group
+    assert cfg.use_cpu == (not _accelerator_available())
     if not is_torch_bf16_gpu_available():
         with pytest.raises(ValueError, match="bf16"):
             trl.GRPOConfig(output_dir=str(tmp_path))
-        with pytest.raises(ValueError, match="bf16"):
-            MRTPOConfig(output_dir=str(tmp_path), bf16=True)
         assert MRTPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16  # TRL's default
+    if not _accelerator_available():  # an explicit bf16 is kept (CPU autocast)
+        explicit = MRTPOConfig(output_dir=str(tmp_path), bf16=True)
+        assert explicit.bf16 and explicit.use_cpu

@@ -48,7 +48,8 @@ class MRTPOConfig(GRPOConfig):
     same names). Every GRPOConfig field keeps its meaning; ``scale_rewards`` must stay
     "group" (MRTPO divides each reward by its group std, as GDPO does). One default differs:
     ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
-    unless ``use_cpu``), so a script runs unchanged on a CPU.
+    unless ``use_cpu``), and ``use_cpu`` is True where no accelerator exists, so that a
+    script runs unchanged on a CPU, in one process or several (``torchrun``).
 
     Parameters:
         mrtpo_alpha: share of each reward's advantage reallocated by relevance, in [0, 1];
@@ -115,8 +116,25 @@ class MRTPOConfig(GRPOConfig):
 
             if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
                 self.bf16 = False
+        # Accelerate forms a process group on the CPU (gloo) only with use_cpu: without it,
+        # `torchrun --nproc_per_node 2` on a machine without an accelerator started two
+        # independent single-process runs (each its own rewards, no gathering).
+        if not self.use_cpu and not _accelerator_available():
+            self.use_cpu = True
         super().__post_init__()
         _check_options({name: getattr(self, name) for name in _OPTION_NAMES})
+
+
+def _accelerator_available() -> bool:
+    """A device other than the CPU that the Trainer would use (CUDA, XPU, MPS, ...)."""
+    from transformers.utils import is_torch_xla_available
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        available = acc.is_available()
+    else:  # pragma: no cover - torch without torch.accelerator
+        available = torch.cuda.is_available()
+    return bool(available) or is_torch_xla_available()
 
 
 _OPTION_NAMES = (
