@@ -210,7 +210,7 @@ def run_trl(args) -> dict:
         trainer = MRTPOGRPOTrainer(
             model=copy.deepcopy(base), reward_funcs=rewards, args=config, train_dataset=ds,
             processing_class=tok, reward_spans=spans if with_replay else None,
-            mrtpo_alpha=1.0, callbacks=[clock],
+            callbacks=[clock],  # alpha: MRTPOConfig's default, 1.0
         )  # fmt: skip
         with contextlib.redirect_stdout(io.StringIO()):
             trainer.train()

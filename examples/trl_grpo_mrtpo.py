@@ -6,13 +6,16 @@ A conversational dataset (system + user messages) and three verifiers:
 - ``ends_with``: the response ends with the word the prompt asks for; the reward function
   returns ``(score, spans)`` per sample, spans as (message index, start, end);
 - ``short``: a length reward that names no span (spread uniformly over tokens, as in GDPO).
+Or, with ``--task NAME``, a built-in task's dataset and verifiers (constraints, sql, tools,
+tools-bfcl, ...: ``verifier_reward``), which name their spans themselves.
 No relevance code is written here: the trainer removes each reward's spans from the prompt,
 re-renders it with the chat template and teacher-forces the responses after it.
 
     python examples/trl_grpo_mrtpo.py                 # tiny model built in code, CPU
-    python examples/trl_grpo_mrtpo.py --model smollm2-135m-instruct --steps 20 --batch 16 \\
-        --generations 8 --max-completion 48          # the built-in pretrained model, offline
+    python examples/trl_grpo_mrtpo.py --model smollm2-135m-instruct --task constraints-real \
+        --steps 20 --batch 16 --generations 8 --max-completion 48 --lr 2e-5
     python examples/trl_grpo_mrtpo.py --model PATH    # any local Hugging Face causal LM
+    torchrun --nproc_per_node 2 examples/trl_grpo_mrtpo.py   # two processes (gloo on CPU)
 
 After training it prints, for a few samples of the last batch, each reward's top-relevance
 response tokens beside the prompt text its verifier names.
@@ -68,13 +71,15 @@ def short(completions, **kwargs):
     return [1.0 - min(len(_text(c)), 60) / 60.0 for c in completions]
 
 
-def tiny_model():
+def tiny_model(texts=None):
     from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
 
-    texts = [m["content"] for i in range(len(WORDS)) for m in make_prompt(i)]
-    tok = build_tokenizer(texts * 8 + [" ".join(WORDS + ENDS)] * 8)
+    if texts is None:
+        texts = [m["content"] for i in range(len(WORDS)) for m in make_prompt(i)] * 8
+        texts += [" ".join(WORDS + ENDS)] * 8
+    tok = build_tokenizer(texts)
     cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                     num_kv_heads=1, max_positions=128)  # fmt: skip
+                     num_kv_heads=1, max_positions=512)  # fmt: skip
     model = build_tiny_model(tok, cfg, seed=0)
     # an untrained model rarely stops: favour EOS so that some completions end in time
     head = torch.nn.Linear(cfg.hidden_size, len(tok), bias=True)
@@ -109,7 +114,9 @@ def show_top_tokens(trainer, tok, samples: int = 3, top: int = 3) -> list[str]:
             if not spans:
                 lines.append(f"  {name}: no span (uniform)")
                 continue
-            named = [last["prompts"][i][m]["content"][s:e] for m, s, e in spans]
+            prompt = last["prompts"][i]
+            named = [prompt[sp[0]]["content"][sp[1] : sp[2]] if len(sp) == 3
+                     else prompt[-1]["content"][sp[0] : sp[1]] for sp in spans]  # fmt: skip
             rel = rep.relevance[k, i][mask]
             best = rel.topk(min(top, rel.numel())).indices.tolist()
             toks = [f"{tok.decode([ids[t]])!r}:{rel[t].item():.3f}" for t in best]
@@ -124,6 +131,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None,
                     help="a local model path or a built-in name (default: tiny)")  # fmt: skip
+    ap.add_argument("--task", default=None,
+                    help="a built-in task (mrtpo.tasks): its prompts and verifiers")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="per-device train batch size")
     ap.add_argument("--generations", type=int, default=4)
@@ -136,44 +145,67 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import datasets
-    import trl
 
-    from mrtpo.integrations.trl_trainer import MRTPOGRPOTrainer
+    from mrtpo.integrations.trl_trainer import (
+        MRTPOConfig,
+        MRTPOGRPOTrainer,
+        example_row,
+        verifier_reward,
+    )
 
+    task = None
+    if args.task is not None:
+        from mrtpo.tasks import load_task
+
+        task = load_task(args.task)
     torch.manual_seed(0)
     if args.model is None:
-        model, tok = tiny_model()
+        if task is None:
+            model, tok = tiny_model()
+        else:
+            from mrtpo.model import task_texts
+
+            model, tok = tiny_model(task_texts(task))
     else:
         from mrtpo.model import load_model
 
         model, tok = load_model(args.model)
-    # TRL builds the reference model (beta > 0) from the policy's path: save it there
-    path = f"{args.out}/policy"
-    model.save_pretrained(path)
-    model.config._name_or_path = path
-    config = trl.GRPOConfig(
+    # beta > 0: TRL's reference model; a model built in code (no name TRL can load) gets a
+    # frozen copy of itself
+    config = MRTPOConfig(
         output_dir=args.out, per_device_train_batch_size=args.batch,
         num_generations=args.generations, max_completion_length=args.max_completion,
         max_steps=args.steps, learning_rate=args.lr, beta=args.beta,
         temperature=args.temperature, mask_truncated_completions=True, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
+        report_to=[], save_strategy="no", seed=0,  # on a CPU: use_cpu, bf16 off
+        mrtpo_alpha=args.alpha,
     )  # fmt: skip
-    dataset = datasets.Dataset.from_dict({"prompt": [make_prompt(i) for i in range(32)]})
+    if task is None:
+        dataset = datasets.Dataset.from_dict({"prompt": [make_prompt(i) for i in range(32)]})
+        rewards = dict(
+            reward_funcs=[says_word, ends_with, short], reward_spans=[says_word_spans, None, None]
+        )  # ends_with names its own
+    else:  # the task's examples as rows; each verifier returns its score and spans
+        dataset = datasets.Dataset.from_list([example_row(ex) for ex in task.train])
+        rewards = dict(reward_funcs=[verifier_reward(v) for v in task.verifiers])
     trainer = MRTPOGRPOTrainer(
-        model=model, reward_funcs=[says_word, ends_with, short], args=config,
-        train_dataset=dataset, processing_class=tok, mrtpo_alpha=args.alpha,
-        reward_spans=[says_word_spans, None, None],  # ends_with names its own; short: none
-    )  # fmt: skip
+        model=model, args=config, train_dataset=dataset, processing_class=tok, **rewards
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    for h in logs:
+    if trainer.accelerator.is_main_process:
+        state = trainer.accelerator.state
+        print(f"processes: {state.num_processes} ({state.distributed_type.value}, "
+              f"backend {state.backend or 'none'})")  # fmt: skip
+    for h in logs if trainer.accelerator.is_main_process else []:
         rel = " ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in h.items()
                        if k.startswith("mrtpo/relevance/"))  # fmt: skip
         secs = h.get("mrtpo/replay_seconds", float("nan"))
         print(f"step {h['step']}: loss {h['loss']:.4f} reward {h.get('reward', float('nan')):.3f}"
               f" replay {secs:.3f}s relevance {rel}")  # fmt: skip
-    for line in show_top_tokens(trainer, tok):
-        print(line)
+    if trainer.accelerator.is_main_process:
+        for line in show_top_tokens(trainer, tok):
+            print(line)
     return logs
 
 

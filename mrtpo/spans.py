@@ -138,14 +138,41 @@ def prompt_without_spans(prompt, normalized: Mapping):
 
 def score_and_spans(value, *, where: str = "reward"):
     """``(score, spans or None)`` of one reward-function output: a bare score (spans None),
-    a ``(score, spans)`` pair, or an object with ``score`` and ``spans`` (a ``Verdict``)."""
+    a ``(score, spans)`` pair, or an object with ``score`` and ``spans`` (a ``Verdict``).
+
+    The score is a real number or None (a missing reward); spans are None (no spans, as [])
+    or a list or tuple of spans (each checked where the replay reads it). Anything else is a
+    ValueError that names ``where`` (the reward function and the sample)."""
     if hasattr(value, "score") and hasattr(value, "spans"):
-        return value.score, list(value.spans)
-    if isinstance(value, tuple):
+        score, spans = value.score, value.spans
+    elif isinstance(value, tuple):
         if len(value) != 2:
             raise ValueError(
                 f"{where}: a tuple output must be (score, spans), got {len(value)} entries"
             )
         score, spans = value
-        return score, None if spans is None else list(spans)
-    return value, None
+    else:
+        score, spans = value, None
+    if score is not None and not _is_real_score(score):
+        raise ValueError(
+            f"{where}: expected a score (a real number or None), a (score, spans) pair or an "
+            f"object with score and spans, got a score of type {type(score).__name__}"
+        )
+    if spans is None:
+        return score, None
+    if not isinstance(spans, (list, tuple)):
+        raise ValueError(
+            f"{where}: spans must be a list of (start, end) or (message, start, end) spans, "
+            f"or None for none; got {type(spans).__name__} {spans!r:.60}"
+        )
+    return score, list(spans)
+
+
+def _is_real_score(x) -> bool:
+    import numbers
+
+    if isinstance(x, numbers.Real):
+        return True
+    import torch
+
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_complex

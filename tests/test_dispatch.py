@@ -311,9 +311,9 @@ def test_the_package_import_graph_has_no_cycle():
 
 def test_the_project_import_graph_has_no_cycle():
     """The same over the whole project (mrtpo_kernels, mrtpo, bench): every import one-way.
-    The one lazy re-export (``mrtpo.integrations.trl.__getattr__`` -> the TRL trainer's
-    module) is a PEP 562 hook, not a load-time import; tests/test_integrations_trl.py checks
-    that it loads nothing back."""
+    The TRL trainer's module imports the functions' module (``mrtpo.integrations.trl``),
+    never the reverse; tests/test_integrations_trl.py checks that the functions' module
+    imports without TRL."""
     graph = {
         m: ts - {"mrtpo_kernels"}
         for m, ts in _package_imports(("mrtpo_kernels", "mrtpo", "bench")).items()

@@ -48,3 +48,30 @@ def test_trl_example_runs_with_replayed_relevance(tmp_path, capsys):
     assert bool((rep.relevance[:2][:, mask] > 0).any())
     out = capsys.readouterr().out
     assert "says_word: names ['" in out and "short: no span (uniform)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", [None, "constraints"], ids=["own-verifiers", "builtin-task"])
+def test_trl_example_runs_under_torchrun_two_processes(tmp_path, task):
+    """The launch docs/trl.md documents for several processes on the CPU: ``torchrun
+    --nproc_per_node 2`` (gloo); the example's own verifiers and a built-in task's."""
+    import os
+    import subprocess
+    import sys
+
+    root = EXAMPLE.parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(EXAMPLE), "--steps", "2", "--max-completion", "12", "--out",
+           str(tmp_path)] + ([] if task is None else ["--task", task])  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    try:
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"two-process example hung: {str(err.stdout)[-2000:]}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "processes: 2 (MULTI_CPU, backend gloo)" in lines, out.stdout[-2000:]
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert [s.split(":")[0] for s in steps] == ["step 1", "step 2"]  # printed once (rank 0)
+    assert all("relevance" in s and "nan" not in s for s in steps)

@@ -132,16 +132,18 @@ def test_grpo_trainer_fused_loss_equals_trl(tmp_path, overrides):
 
 
 def test_grpo_trainer_refuses_aux_loss(tmp_path):
+    """A MoE model (its config has output_router_logits) with router_aux_loss_coef != 0:
+    TRL would add the aux loss the fused head never computes."""
+    torch.manual_seed(0)
+    model, tok = tiny_model_with_eos_bias()
+    model.config.output_router_logits = False  # TRL reads the attribute's presence
+    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                            num_generations=4, report_to=[], use_cpu=True,
+                            router_aux_loss_coef=0.01)  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        mixin = trl_trainer._trainer_mixin()
-        obj = mixin.__new__(mixin)
-        obj.aux_loss_enabled = True
-
-        class Base:
-            def __init__(self, *a, **k):
-                pass
-
-        type("T", (mixin, Base), {}).__init__(obj)
+        trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[reward_length], args=config,
+                                     train_dataset=ds, processing_class=tok)  # fmt: skip
 
 
 def test_grpo_trainer_refuses_scale_rewards_batch(tmp_path):
@@ -149,20 +151,271 @@ def test_grpo_trainer_refuses_scale_rewards_batch(tmp_path):
         make_trainer(tmp_path, trl_trainer.MRTPOGRPOTrainer, scale_rewards="batch")
 
 
-def test_the_earlier_trainer_path_gives_the_same_class_and_loads_nothing_back():
-    """``from mrtpo.integrations.trl import MRTPOGRPOTrainer`` (the earlier path) is the
-    trainer module's class; importing ``trl.py`` alone loads neither the trainer's module
-    nor TRL (the trainer imports the functions' module, not the reverse)."""
+def test_the_trainer_is_a_grpo_trainer_and_the_functions_need_no_trl():
+    """``class MRTPOGRPOTrainer(GRPOTrainer)`` at module level (a plain import, no module
+    ``__getattr__``); ``mrtpo.integrations.trl`` and the other framework-free modules import
+    where TRL cannot be imported, and the trainer's module then says what to install."""
     import subprocess
     import sys
 
-    from mrtpo.integrations.trl import MRTPOGRPOTrainer
+    from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer
 
-    assert MRTPOGRPOTrainer is trl_trainer.MRTPOGRPOTrainer
+    assert issubclass(MRTPOGRPOTrainer, trl.GRPOTrainer)
+    assert issubclass(MRTPOConfig, trl.GRPOConfig)
+    assert MRTPOGRPOTrainer.__module__ == "mrtpo.integrations.trl_trainer"
+    assert not hasattr(trl_trainer, "__getattr__")
     code = (
-        "import sys, mrtpo.integrations.trl as t; "
-        "print(sorted(m for m in ('mrtpo.integrations.trl_trainer', 'trl') if m in sys.modules)); "
-        "t.MRTPOGRPOTrainer; print('mrtpo.integrations.trl_trainer' in sys.modules)"
+        "import sys; sys.modules['trl'] = None\n"
+        "import mrtpo.integrations, mrtpo.integrations.trl, mrtpo.integrations.common\n"
+        "import mrtpo.integrations.verl, mrtpo.integrations.openrlhf\n"
+        "from mrtpo.integrations.trl import fused_policy_loss, mrtpo_advantages_for_grpo\n"
+        "try:\n"
+        "    import mrtpo.integrations.trl_trainer\n"
+        "except ImportError as e:\n"
+        "    print('refused:', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "refused: mrtpo.integrations.trl_trainer needs TRL" in out.stdout, out.stdout
+    assert "[trl]" in out.stdout
+
+
+# --------------------------------------------------------------------------- hostile inputs
+
+
+def _loss_inputs(b=3, t=4, d=8, v=11):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b, t, d, generator=g)
+    weight = torch.randn(v, d, generator=g)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, 2:] = 0
+    adv = torch.randn(b, t, generator=g)
+    return hidden, weight, ids, mask, adv
+
+
+@pytest.mark.parametrize(
+    "bad", [-4.0, 0, 0.0, float("nan"), float("inf"), "8", True, None, torch.tensor([2.0, 3.0]),
+            torch.tensor(-1.0), torch.tensor(0.0), torch.tensor(float("nan")),
+            torch.tensor(True)],
+)  # fmt: skip
+def test_fused_policy_loss_refuses_a_bad_token_normalizer(bad):
+    """Issue 32, item 10: a negative token_normalizer flipped the loss's sign, 0 gave inf,
+    NaN gave NaN; each is refused, naming the argument."""
+    from mrtpo.integrations.trl import fused_policy_loss
+
+    hidden, weight, ids, mask, adv = _loss_inputs()
+    if bad is None:  # None is the default (this batch's token count): only refused by name
+        loss, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                                    token_normalizer=bad)  # fmt: skip
+        assert torch.isfinite(loss)
+        return
+    with pytest.raises(ValueError, match="token_normalizer"):
+        fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                          token_normalizer=bad)  # fmt: skip
+
+
+def test_fused_policy_loss_token_normalizer_scales_dapo_only():
+    from mrtpo.integrations.trl import fused_policy_loss
+
+    hidden, weight, ids, mask, adv = _loss_inputs()
+    tokens = float(mask.sum())
+    base, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo")
+    for norm in (2.5, torch.tensor(2.5), torch.tensor([2.5]), 3):
+        loss, _ = fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="dapo",
+                                    token_normalizer=norm)  # fmt: skip
+        torch.testing.assert_close(loss, base * tokens / float(norm))
+    with pytest.raises(ValueError, match="token_normalizer: used by loss_type 'dapo' only"):
+        fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type="grpo",
+                          token_normalizer=2.0)  # fmt: skip
+
+
+class _WithSpans:
+    def __init__(self, score, spans):
+        self.score, self.spans = score, spans
+
+
+def test_span_capture_reads_none_spans_as_no_spans():
+    """Issue 32, item 15: ``spans=None`` (a pair or a Verdict-like object) means "no spans",
+    as the replay reads None; a bare score too."""
+    store = {}
+    cap = trl_trainer._SpanCapture(
+        lambda completions, **kw: [(1.0, None), _WithSpans(0.5, None), 0.25, (0.0, [(0, 2)])],
+        0, store,
+    )  # fmt: skip
+    assert cap(completions=["a"] * 4) == [1.0, 0.5, 0.25, 0.0]
+    assert store[0] == [None, None, None, [(0, 2)]]
+
+
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        ([(1.0, [(0, 1)]), (1.0, 5)], r"reward function 'my_reward', sample 1: spans must be"),
+        ([_WithSpans(1.0, 7)], r"reward function 'my_reward', sample 0: spans must be"),
+        ([(1.0, "0-3")], r"reward function 'my_reward', sample 0: spans must be"),
+        ([0.5, ("a", [])], r"reward function 'my_reward', sample 1: expected a score"),
+        ([[1.0, []]], r"reward function 'my_reward', sample 0: expected a score"),
+        ([(1.0, [], "x")], r"reward function 'my_reward', sample 0: a tuple output"),
+        (1.0, r"reward function 'my_reward': expected a list with one output per sample"),
+        ("1.0", r"reward function 'my_reward': expected a list with one output per sample"),
+    ],
+    ids=["pair-int-spans", "object-int-spans", "string-spans", "string-score", "list-pair",
+         "triple", "bare-float", "string"],
+)  # fmt: skip
+def test_span_capture_malformed_outputs_name_the_reward_and_sample(outputs, match):
+    """A malformed reward output was a bare TypeError inside the span capture; now a
+    ValueError naming the reward function and the sample."""
+
+    def my_reward(completions, **kw):
+        return outputs
+
+    cap = trl_trainer._SpanCapture(my_reward, 0, {})
+    with pytest.raises(ValueError, match=match):
+        cap(completions=["a", "b"])
+
+
+# --------------------------------------------------------------------------- MRTPOConfig
+
+MRTPO_CLI = [
+    "--mrtpo_alpha", "0.5", "--mrtpo_gamma", "2", "--mrtpo_relevance", "specific",
+    "--mrtpo_stop_credit", "uniform", "--mrtpo_truncated_credit", "uniform",
+    "--mrtpo_replay_micro_batch", "4", "--mrtpo_replay_max_tokens", "256",
+    "--mrtpo_advantages", "false",
+]  # fmt: skip
+MRTPO_PARSED = dict(
+    mrtpo_alpha=0.5, mrtpo_gamma=2.0, mrtpo_relevance="specific", mrtpo_stop_credit="uniform",
+    mrtpo_truncated_credit="uniform", mrtpo_replay_micro_batch=4, mrtpo_replay_max_tokens=256,
+    mrtpo_advantages=False,
+)  # fmt: skip
+
+
+def test_mrtpo_config_round_trips_through_trl_parser(tmp_path):
+    """MRTPOConfig's fields parse from TRL's command line (TrlParser, an HfArgumentParser)
+    and from its YAML --config, and a parsed config's fields parse back to equal values."""
+    from trl import TrlParser
+
+    from mrtpo.integrations.trl_trainer import MRTPOConfig
+
+    parser = TrlParser((MRTPOConfig,))
+    common = ["--output_dir", str(tmp_path / "o"), "--beta", "0.02", "--num_generations", "4",
+              "--use_cpu", "true", "--bf16", "false"]  # fmt: skip
+    (cfg,) = parser.parse_args_and_config(common + MRTPO_CLI)
+    assert isinstance(cfg, MRTPOConfig)
+    assert {k: getattr(cfg, k) for k in MRTPO_PARSED} == MRTPO_PARSED
+    assert (cfg.beta, cfg.num_generations) == (0.02, 4)
+    # a YAML config file, as `trl grpo --config` reads it
+    yaml = tmp_path / "mrtpo.yaml"
+    yaml.write_text("".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n"
+                            for k, v in MRTPO_PARSED.items()))  # fmt: skip
+    (from_file,) = parser.parse_args_and_config(common + ["--config", str(yaml)])
+    assert {k: getattr(from_file, k) for k in MRTPO_PARSED} == MRTPO_PARSED
+    # the parsed config, back through the parser
+    back = {k: getattr(cfg, k) for k in MRTPO_PARSED}
+    (again,) = parser.parse_dict({"output_dir": cfg.output_dir, "beta": cfg.beta,
+                                  "use_cpu": True, "bf16": False, **back})  # fmt: skip
+    assert {k: getattr(again, k) for k in MRTPO_PARSED} == MRTPO_PARSED
+    # defaults: the library's; a bad choice is refused by the parser with the choices
+    parser = TrlParser((MRTPOConfig,))  # (a --config sets the parser's defaults)
+    (plain,) = parser.parse_args_and_config(common)
+    assert (plain.mrtpo_alpha, plain.mrtpo_relevance, plain.mrtpo_replay_max_tokens) == (
+        1.0, "js", None)  # fmt: skip
+    with pytest.raises(SystemExit):
+        parser.parse_args_and_config(common + ["--mrtpo_relevance", "oracle"])
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("mrtpo_alpha", 1.5, r"mrtpo_alpha: expected a number in \[0, 1\]"),
+        ("mrtpo_alpha", "x", "mrtpo_alpha: expected a number"),
+        ("mrtpo_gamma", 0.0, "mrtpo_gamma: expected a positive finite number"),
+        ("mrtpo_gamma", float("inf"), "mrtpo_gamma: expected a positive finite number"),
+        ("mrtpo_relevance", "control", "mrtpo_relevance: expected one of"),
+        ("mrtpo_stop_credit", "none", "mrtpo_stop_credit: expected one of"),
+        ("mrtpo_truncated_credit", 1, "mrtpo_truncated_credit: expected one of"),
+        ("mrtpo_replay_micro_batch", 0, "mrtpo_replay_micro_batch: expected a positive int"),
+        ("mrtpo_replay_max_tokens", -5, "mrtpo_replay_max_tokens: expected a positive int"),
+        ("mrtpo_advantages", "yes", "mrtpo_advantages: expected a bool"),
+    ],
+)
+def test_mrtpo_config_refuses_bad_options(tmp_path, field, value, match):
+    from mrtpo.integrations.trl_trainer import MRTPOConfig
+
+    with pytest.raises(ValueError, match=match):
+        MRTPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **{field: value})
+
+
+def test_deprecated_constructor_options_warn_and_apply(tmp_path):
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                report_to=[], use_cpu=True)  # fmt: skip
+    model, tok = tiny_model_with_eos_bias()
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.warns(FutureWarning, match=r"mrtpo_micro_batch= -> MRTPOConfig\."
+                      r"mrtpo_replay_micro_batch"):  # fmt: skip
+        trainer = trl_trainer.MRTPOGRPOTrainer(
+            model=model, reward_funcs=[reward_length], args=trl.GRPOConfig(**args),
+            train_dataset=ds, processing_class=tok, mrtpo_alpha=0.25, mrtpo_micro_batch=2,
+        )  # fmt: skip
+    assert (trainer.mrtpo_alpha, trainer.mrtpo_replay_micro_batch) == (0.25, 2)
+    assert trainer.mrtpo_gamma == 1.0  # a plain GRPOConfig: MRTPOConfig's defaults
+    with pytest.raises(ValueError, match="mrtpo_alpha: expected a number in"):
+        with pytest.warns(FutureWarning):
+            trl_trainer.MRTPOGRPOTrainer(
+                model=model, reward_funcs=[reward_length], args=trl.GRPOConfig(**args),
+                train_dataset=ds, processing_class=tok, mrtpo_alpha=-1,
+            )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- beta > 0
+
+
+def test_beta_with_a_model_built_in_code_uses_a_frozen_copy_as_reference(tmp_path):
+    """Issue 31, item 4: TRL loads the reference model from the policy's name, which a model
+    built in code lacks ("Repo id must use alphanumeric chars"); the trainer then uses a
+    frozen copy of the policy as passed, and the KL is 0 before the first update."""
+    from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer
+
+    torch.manual_seed(0)
+    model, tok = tiny_model_with_eos_bias()
+    assert model.config._name_or_path == ""  # nothing saved: TRL alone cannot load it
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    config = MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=2, learning_rate=1e-2, beta=0.1,
+        temperature=1.3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        bf16=False, seed=0,
+    )  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS * 4})
+    trainer = MRTPOGRPOTrainer(model=model, reward_funcs=[reward_length, reward_vowels],
+                               args=config, train_dataset=ds, processing_class=tok)  # fmt: skip
+    ref = trainer.accelerator.unwrap_model(trainer.ref_model)
+    assert ref is not model and not any(p.requires_grad for p in ref.parameters())
+    trainer.train()
+    kls = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert len(kls) == 2 and kls[0] == pytest.approx(0.0, abs=1e-7) and kls[1] > 0
+    for key, val in ref.state_dict().items():  # the reference stayed at the initial weights
+        torch.testing.assert_close(val, initial[key], rtol=0, atol=0)
+    moved = any(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    assert moved
+
+
+def test_mrtpo_config_runs_on_a_cpu_without_flags(tmp_path):
+    """TRL's GRPOConfig defaults to bf16=True, which a machine without a bf16 GPU refuses
+    unless use_cpu=True; MRTPOConfig's unset bf16 is False there, and use_cpu is True where
+    no accelerator exists (else torchrun's CPU processes form no process group: the example
+    under torchrun, tests/test_integrations_examples.py, sets neither)."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    from mrtpo.integrations.trl_trainer import MRTPOConfig, _accelerator_available
+
+    cfg = MRTPOConfig(output_dir=str(tmp_path))
+    assert cfg.bf16 == is_torch_bf16_gpu_available()
+    # no accelerator: use_cpu, without which torchrun's processes formed no process group
+    assert cfg.use_cpu == (not _accelerator_available())
+    if not is_torch_bf16_gpu_available():
+        with pytest.raises(ValueError, match="bf16"):
+            trl.GRPOConfig(output_dir=str(tmp_path))
+        assert MRTPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16  # TRL's default
+    if not _accelerator_available():  # an explicit bf16 is kept (CPU autocast)
+        explicit = MRTPOConfig(output_dir=str(tmp_path), bf16=True)
+        assert explicit.bf16 and explicit.use_cpu

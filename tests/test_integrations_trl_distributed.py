@@ -124,3 +124,127 @@ def test_two_processes_give_the_advantages_of_one(tmp_path):
         torch.testing.assert_close(recs[1]["final"][key], val, rtol=1e-6, atol=1e-7)
         moved = moved or not torch.equal(val, recs[0]["state"][key])
     assert moved
+
+
+# --------------------------------------------------------------------------- no deadlock
+# Issue 32, section 1: every collective runs on every rank whatever its rows hold. Each case
+# trains one step under two gloo processes in which the two ranks' rows differ in what they
+# name; a collective behind a data-dependent branch makes one rank wait forever, so the run
+# has a deadline and a hang fails the test.
+
+CASES = ("mixed-spans", "rank1-no-spans", "rank1-truncated-masked", "rank1-eos-only")
+DEADLINE_S = 180
+
+
+def _case_rank_main(rank: int, port: int, out: str):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), ACCELERATE_USE_CPU="yes", OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from test_integrations_trl_replay import (
+        PROMPTS,
+        WORDS,
+        ends_bye,
+        length,
+        quoted,
+        says_word,
+        tiny_model,
+        user_text,
+    )
+
+    from mrtpo.integrations import trl_trainer
+
+    case = {"name": None}
+
+    def on_rank(r):
+        return case["name"] != "mixed-spans" or rank == r
+
+    def word_spans(prompt, **columns):  # rank 0's rows only (mixed), never on rank 1 (no spans)
+        if case["name"] == "rank1-no-spans" and rank == 1:
+            return []
+        return [quoted(user_text(prompt), 0)] if on_rank(0) else []
+
+    def bye(prompts, completions, **kw):  # span-returning; rank 1's rows only in "mixed"
+        scores = ends_bye(prompts, completions, **kw)
+        if case["name"] == "rank1-no-spans" and rank == 1:
+            return [float(s[0] if isinstance(s, tuple) else s.score) for s in scores]
+        if not on_rank(1):
+            return [(float(s[0] if isinstance(s, tuple) else s.score), []) for s in scores]
+        return scores
+
+    class Hostile(trl_trainer.MRTPOGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            ids, logps = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            if rank == 1 and case["name"] == "rank1-truncated-masked":
+                ids = [[5, 6, 7, 8, 9, 10] for _ in ids]  # no EOS: truncated, then masked
+            elif rank == 1 and case["name"] == "rank1-eos-only":
+                ids = [[self._tokenizer.eos_token_id] for _ in ids]  # empty completions
+            return ids, logps
+
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    ds = datasets.Dataset.from_dict({"prompt": prompts * 3, "topic": WORDS * 3})
+    for name in CASES:
+        case["name"] = name
+        torch.manual_seed(0)
+        model, tok = tiny_model()
+        config = trl.GRPOConfig(
+            output_dir=os.path.join(out, name), per_device_train_batch_size=PER_DEVICE,
+            num_generations=G, max_completion_length=6, max_steps=1, learning_rate=1e-2,
+            beta=0.0, mask_truncated_completions=True, temperature=1.3, logging_steps=1,
+            report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        )  # fmt: skip
+        trainer = Hostile(
+            model=model, reward_funcs=[says_word, bye, length], args=config, train_dataset=ds,
+            processing_class=tok, reward_spans=[word_spans, None, None],
+        )  # fmt: skip
+        trainer.train()
+        replayed = getattr(trainer, "last_replay", None)
+        logged = trainer.state.log_history[0]
+        final = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        torch.save(
+            dict(logged=logged, final=final,
+                 has_info=None if replayed is None else replayed["replay"].has_info),
+            os.path.join(out, f"{name}.rank{rank}.pt"),
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ranks_whose_rows_differ_never_deadlock(tmp_path):
+    import time
+
+    ctx = mp.start_processes(_case_rank_main, args=(_free_port(), str(tmp_path)),
+                             nprocs=WORLD, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                done = sorted(p.name for p in tmp_path.glob("*.pt"))
+                pytest.fail(f"two-process TRL run hung (deadlock) after {DEADLINE_S} s; "
+                            f"finished: {done}")  # fmt: skip
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    for name in CASES:
+        recs = [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False)
+                for r in range(WORLD)]  # fmt: skip
+        # both ranks took the same (DDP-averaged) step and logged the same figures
+        for key, val in recs[0]["final"].items():
+            torch.testing.assert_close(recs[1]["final"][key], val, rtol=1e-6, atol=1e-7)
+        assert recs[0]["logged"].keys() == recs[1]["logged"].keys(), name
+        for key, val in recs[0]["logged"].items():  # MRTPO's figures: the same on every rank
+            if key.startswith("mrtpo/"):
+                assert recs[1]["logged"][key] == pytest.approx(val, rel=1e-12), (name, key)
+        assert "mrtpo/replay_seconds" in recs[0]["logged"], name
+        info = [r["has_info"] for r in recs]
+        if name == "mixed-spans":  # says_word's spans on rank 0, ends_bye's on rank 1
+            assert info[0][:, 0].all() and not info[0][:, 1].any()
+            assert info[1][:, 1].all() and not info[1][:, 0].any()
+            for reward in ("says_word", "bye"):
+                assert recs[0]["logged"][f"mrtpo/relevance/{reward}"] >= 0
+        elif name == "rank1-no-spans":  # rank 1 replayed nothing, yet took part
+            assert info[0][:, :2].all() and info[1] is None
+        else:
+            assert info[0][:, :2].all() and info[1][:, :2].all()

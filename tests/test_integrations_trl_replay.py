@@ -101,17 +101,18 @@ def run_trainer(tmp_path, *, conversational, mask_truncated, steps=1, max_tokens
     model, tok = tiny_model()
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if conversational else PROMPTS
     ds = datasets.Dataset.from_dict({"prompt": prompts * 2, "topic": WORDS * 2})
-    config = trl.GRPOConfig(
+    config = trl_trainer.MRTPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=0.0,
         mask_truncated_completions=mask_truncated, loss_type="grpo", temperature=1.3,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        mrtpo_alpha=1.0, mrtpo_gamma=1.0, mrtpo_replay_micro_batch=3,
+        mrtpo_replay_max_tokens=max_tokens,
     )  # fmt: skip
     records = []
     trainer = recording_class(records)(
         model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
-        processing_class=tok, reward_spans=[word_spans, None, None], mrtpo_alpha=1.0,
-        mrtpo_gamma=1.0, mrtpo_micro_batch=3, mrtpo_max_tokens=max_tokens,
+        processing_class=tok, reward_spans=[word_spans, None, None],
     )  # fmt: skip
     trainer.train()
     return trainer, records, tok
@@ -179,7 +180,7 @@ def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
     model.load_state_dict(rec["state"])
     m64 = model.double().eval()
     spans = _spans_of(rec["inputs"])
-    relevance, has_info = rec["replay"]  # what the trainer computed and used
+    relevance, has_info = rec["replay"].relevance, rec["replay"].has_info  # what it used
     assert has_info.tolist() == [[True, True, False]] * len(responses)
     replayed = {}
     for i, (p, r) in enumerate(zip([x["prompt"] for x in rec["inputs"]], responses)):

@@ -2,9 +2,10 @@
 trainers: TRL (``mrtpo.integrations.trl``), verl (``mrtpo.integrations.verl``) and OpenRLHF
 (``mrtpo.integrations.openrlhf``), with the shared pieces in ``mrtpo.integrations.common``.
 
-Importing these modules never imports a trainer framework; the few functions that need one
-import it when called and name it in the error when it is missing. See
-docs/integrations.md.
+Importing these modules imports no trainer framework, except
+``mrtpo.integrations.trl_trainer`` (``MRTPOGRPOTrainer(trl.GRPOTrainer)``, the ``trl``
+extra); the few other functions that need one import it when called and name it in the
+error when it is missing. See docs/integrations.md and docs/trl.md.
 """
 
 from .common import (

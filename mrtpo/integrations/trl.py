@@ -8,14 +8,13 @@ sequence advantage that its loss broadcasts over tokens. MRTPO replaces the (B,)
 by a (B, T) token advantage; ``fused_policy_loss`` takes (B, T) (or (B,)) advantages and
 the policy's last hidden states in place of logits. Nothing here imports TRL.
 
-``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, is ``mrtpo.integrations.trl_trainer``'s
-(which imports this module, never the other way at load). The earlier path,
-``from mrtpo.integrations.trl import MRTPOGRPOTrainer``, still gives it: the module's
-``__getattr__`` imports the trainer's module when the name is first asked for (TRL is
-imported then).
+``MRTPOGRPOTrainer``, the GRPOTrainer that uses them, and its ``MRTPOConfig`` are in
+``mrtpo.integrations.trl_trainer``, which imports TRL (and this module; never the reverse).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,6 +23,7 @@ from mrtpo_kernels import (
     POLICY_LOSS_DEFAULTS,
     linear_logprobs,
     linear_policy_loss,
+    settings,
 )
 
 from .common import (
@@ -188,8 +188,10 @@ def fused_policy_loss(
         temperature: TRL's sampling temperature (logits are divided by it).
         max_completion_length: dr_grpo's normalizer, TRL's ``args.max_completion_length``;
             default T (the padded width, which is what TRL uses only when they agree).
-        token_normalizer: for "dapo", TRL's ``num_items_in_batch / num_processes`` (the
+        token_normalizer: for "dapo" only, TRL's ``num_items_in_batch / num_processes`` (the
             token count of the whole accumulated batch); default this batch's token count.
+            A positive finite number, or a one-element tensor holding one (ValueError
+            otherwise: a negative one would flip the loss's sign, 0 make it inf).
         use_bias_correction_kl: TRL's option (its default is True): the k3 KL term of each
             token is multiplied by the importance ratio exp(logp - old), not detached, as
             TRL does; ``linear_policy_loss(kl_importance_weight=True)`` computes it in the
@@ -233,6 +235,8 @@ def fused_policy_loss(
             raise ValueError("ref_per_token_logps: beta != 0 needs the reference log-probs")
         check_tensor("ref_per_token_logps", ref_per_token_logps, ndim=2, floating=True)
         check_shape("ref_per_token_logps", ref_per_token_logps, (b, t), "(B, T)")
+    if token_normalizer is not None:
+        token_normalizer = _check_token_normalizer(token_normalizer, loss_type)
     norm_len = None
     if loss_type == "dr_grpo":
         norm_len = float(t if max_completion_length is None else max_completion_length)
@@ -259,11 +263,35 @@ def fused_policy_loss(
     return loss, metrics
 
 
-def __getattr__(name):
-    # PEP 562: asked only for a name this loaded module lacks, so this import runs after both
-    # modules exist (no load-time circle); it keeps the earlier path of the trainer working
-    if name == "MRTPOGRPOTrainer":
-        from . import trl_trainer
+def _check_token_normalizer(x, loss_type: str):
+    """A positive finite number or a one-element real tensor holding one (its value checked
+    when the value checks are on: ``mrtpo_kernels.settings``), for loss type "dapo" only."""
+    if loss_type != "dapo":
+        raise ValueError(
+            f"token_normalizer: used by loss_type 'dapo' only (its token count over the "
+            f"accumulated batch), got it with loss_type {loss_type!r}"
+        )
 
-        return trl_trainer.MRTPOGRPOTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def positive_finite(v):
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"token_normalizer: expected a positive finite number, got {v}")
+        return v
+
+    if not isinstance(x, torch.Tensor):
+        if isinstance(x, (str, bytes, bool)) or x is None:
+            raise ValueError(f"token_normalizer: expected a number, got {type(x).__name__}")
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"token_normalizer: expected a number, got {type(x).__name__}"
+            ) from None
+        return positive_finite(v)
+    if x.numel() != 1 or x.dtype == torch.bool or x.dtype.is_complex:
+        raise ValueError(
+            f"token_normalizer: expected a number or a one-element real tensor, got a "
+            f"{x.dtype} tensor of shape {tuple(x.shape)}"
+        )
+    if settings.value_checks() and not torch.compiler.is_compiling():
+        positive_finite(float(x.item()))
+    return x.reshape(())

@@ -1,24 +1,221 @@
-"""TRL adapter, the trainer: ``MRTPOGRPOTrainer``, TRL's GRPOTrainer with the contrastive
+"""TRL adapter, the trainer: ``MRTPOGRPOTrainer``, TRL's ``GRPOTrainer`` with the contrastive
 replay on each generation batch, MRTPO (B, T) token advantages and the loss fused with the
-LM head (the functions of ``mrtpo.integrations.trl``), and the wrapper that lets a reward
-function name its prompt spans.
+LM head (the functions of ``mrtpo.integrations.trl``); ``MRTPOConfig``, TRL's ``GRPOConfig``
+with MRTPO's options; and ``verifier_reward``, which turns a built-in verifier into a TRL
+reward function that names its prompt spans.
 
-``MRTPOGRPOTrainer`` subclasses ``trl.GRPOTrainer``, so it is built on first use (TRL is
-imported only then): ``from mrtpo.integrations.trl_trainer import MRTPOGRPOTrainer``. The
-earlier ``from mrtpo.integrations.trl import MRTPOGRPOTrainer`` gives the same class.
+This module imports TRL (the ``trl`` extra: ``pip install -e '.[trl]'``); the framework-free
+functions (``mrtpo.integrations.trl``, ``.common``) need no TRL. docs/trl.md is the guide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs
+try:
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as exc:  # pragma: no cover - the trl extra is not installed
+    raise ImportError(
+        f"mrtpo.integrations.trl_trainer needs TRL ({exc}); install the trl extra: "
+        "pip install -e '.[trl]' (the framework-free functions are in "
+        "mrtpo.integrations.trl and need no TRL)"
+    ) from exc
+
+from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevance
 
 from ..spans import score_and_spans
-from .common import require
 from .trl import LOSS_TYPES, _check_scale_rewards, fused_policy_loss, mrtpo_advantages_for_grpo
+
+__all__ = ["MRTPOConfig", "MRTPOGRPOTrainer", "verifier_reward"]
+
+# --------------------------------------------------------------------------- the config
+
+RELEVANCES = ("js", "specific")  # the --relevance modes the TRL replay can give
+CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
+
+
+@dataclass
+class MRTPOConfig(GRPOConfig):
+    r"""``GRPOConfig`` with MRTPO's options (docs/METHOD.md; the ``mrtpo train`` flags of the
+    same names). Every GRPOConfig field keeps its meaning; ``scale_rewards`` must stay
+    "group" (MRTPO divides each reward by its group std, as GDPO does). One default differs:
+    ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
+    unless ``use_cpu``), and ``use_cpu`` is True where no accelerator exists, so that a
+    script runs unchanged on a CPU, in one process or several (``torchrun``).
+
+    Parameters:
+        mrtpo_alpha: share of each reward's advantage reallocated by relevance, in [0, 1];
+            0 gives GDPO's advantage broadcast over tokens.
+        mrtpo_gamma: sharpening exponent on the relevance, > 0.
+        mrtpo_relevance: what allocates each reward: "js" (the JS distance d_k of the
+            replay) or "specific" (d_k minus the mean d of the other rewards with spans,
+            floored at 0; no extra forward).
+        mrtpo_stop_credit: the stop token (EOS) of a finished completion: "relevance" (as any
+            token) or "uniform" (its weight is 1 for every reward, GDPO's share of the stop
+            decision).
+        mrtpo_truncated_credit: a completion cut at ``max_completion_length``: "relevance"
+            or "uniform" (every reward spread over it, as GDPO; TRL's
+            ``mask_truncated_completions`` drops such rows from the loss anyway).
+        mrtpo_replay_micro_batch: the replay's chunk holds at most this many completions.
+        mrtpo_replay_max_tokens: and at most this many padded prompt + completion tokens
+            (None: no limit).
+        mrtpo_advantages: False keeps TRL's own advantages (only the fused log-probs and
+            loss are used).
+    """
+
+    mrtpo_alpha: float = field(
+        default=ADVANTAGE_DEFAULTS.alpha,
+        metadata={"help": "MRTPO: share of each reward's advantage reallocated by relevance "
+                          "(0 = GDPO)."},
+    )  # fmt: skip
+    mrtpo_gamma: float = field(
+        default=ADVANTAGE_DEFAULTS.gamma,
+        metadata={"help": "MRTPO: sharpening exponent on the relevance (> 0)."},
+    )
+    mrtpo_relevance: str = field(
+        default="js",
+        metadata={"help": "MRTPO: relevance that allocates each reward.", "choices": RELEVANCES},
+    )
+    mrtpo_stop_credit: str = field(
+        default="relevance",
+        metadata={"help": "MRTPO: allocation on the stop token of a finished completion.",
+                  "choices": CREDIT_MODES},
+    )  # fmt: skip
+    mrtpo_truncated_credit: str = field(
+        default="relevance",
+        metadata={"help": "MRTPO: allocation on a completion cut at max_completion_length.",
+                  "choices": CREDIT_MODES},
+    )  # fmt: skip
+    mrtpo_replay_micro_batch: int = field(
+        default=16, metadata={"help": "MRTPO: completions per replay chunk."}
+    )
+    mrtpo_replay_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "MRTPO: padded prompt + completion tokens per replay chunk "
+                          "(default: no limit)."},
+    )  # fmt: skip
+    mrtpo_advantages: bool = field(
+        default=True,
+        metadata={"help": "MRTPO: token advantages (False: TRL's own, fused loss only)."},
+    )
+
+    def __post_init__(self):
+        # TRL's bf16 default is True, which TrainingArguments refuses on a machine without a
+        # bf16 GPU (unless use_cpu): there the default is False, so that a script runs
+        # unchanged on the CPU; an explicit bf16=True is left to TRL.
+        if self.bf16 is None and not self.fp16 and not self.use_cpu:
+            from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+            if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+                self.bf16 = False
+        # Accelerate forms a process group on the CPU (gloo) only with use_cpu: without it,
+        # `torchrun --nproc_per_node 2` on a machine without an accelerator started two
+        # independent single-process runs (each its own rewards, no gathering).
+        if not self.use_cpu and not _accelerator_available():
+            self.use_cpu = True
+        super().__post_init__()
+        _check_options({name: getattr(self, name) for name in _OPTION_NAMES})
+
+
+def _accelerator_available() -> bool:
+    """A device other than the CPU that the Trainer would use (CUDA, XPU, MPS, ...)."""
+    from transformers.utils import is_torch_xla_available
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        available = acc.is_available()
+    else:  # pragma: no cover - torch without torch.accelerator
+        available = torch.cuda.is_available()
+    return bool(available) or is_torch_xla_available()
+
+
+_OPTION_NAMES = (
+    "mrtpo_alpha",
+    "mrtpo_gamma",
+    "mrtpo_relevance",
+    "mrtpo_stop_credit",
+    "mrtpo_truncated_credit",
+    "mrtpo_replay_micro_batch",
+    "mrtpo_replay_max_tokens",
+    "mrtpo_advantages",
+)
+# the constructor keywords of earlier versions -> the MRTPOConfig fields (deprecated)
+_DEPRECATED_KWARGS = {
+    "mrtpo_alpha": "mrtpo_alpha",
+    "mrtpo_gamma": "mrtpo_gamma",
+    "mrtpo_micro_batch": "mrtpo_replay_micro_batch",
+    "mrtpo_max_tokens": "mrtpo_replay_max_tokens",
+    "mrtpo_advantages": "mrtpo_advantages",
+}
+
+
+def _check_options(o: dict) -> dict:
+    """MRTPO's options checked, each ValueError naming its field; returns them normalized."""
+
+    def number(name):
+        v = o[name]
+        if isinstance(v, (bool, str, bytes)) or v is None:
+            raise ValueError(f"{name}: expected a number, got {type(v).__name__} {v!r}")
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected a number, got {type(v).__name__}") from None
+
+    def count(name, optional=False):
+        v = o[name]
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        return int(v)
+
+    out = dict(o)
+    out["mrtpo_alpha"] = alpha = number("mrtpo_alpha")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"mrtpo_alpha: expected a number in [0, 1], got {alpha}")
+    out["mrtpo_gamma"] = gamma = number("mrtpo_gamma")
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ValueError(f"mrtpo_gamma: expected a positive finite number, got {gamma}")
+    if o["mrtpo_relevance"] not in RELEVANCES:
+        raise ValueError(
+            f"mrtpo_relevance: expected one of {RELEVANCES}, got {o['mrtpo_relevance']!r} "
+            "(control, logratio and oracle exist in `mrtpo train` only)"
+        )
+    for name in ("mrtpo_stop_credit", "mrtpo_truncated_credit"):
+        if o[name] not in CREDIT_MODES:
+            raise ValueError(f"{name}: expected one of {CREDIT_MODES}, got {o[name]!r}")
+    out["mrtpo_replay_micro_batch"] = count("mrtpo_replay_micro_batch")
+    out["mrtpo_replay_max_tokens"] = count("mrtpo_replay_max_tokens", optional=True)
+    if not isinstance(o["mrtpo_advantages"], bool):
+        raise ValueError(f"mrtpo_advantages: expected a bool, got {o['mrtpo_advantages']!r}")
+    return out
+
+
+def _options_of(args, deprecated: dict) -> dict:
+    """MRTPO's options: ``args``' fields (an MRTPOConfig; a plain GRPOConfig gets the
+    defaults), overridden by the deprecated constructor keywords (with a FutureWarning)."""
+    defaults = {f: MRTPOConfig.__dataclass_fields__[f].default for f in _OPTION_NAMES}
+    o = {f: getattr(args, f, defaults[f]) for f in _OPTION_NAMES}
+    if deprecated:
+        names = ", ".join(f"{k}= -> MRTPOConfig.{_DEPRECATED_KWARGS[k]}" for k in deprecated)
+        warnings.warn(
+            f"MRTPOGRPOTrainer: the keyword arguments {names} are deprecated; set them in "
+            "MRTPOConfig (args=MRTPOConfig(...))",
+            FutureWarning,
+            stacklevel=3,
+        )
+        for k, v in deprecated.items():
+            o[_DEPRECATED_KWARGS[k]] = v
+    return _check_options(o)
+
 
 # --------------------------------------------------------------------------- reward spans
 
@@ -38,6 +235,11 @@ class _SpanCapture:
     def _split(self, out):
         if out is None:
             return out
+        if isinstance(out, (str, bytes)) or not isinstance(out, (list, tuple)):
+            raise ValueError(
+                f"reward function {self.__name__!r}: expected a list with one output per "
+                f"sample, got {type(out).__name__}"
+            )
         pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
                  for i, v in enumerate(out)]  # fmt: skip
         self.store[self.k] = [sp for _, sp in pairs]
@@ -85,6 +287,109 @@ def _trl_prompt_encoder(trainer):
     return encode
 
 
+# --------------------------------------------------------------------------- verifiers
+
+EXAMPLE_COLUMNS = ("prompt", "example_id", "fields", "reference")
+
+
+def verifier_reward(verifier, *, spans: bool = True):
+    """A TRL reward function from a built-in verifier (``mrtpo.verifiers``: the SQL,
+    constraint, tool-call and BFCL verifiers of ``mrtpo.tasks.load_task(name).verifiers``,
+    or any ``Verifier``: ``verifier(example, response) -> Verdict``).
+
+    Each dataset row is the task's ``Example``: the ``prompt`` column is the example's
+    prompt text, or a chat prompt whose last user message is that text; ``fields`` is
+    the example's fields as a JSON string (or a dict); ``example_id`` and ``reference``
+    are optional. ``example_row(example)`` builds such a row. The function returns per
+    completion ``(score, spans)``: the verdict's score and the prompt spans the verifier
+    checked, which ``MRTPOGRPOTrainer`` replays (offsets into the prompt text, i.e. its
+    last user message on a chat prompt). With ``spans=False`` it returns the scores alone
+    (for TRL's own ``GRPOTrainer``). Its ``__name__`` is the verifier's name (TRL logs
+    ``rewards/<name>/mean``, MRTPO ``mrtpo/relevance/<name>``).
+    """
+    name = getattr(verifier, "name", None)
+    if not callable(verifier) or not isinstance(name, str) or not name:
+        raise ValueError(
+            f"verifier: expected a verifier (a callable with a name, as in "
+            f"mrtpo.tasks.load_task(...).verifiers), got {type(verifier).__name__}"
+        )
+    from mrtpo.verifiers import Example
+
+    def reward(prompts, completions, fields=None, example_id=None, reference=None, **_):
+        n = len(completions)
+        for col, values in (("fields", fields), ("example_id", example_id),
+                            ("reference", reference)):  # fmt: skip
+            if values is not None and len(values) != n:
+                raise ValueError(f"{col}: expected {n} values (one per completion), got "
+                                 f"{len(values)}")  # fmt: skip
+        out = []
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            example = Example(
+                id=str(example_id[i]) if example_id is not None else str(i),
+                prompt=_prompt_text(prompt, i),
+                fields=_fields_of(None if fields is None else fields[i], i),
+                reference=None if reference is None else reference[i],
+            )
+            verdict = verifier(example, _completion_text(completion))
+            out.append((float(verdict.score), list(verdict.spans)) if spans
+                       else float(verdict.score))  # fmt: skip
+        return out
+
+    reward.__name__ = name
+    reward.__qualname__ = name
+    reward.verifier = verifier
+    return reward
+
+
+def example_row(example) -> dict:
+    """The dataset row ``verifier_reward`` reads for a task's ``Example``: ``prompt`` (the
+    prompt as one user message), ``example_id``, ``fields`` (JSON) and ``reference``."""
+    return {
+        "prompt": [{"role": "user", "content": example.prompt}],
+        "example_id": example.id,
+        "fields": json.dumps(example.fields),
+        "reference": example.reference or "",
+    }
+
+
+def _prompt_text(prompt, i: int) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        for message in reversed(prompt):
+            if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, str):
+                    return content
+    raise ValueError(
+        f"prompt: sample {i} is neither a string nor a chat prompt with a user message of "
+        "text content (a verifier's spans are offsets into that text)"
+    )
+
+
+def _completion_text(completion) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content") or "")
+    raise ValueError(f"completions: expected a string or a chat message list, got "
+                     f"{type(completion).__name__}")  # fmt: skip
+
+
+def _fields_of(value, i: int) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise ValueError(f"fields: sample {i} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"fields: sample {i}: expected a dict (or its JSON), got "
+                         f"{type(value).__name__}")  # fmt: skip
+    return value
+
+
 # --------------------------------------------------------------------------- the trainer
 
 # TRL settings the fused loss path reproduces; any other value goes to TRL's own loss code,
@@ -93,338 +398,404 @@ _REFUSED_MODEL_SETTINGS = ("final_logit_softcapping", "logit_scale", "logits_sca
                            "lm_head_multiplier", "output_multiplier")  # fmt: skip
 
 
-def _trainer_mixin():
-    class MRTPOGRPOMixin:
-        """GRPOTrainer with MRTPO (B, T) token advantages and a fused LM head everywhere.
+class MRTPOGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer with MRTPO (B, T) token advantages and a fused LM head everywhere.
 
-        Extra keyword arguments:
-            mrtpo_alpha, mrtpo_gamma: MRTPO's alpha and gamma (``mrtpo_token_advantages``).
-            reward_spans: one entry per reward function, ``fn_k(prompt, **columns) ->
-                spans`` (the prompt and the other dataset columns of one sample; spans as
-                in ``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on
-                a conversational one) or None. Where None, a reward function's own outputs
-                name the spans if it returns per sample ``(score, spans)`` or a ``Verdict``;
-                a reward with neither is spread uniformly (GDPO). On each generation batch
-                the trainer runs ``mrtpo.replay.replay_relevance`` on this process's rows
-                with the training model (whatever generated them, vLLM included).
-            relevance_fn: override: ``fn(trainer, inputs, output) -> (relevance (K, B, T),
-                has_info (B, K))`` for this process's rows.
-            mrtpo_micro_batch, mrtpo_max_tokens: the replay's chunk of at most that many
-                responses (16) and padded prompt + response tokens (None: no limit).
-            mrtpo_advantages: False keeps TRL's own advantages (only the fused loss).
+    Takes GRPOTrainer's arguments; MRTPO's options are fields of ``args``, an
+    ``MRTPOConfig`` (a plain ``GRPOConfig`` gets their defaults). Two more keyword
+    arguments, callables like ``reward_funcs``:
 
-        Logged per step: ``mrtpo/replay_seconds`` and, per reward with spans,
-        ``mrtpo/relevance/<reward name>`` (its mean relevance over the tokens of the samples
-        whose prompt it names spans of). ``trainer.last_replay`` keeps the last batch's
-        prompts, spans, completion ids and ``Replay`` (relevance, has_info) for inspection.
+    Args:
+        reward_spans: one entry per reward function, ``fn_k(prompt, **columns) -> spans``
+            (the prompt and the other dataset columns of one sample; spans as in
+            ``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on a
+            conversational one) or None. Where None, a reward function's own outputs name
+            the spans if it returns per sample ``(score, spans)`` or a ``Verdict``
+            (``verifier_reward`` makes one from a built-in verifier); a reward with
+            neither is spread uniformly (GDPO). On each generation batch the trainer runs
+            ``mrtpo.replay.replay_relevance`` on this process's rows with the training
+            model (whatever generated them, vLLM included).
+        relevance_fn: override of the replay: ``fn(trainer, inputs, output) ->
+            (relevance (K, B, T), has_info (B, K))`` for this process's rows.
 
-        Log-probs (old, reference and current) come from ``linear_logprobs`` on the
-        decoder's hidden states, so no (B, T, V) logits are formed. The loss is
-        ``fused_policy_loss`` for loss types grpo/bnpo/dapo/dr_grpo at token-level
-        importance sampling, with or without ``use_bias_correction_kl``; every other
-        setting (entropy bonus, top_entropy_quantile, off_policy_mask_threshold, delta,
-        sequence-level importance sampling, vLLM importance weights, other loss types) runs
-        TRL's own ``_compute_loss`` on those fused log-probs, so nothing is dropped. A MoE
-        router aux loss, multimodal inputs and logit scaling/softcapping are refused.
-        """
+    The keywords ``mrtpo_alpha``, ``mrtpo_gamma``, ``mrtpo_micro_batch``,
+    ``mrtpo_max_tokens`` and ``mrtpo_advantages`` of earlier versions still work, with a
+    FutureWarning; they override the config's fields.
 
-        def __init__(self, *args, mrtpo_alpha=ADVANTAGE_DEFAULTS.alpha,
-                     mrtpo_gamma=ADVANTAGE_DEFAULTS.gamma, relevance_fn=None,
-                     reward_spans=None, mrtpo_micro_batch=16, mrtpo_max_tokens=None,
-                     mrtpo_advantages=True, **kwargs):  # fmt: skip
-            store: dict = {}
-            if "reward_funcs" in kwargs:
-                kwargs["reward_funcs"] = _wrap_reward_funcs(kwargs["reward_funcs"], store)
-            elif len(args) >= 2:
-                args = (args[0], _wrap_reward_funcs(args[1], store), *args[2:])
+    Logged per step, beside TRL's metrics (docs/trl.md, "Logged metrics"):
+    ``mrtpo/gdpo_std/<reward>``, ``mrtpo/frac_zero_std/<reward>``,
+    ``mrtpo/frac_zero_std_all``, ``mrtpo/replay_seconds`` and ``mrtpo/relevance/<reward>``.
+    ``trainer.last_replay`` keeps the last batch's prompts, spans, completion ids and
+    ``Replay`` (relevance, has_info) for inspection.
+
+    Log-probs (old, reference and current) come from ``linear_logprobs`` on the
+    decoder's hidden states, so no (B, T, V) logits are formed. The loss is
+    ``fused_policy_loss`` for loss types grpo/bnpo/dapo/dr_grpo at token-level
+    importance sampling, with or without ``use_bias_correction_kl``; every other
+    setting (entropy bonus, top_entropy_quantile, off_policy_mask_threshold, delta,
+    sequence-level importance sampling, vLLM importance weights, other loss types) runs
+    TRL's own ``_compute_loss`` on those fused log-probs, so nothing is dropped. A MoE
+    router aux loss, multimodal inputs and logit scaling/softcapping are refused.
+
+    With ``beta > 0`` TRL loads its reference model from the policy's name; a policy
+    passed as a model TRL cannot load by name (built in code, or converted and saved
+    where its name does not point) gets as reference a frozen copy of itself, its
+    weights at construction.
+    """
+
+    def __init__(self, *args, relevance_fn=None, reward_spans=None, **kwargs):
+        deprecated = {k: kwargs.pop(k) for k in list(kwargs) if k in _DEPRECATED_KWARGS}
+        store: dict = {}
+        if "reward_funcs" in kwargs:
+            kwargs["reward_funcs"] = _wrap_reward_funcs(kwargs["reward_funcs"], store)
+        elif len(args) >= 2:
+            args = (args[0], _wrap_reward_funcs(args[1], store), *args[2:])
+        model = kwargs.get("model", args[0] if args else None)
+        config = kwargs.get("args", args[2] if len(args) >= 3 else None)
+        if config is None:  # as GRPOTrainer does, with MRTPO's config
+            name = model if isinstance(model, str) else _model_id(model) or "model"
+            config = MRTPOConfig(f"{name.split('/')[-1]}-MRTPO")
+            if len(args) >= 3:
+                args = (*args[:2], config, *args[3:])
+            else:
+                kwargs["args"] = config
+        options = _options_of(config, deprecated)
+        with _reference_from_policy(model):
             super().__init__(*args, **kwargs)
-            self._mrtpo_span_store = store
-            self.mrtpo_alpha = float(mrtpo_alpha)
-            self.mrtpo_gamma = float(mrtpo_gamma)
-            self.relevance_fn = relevance_fn
-            self.mrtpo_micro_batch = mrtpo_micro_batch
-            self.mrtpo_max_tokens = mrtpo_max_tokens
-            self.mrtpo_advantages = bool(mrtpo_advantages)
-            if getattr(self, "aux_loss_enabled", False):
+        self._mrtpo_span_store = store
+        for key, value in options.items():
+            setattr(self, key, value)
+        self.relevance_fn = relevance_fn
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "router_aux_loss_coef: the fused LM head runs the decoder without the "
+                "MoE router outputs, so the aux loss would be lost; set "
+                "router_aux_loss_coef=0.0 or use TRL's GRPOTrainer"
+            )
+        text_config = self.model.config.get_text_config()
+        for name in _REFUSED_MODEL_SETTINGS:
+            value = getattr(text_config, name, None)
+            if value is not None and value != 1.0:
                 raise ValueError(
-                    "router_aux_loss_coef: the fused LM head runs the decoder without the "
-                    "MoE router outputs, so the aux loss would be lost; set "
-                    "router_aux_loss_coef=0.0 or use TRL's GRPOTrainer"
+                    f"model.config.{name}: the fused LM head computes plain "
+                    f"logits / temperature; a model with {name}={value} is not supported"
                 )
-            text_config = self.model.config.get_text_config()
-            for name in _REFUSED_MODEL_SETTINGS:
-                value = getattr(text_config, name, None)
-                if value is not None and value != 1.0:
-                    raise ValueError(
-                        f"model.config.{name}: the fused LM head computes plain "
-                        f"logits / temperature; a model with {name}={value} is not supported"
-                    )
-            if self.mrtpo_advantages:
-                _check_scale_rewards(self.scale_rewards)
-            k = len(self.reward_funcs)
-            if reward_spans is None:
-                reward_spans = [None] * k
-            if not isinstance(reward_spans, (list, tuple)) or len(reward_spans) != k:
-                raise ValueError(
-                    f"reward_spans: expected a list of {k} entries (one per reward function, "
-                    f"a span function or None), got {reward_spans!r}"
-                )
-            for j, fn in enumerate(reward_spans):
-                if fn is not None and not callable(fn):
-                    raise ValueError(f"reward_spans[{j}]: expected a callable or None, got "
-                                     f"{type(fn).__name__}")  # fmt: skip
-            self.reward_spans = list(reward_spans)
+        if self.mrtpo_advantages:
+            _check_scale_rewards(self.scale_rewards)
+        k = len(self.reward_funcs)
+        if reward_spans is None:
+            reward_spans = [None] * k
+        if not isinstance(reward_spans, (list, tuple)) or len(reward_spans) != k:
+            raise ValueError(
+                f"reward_spans: expected a list of {k} entries (one per reward function, "
+                f"a span function or None), got {reward_spans!r}"
+            )
+        for j, fn in enumerate(reward_spans):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"reward_spans[{j}]: expected a callable or None, got "
+                                 f"{type(fn).__name__}")  # fmt: skip
+        self.reward_spans = list(reward_spans)
 
-        # ------------------------------------------------------------ advantages
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            self._mrtpo_rewards_per_func = out  # (B_all, K), gathered over processes
-            return out
+    # ------------------------------------------------------------ advantages
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._mrtpo_rewards_per_func = out  # (B_all, K), gathered over processes
+        return out
 
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            if not self.mrtpo_advantages:
-                return output
-            mode = "train" if self.model.training else "eval"
-            g = self.num_generations if mode == "train" else self.num_generations_eval
-            rewards = self._mrtpo_rewards_per_func
-            mask = output["completion_mask"]
-            b, t = mask.shape
-            k = rewards.shape[1]
-            spans = self._mrtpo_spans(inputs, k)
-            self._mrtpo_span_store.clear()
-            if self.relevance_fn is not None:
-                relevance, has_info = self.relevance_fn(self, inputs, output)
-            elif spans is not None:
-                relevance, has_info = self._mrtpo_replay(inputs, output, spans, mode)
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.mrtpo_advantages:
+            return output
+        mode = "train" if self.model.training else "eval"
+        g = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards = self._mrtpo_rewards_per_func
+        self._log_group_stats(rewards, g, mode)
+        mask = output["completion_mask"]
+        b, t = mask.shape
+        k = rewards.shape[1]
+        spans = self._mrtpo_spans(inputs, k)
+        self._mrtpo_span_store.clear()
+        if self.relevance_fn is not None:
+            relevance, has_info = self.relevance_fn(self, inputs, output)
+        else:
+            # Whether this process replays depends on its rows (another may name spans
+            # where this one names none), so the replay runs no collective; the logging
+            # after it runs the same ones on every process, replayed or not.
+            rep = None
+            if spans is not None:
+                rep = self._mrtpo_replay(inputs, output, spans, mode)
+                relevance, has_info = rep.relevance, rep.has_info
             else:
                 relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
                 has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
-            rank = self.accelerator.process_index
-            process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
-            output["advantages"] = mrtpo_advantages_for_grpo(
-                rewards, g, mask, relevance.to(mask.device), has_info.to(mask.device),
-                reward_weights=self.reward_weights.to(rewards.device), alpha=self.mrtpo_alpha,
-                gamma=self.mrtpo_gamma, scale_rewards=self.scale_rewards,
-                process_slice=process_slice,
-            )  # fmt: skip
-            return output
-
-        # ------------------------------------------------------------ replay
-        def _mrtpo_spans(self, inputs, k):
-            """(B, K) spans of this process's rows, or None when no reward names any."""
-            spans = [[None] * k for _ in inputs]
-            found = False
-            for j in range(k):
-                fn, captured = self.reward_spans[j], self._mrtpo_span_store.get(j)
-                if fn is not None:
-                    for i, x in enumerate(inputs):
-                        cols = {c: v for c, v in x.items() if c != "prompt"}
-                        spans[i][j] = fn(x["prompt"], **cols)
-                elif captured is not None:
-                    if len(captured) != len(inputs):
-                        raise ValueError(
-                            f"reward function {j}: returned {len(captured)} outputs for "
-                            f"{len(inputs)} samples"
-                        )
-                    for i in range(len(inputs)):
-                        spans[i][j] = captured[i]
-                found = found or any(spans[i][j] for i in range(len(inputs)))
-            return spans if found else None
-
-        @torch.no_grad()
-        def _mrtpo_replay(self, inputs, output, spans, mode):
-            from mrtpo.replay import replay_relevance
-
-            model = self.accelerator.unwrap_model(self.model)
-            was_training = model.training
-            model.eval()
-            try:
-                with self.accelerator.autocast():
-                    rep = replay_relevance(
-                        model, [x["prompt"] for x in inputs], output["completion_ids"], spans,
-                        response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
-                        prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
-                        temperature=self.temperature, micro_batch=self.mrtpo_micro_batch,
-                        max_tokens=self.mrtpo_max_tokens,
-                        pad_token_id=self._tokenizer.pad_token_id,
-                    )  # fmt: skip
-            finally:
-                model.train(was_training)
             self._log_replay(rep, mode)
-            self.last_replay = dict(
-                prompts=[x["prompt"] for x in inputs], spans=spans,
-                completion_ids=output["completion_ids"], replay=rep,
-            )  # fmt: skip
-            return rep.relevance, rep.has_info
+        relevance, has_info = self._allocating(
+            relevance.to(mask.device), has_info.to(mask.device).bool(), output
+        )
+        rank = self.accelerator.process_index
+        process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
+        output["advantages"] = mrtpo_advantages_for_grpo(
+            rewards, g, mask, relevance, has_info,
+            reward_weights=self.reward_weights.to(rewards.device), alpha=self.mrtpo_alpha,
+            gamma=self.mrtpo_gamma, scale_rewards=self.scale_rewards,
+            process_slice=process_slice,
+        )  # fmt: skip
+        return output
 
-        def _log_replay(self, rep, mode):
-            metrics = self._metrics[mode]
-            dev = self.accelerator.device
-            secs = self.accelerator.reduce(torch.tensor(rep.seconds, device=dev), "mean")
-            metrics["mrtpo/replay_seconds"].append(float(secs))
-            m = rep.response_mask.to(dev).float()
-            for j, name in enumerate(self.reward_func_names):
-                w = m * rep.has_info[:, j].to(dev).float()[:, None]
-                tot = torch.stack([(rep.relevance[j].to(dev) * w).sum(), w.sum()])
-                tot = self.accelerator.reduce(tot, reduction="sum")
-                if float(tot[1]) > 0:
-                    metrics[f"mrtpo/relevance/{name}"].append(float(tot[0] / tot[1]))
+    def _allocating(self, relevance, has_info, output):
+        """The relevance and has_info that allocate each reward, from the replay's, as
+        ``mrtpo train`` makes them: the relevance mode, then the stop-token and truncated
+        credit (MRTPOConfig)."""
+        mask = output["completion_mask"].bool()
+        if self.mrtpo_relevance == "specific":
+            relevance = specific_relevance(relevance, has_info)
+        ids = output["completion_ids"]
+        eos = torch.tensor(self.eos_token_ids, device=ids.device)
+        # finished: the completion holds a stop token (TRL's mask ends at the first one)
+        finished = (torch.isin(ids, eos) & mask.to(ids.device)).any(dim=1).to(mask.device)
+        if self.mrtpo_stop_credit == "uniform":
+            relevance = _stop_token_at_mean(relevance, mask, finished, self.mrtpo_gamma)
+        if self.mrtpo_truncated_credit == "uniform":
+            has_info = has_info & finished[:, None]  # a cut completion: GDPO's broadcast
+        return relevance, has_info
 
-        # ------------------------------------------------------------ log-probs
-        def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-            from mrtpo.model import decoder
+    def _log_group_stats(self, rewards, g, mode):
+        """MRTPO's own GDPO statistics of the step (the rewards gathered over processes, so
+        no collective): per reward, the mean over groups of its group std (the std MRTPO
+        divides by; a missing reward counts 0, as in the advantages) and the share of
+        groups where it does not vary (its advantage is 0 there); and the share of groups
+        where no reward varies (MRTPO's advantage is 0 for the whole group)."""
+        r = torch.nan_to_num(rewards.detach().double(), nan=0.0)
+        if g < 2 or r.shape[0] % g:
+            return
+        grouped = r.view(-1, g, r.shape[1])  # (groups, G, K)
+        std = grouped.std(dim=1)  # unbiased, as METHOD.md section 1
+        flat = grouped.amax(dim=1) == grouped.amin(dim=1)  # zero variance, tested exactly
+        metrics = self._metrics[mode]
+        for j, name in enumerate(self.reward_func_names):
+            metrics[f"mrtpo/gdpo_std/{name}"].append(float(std[:, j].mean()))
+            metrics[f"mrtpo/frac_zero_std/{name}"].append(float(flat[:, j].double().mean()))
+        metrics["mrtpo/frac_zero_std_all"].append(float(flat.all(dim=1).double().mean()))
 
-            # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
-            # the head then runs in the weight's dtype
-            inner = self.accelerator.unwrap_model(model)
-            weight = inner.get_output_embeddings().weight
-            if inner is model:
-                with self.accelerator.autocast():
-                    out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                         use_cache=False)  # fmt: skip
-                hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
-                return hidden.to(weight.dtype)
-            # Wrapped for several processes (DDP): the forward must go through the wrapper,
-            # which synchronizes the gradients; with the head swapped for the identity its
-            # "logits" are the last hidden states, and the fused head reads the weight.
-            head = inner.get_output_embeddings()
-            inner.set_output_embeddings(torch.nn.Identity())
-            try:
-                with self.accelerator.autocast():
-                    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                                use_cache=False, logits_to_keep=logits_to_keep + 1)  # fmt: skip
-            finally:
-                inner.set_output_embeddings(head)
-            return out.logits[:, :-1].to(weight.dtype)
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
-                                               logits_to_keep, batch_size=None,
-                                               compute_entropy=False, compute_aux_loss=False,
-                                               **multimodal):  # fmt: skip
-            if compute_aux_loss:
-                raise ValueError("router_aux_loss_coef: not supported by the fused LM head")
-            given = [k for k, v in multimodal.items() if v is not None]
-            if given:
-                raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
-                                 "fused LM head (it runs the text decoder only)")  # fmt: skip
-            from mrtpo.model import lm_head
-
-            weight, bias = lm_head(self.accelerator.unwrap_model(model))
-            batch_size = batch_size or input_ids.size(0)
-            logps, ents = [], []
-            for s in range(0, input_ids.size(0), batch_size):
-                ids, am = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
-                hidden = self._completion_hidden(model, ids, am, logits_to_keep)
-                labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
-                out = linear_logprobs(hidden, weight, labels, bias=bias,
-                                      temperature=self.temperature,
-                                      return_entropy=compute_entropy)  # fmt: skip
-                if compute_entropy:
-                    logps.append(out[0])
-                    ents.append(out[1])
-                else:
-                    logps.append(out)
-            return (torch.cat(logps), torch.cat(ents) if compute_entropy else None, None)
-
-        # ------------------------------------------------------------ loss
-        def _fused_loss_applies(self, inputs) -> bool:
-            return (
-                self.loss_type in LOSS_TYPES
-                and self.importance_sampling_level == "token"
-                and not self._entropy_bonus_enabled
-                and self.top_entropy_quantile >= 1.0
-                and self.off_policy_mask_threshold is None
-                and self.args.delta is None
-                and not (self.use_vllm and self.vllm_importance_sampling_correction)
-            )
-
-        def _compute_loss(self, model, inputs):
-            if not self._fused_loss_applies(inputs):
-                return super()._compute_loss(model, inputs)  # TRL's loss, fused log-probs
-            from mrtpo.model import lm_head
-
-            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-            completion_ids = inputs["completion_ids"]
-            mask = inputs["completion_mask"]
-            if "tool_mask" in inputs:
-                mask = mask * inputs["tool_mask"]
-            t = completion_ids.size(1)
-            hidden = self._completion_hidden(
-                model, torch.cat([prompt_ids, completion_ids], dim=1),
-                torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
-            )  # fmt: skip
-            weight, bias = lm_head(self.accelerator.unwrap_model(model))
-            mode = "train" if self.model.training else "eval"
-            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-            token_normalizer = None
-            if self.loss_type == "dapo":
-                token_normalizer = (
-                    inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-                )
-                if mode == "train":
-                    token_normalizer = (
-                        token_normalizer * accumulation / self.args.steps_per_generation
+    # ------------------------------------------------------------ replay
+    def _mrtpo_spans(self, inputs, k):
+        """(B, K) spans of this process's rows, or None when no reward names any."""
+        spans = [[None] * k for _ in inputs]
+        found = False
+        for j in range(k):
+            fn, captured = self.reward_spans[j], self._mrtpo_span_store.get(j)
+            if fn is not None:
+                for i, x in enumerate(inputs):
+                    cols = {c: v for c, v in x.items() if c != "prompt"}
+                    spans[i][j] = fn(x["prompt"], **cols)
+            elif captured is not None:
+                if len(captured) != len(inputs):
+                    raise ValueError(
+                        f"reward function {j}: returned {len(captured)} outputs for "
+                        f"{len(inputs)} samples"
                     )
-            beta = self.beta
-            loss, _ = fused_policy_loss(
-                hidden, weight, completion_ids, mask, inputs.get("old_per_token_logps"),
-                inputs["advantages"], epsilon_low=self.epsilon_low,
-                epsilon_high=self.epsilon_high, beta=beta,
-                ref_per_token_logps=inputs.get("ref_per_token_logps"),
-                loss_type=self.loss_type, temperature=self.temperature,
-                max_completion_length=self.max_completion_length,
-                token_normalizer=token_normalizer, lm_head_bias=bias,
-                use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
-            )  # fmt: skip
-            if self.loss_type != "dapo":
-                loss = loss / accumulation
-            self._log_fused_metrics(hidden, weight, bias, completion_ids, mask, inputs, mode)
-            return loss
+                for i in range(len(inputs)):
+                    spans[i][j] = captured[i]
+            found = found or any(spans[i][j] for i in range(len(inputs)))
+        return spans if found else None
 
-        @torch.no_grad()
-        def _log_fused_metrics(self, hidden, weight, bias, completion_ids, mask, inputs, mode):
-            # The metrics TRL's _compute_loss logs, from one no-grad pass of the fused head.
-            labels = completion_ids.masked_fill(mask == 0, -100)
-            logp, entropy = linear_logprobs(hidden.detach(), weight.detach(), labels,
-                                            bias=None if bias is None else bias.detach(),
-                                            temperature=self.temperature,
-                                            return_entropy=True)  # fmt: skip
-            old = inputs.get("old_per_token_logps")
-            old = logp if old is None else old
-            ratio = torch.exp(logp - old)
-            adv = inputs["advantages"]
-            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-            m = mask.to(logp.dtype)
+    @torch.no_grad()
+    def _mrtpo_replay(self, inputs, output, spans, mode):
+        from mrtpo.replay import replay_relevance
 
-            def global_masked_mean(x):
-                totals = self.accelerator.reduce(
-                    torch.stack([(x * m).sum(), m.sum()]), reduction="sum"
-                )
-                return (totals[0] / totals[1].clamp(min=1.0)).item()
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        try:
+            with self.accelerator.autocast():
+                rep = replay_relevance(
+                    model, [x["prompt"] for x in inputs], output["completion_ids"], spans,
+                    response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
+                    prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
+                    temperature=self.temperature, micro_batch=self.mrtpo_replay_micro_batch,
+                    max_tokens=self.mrtpo_replay_max_tokens,
+                    pad_token_id=self._tokenizer.pad_token_id,
+                )  # fmt: skip
+        finally:
+            model.train(was_training)
+        self.last_replay = dict(
+            prompts=[x["prompt"] for x in inputs], spans=spans,
+            completion_ids=output["completion_ids"], replay=rep,
+        )  # fmt: skip
+        return rep
 
-            def masked_seq_mean(x):
-                return (x * m).sum(-1) / m.sum(-1)
+    def _log_replay(self, rep, mode):
+        """One all-reduce, run by every process whatever its rows hold (``rep`` None: this
+        process replayed nothing): the replay's seconds averaged over the processes that
+        replayed, and per reward its relevance summed over the tokens of the samples it
+        names spans of, over every process."""
+        dev = self.accelerator.device
+        k = len(self.reward_func_names)
+        local = torch.zeros(2 + 2 * k, dtype=torch.float64, device=dev)
+        if rep is not None:
+            local[0], local[1] = float(rep.seconds), 1.0
+            m = rep.response_mask.to(dev).double()
+            for j in range(k):
+                w = m * rep.has_info[:, j].to(dev).double()[:, None]
+                local[2 + 2 * j] = (rep.relevance[j].to(dev).double() * w).sum()
+                local[3 + 2 * j] = w.sum()
+        tot = self.accelerator.reduce(local, reduction="sum").cpu()
+        metrics = self._metrics[mode]
+        if float(tot[1]) > 0:
+            metrics["mrtpo/replay_seconds"].append(float(tot[0] / tot[1]))
+        for j, name in enumerate(self.reward_func_names):
+            rel, count = float(tot[2 + 2 * j]), float(tot[3 + 2 * j])
+            if count > 0:
+                metrics[f"mrtpo/relevance/{name}"].append(rel / count)
 
-            metrics = self._metrics[mode]
-            if self.beta != 0.0:
-                diff = inputs["ref_per_token_logps"] - logp
-                kl = torch.exp(diff) - diff - 1
-                if self.args.use_bias_correction_kl:
-                    kl = kl * ratio
-                metrics["kl"].append(global_masked_mean(kl))
-            metrics["entropy"].append(global_masked_mean(entropy))
-            low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).to(m.dtype)
-            high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(m.dtype)
-            metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
-            metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
-            metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
-            gathered_low = self.accelerator.gather(masked_seq_mean(low))
-            gathered_high = self.accelerator.gather(masked_seq_mean(high))
-            metrics["clip_ratio/low_min"].append(_nan_reduce(gathered_low, torch.min))
-            metrics["clip_ratio/high_max"].append(_nan_reduce(gathered_high, torch.max))
+    # ------------------------------------------------------------ log-probs
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        from mrtpo.model import decoder
 
-    return MRTPOGRPOMixin
+        # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
+        # the head then runs in the weight's dtype
+        inner = self.accelerator.unwrap_model(model)
+        weight = inner.get_output_embeddings().weight
+        if inner is model:
+            with self.accelerator.autocast():
+                out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False)  # fmt: skip
+            hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
+            return hidden.to(weight.dtype)
+        # Wrapped for several processes (DDP): the forward must go through the wrapper,
+        # which synchronizes the gradients; with the head swapped for the identity its
+        # "logits" are the last hidden states, and the fused head reads the weight.
+        head = inner.get_output_embeddings()
+        inner.set_output_embeddings(torch.nn.Identity())
+        try:
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids, attention_mask=attention_mask,
+                            use_cache=False, logits_to_keep=logits_to_keep + 1)  # fmt: skip
+        finally:
+            inner.set_output_embeddings(head)
+        return out.logits[:, :-1].to(weight.dtype)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):  # fmt: skip
+        if compute_aux_loss:
+            raise ValueError("router_aux_loss_coef: not supported by the fused LM head")
+        given = [k for k, v in multimodal.items() if v is not None]
+        if given:
+            raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
+                             "fused LM head (it runs the text decoder only)")  # fmt: skip
+        from mrtpo.model import lm_head
+
+        weight, bias = lm_head(self.accelerator.unwrap_model(model))
+        batch_size = batch_size or input_ids.size(0)
+        logps, ents = [], []
+        for s in range(0, input_ids.size(0), batch_size):
+            ids, am = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
+            hidden = self._completion_hidden(model, ids, am, logits_to_keep)
+            labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
+            out = linear_logprobs(hidden, weight, labels, bias=bias,
+                                  temperature=self.temperature,
+                                  return_entropy=compute_entropy)  # fmt: skip
+            if compute_entropy:
+                logps.append(out[0])
+                ents.append(out[1])
+            else:
+                logps.append(out)
+        return (torch.cat(logps), torch.cat(ents) if compute_entropy else None, None)
+
+    # ------------------------------------------------------------ loss
+    def _fused_loss_applies(self, inputs) -> bool:
+        return (
+            self.loss_type in LOSS_TYPES
+            and self.importance_sampling_level == "token"
+            and not self._entropy_bonus_enabled
+            and self.top_entropy_quantile >= 1.0
+            and self.off_policy_mask_threshold is None
+            and self.args.delta is None
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        )
+
+    def _compute_loss(self, model, inputs):
+        if not self._fused_loss_applies(inputs):
+            return super()._compute_loss(model, inputs)  # TRL's loss, fused log-probs
+        from mrtpo.model import lm_head
+
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        t = completion_ids.size(1)
+        hidden = self._completion_hidden(
+            model, torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
+        )  # fmt: skip
+        weight, bias = lm_head(self.accelerator.unwrap_model(model))
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        token_normalizer = None
+        if self.loss_type == "dapo":
+            token_normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
+            if mode == "train":
+                token_normalizer = token_normalizer * accumulation / self.args.steps_per_generation
+        beta = self.beta
+        loss, _ = fused_policy_loss(
+            hidden, weight, completion_ids, mask, inputs.get("old_per_token_logps"),
+            inputs["advantages"], epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high, beta=beta,
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            loss_type=self.loss_type, temperature=self.temperature,
+            max_completion_length=self.max_completion_length,
+            token_normalizer=token_normalizer, lm_head_bias=bias,
+            use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
+        )  # fmt: skip
+        if self.loss_type != "dapo":
+            loss = loss / accumulation
+        self._log_fused_metrics(hidden, weight, bias, completion_ids, mask, inputs, mode)
+        return loss
+
+    @torch.no_grad()
+    def _log_fused_metrics(self, hidden, weight, bias, completion_ids, mask, inputs, mode):
+        # The metrics TRL's _compute_loss logs, from one no-grad pass of the fused head.
+        labels = completion_ids.masked_fill(mask == 0, -100)
+        logp, entropy = linear_logprobs(hidden.detach(), weight.detach(), labels,
+                                        bias=None if bias is None else bias.detach(),
+                                        temperature=self.temperature,
+                                        return_entropy=True)  # fmt: skip
+        old = inputs.get("old_per_token_logps")
+        old = logp if old is None else old
+        ratio = torch.exp(logp - old)
+        adv = inputs["advantages"]
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        m = mask.to(logp.dtype)
+
+        def global_masked_mean(x):
+            totals = self.accelerator.reduce(torch.stack([(x * m).sum(), m.sum()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def masked_seq_mean(x):
+            return (x * m).sum(-1) / m.sum(-1)
+
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:
+            diff = inputs["ref_per_token_logps"] - logp
+            kl = torch.exp(diff) - diff - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * ratio
+            metrics["kl"].append(global_masked_mean(kl))
+        metrics["entropy"].append(global_masked_mean(entropy))
+        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).to(m.dtype)
+        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(m.dtype)
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        gathered_low = self.accelerator.gather(masked_seq_mean(low))
+        gathered_high = self.accelerator.gather(masked_seq_mean(high))
+        metrics["clip_ratio/low_min"].append(_nan_reduce(gathered_low, torch.min))
+        metrics["clip_ratio/high_max"].append(_nan_reduce(gathered_high, torch.max))
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> float:
@@ -432,18 +803,71 @@ def _nan_reduce(x: torch.Tensor, fn) -> float:
     return float("nan") if x.numel() == 0 else fn(x).item()
 
 
-_TRAINER_CLASS = None
+def _stop_token_at_mean(relevance, mask, finished, gamma):
+    """(K, B, T) ``relevance`` with the last token of each finished completion (at least 2
+    tokens) set to (mean of d^gamma over its other tokens)^(1 / gamma): its allocation
+    weight becomes 1 for every reward and the completion's mean of d^gamma is unchanged
+    (``mrtpo train --stop-credit uniform``); in float64, so that a small gamma neither
+    underflows nor moves the other tokens."""
+    m = mask.bool()
+    lengths = m.sum(dim=1)
+    last = m & (m.long().cumsum(dim=1) == lengths[:, None])  # (B, T), one per non-empty row
+    pick = finished & (lengths >= 2)
+    p = relevance.clamp(min=0).double() ** gamma * m
+    others = (p.sum(dim=2) - (p * last).sum(dim=2)) / (lengths - 1).clamp(min=1)  # (K, B)
+    value = (others ** (1.0 / gamma)).to(relevance.dtype)
+    where = (last & pick[:, None])[None]
+    return torch.where(where, value[:, :, None].expand_as(relevance), relevance)
 
 
-def __getattr__(name):
-    # MRTPOGRPOTrainer subclasses trl.GRPOTrainer, so it is built on first use (TRL is
-    # imported only then).
-    global _TRAINER_CLASS
-    if name == "MRTPOGRPOTrainer":
-        if _TRAINER_CLASS is None:
-            trl = require("trl", "MRTPOGRPOTrainer")
-            mixin = _trainer_mixin()
-            _TRAINER_CLASS = type("MRTPOGRPOTrainer", (mixin, trl.GRPOTrainer),
-                                  {"__doc__": mixin.__doc__, "__module__": __name__})  # fmt: skip
-        return _TRAINER_CLASS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _model_id(model) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_name_or_path", "") or "")
+
+
+def _hub_loadable(name: str) -> bool:
+    """Whether TRL can load a model called ``name``: a local folder or a valid hub id."""
+    import os
+
+    if not name:
+        return False
+    if os.path.isdir(name):
+        return True
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+    except Exception:  # noqa: BLE001 - any refusal means TRL cannot load it either
+        return False
+    return not os.path.isabs(name) and not name.startswith((".", "~"))
+
+
+@contextlib.contextmanager
+def _reference_from_policy(model):
+    """While GRPOTrainer builds its reference model (beta > 0), a policy passed as a model
+    whose name TRL cannot load (a model built in code, or saved nowhere TRL can find)
+    gets as reference a frozen copy of itself: the policy's weights at construction, its
+    config, dtype and attention implementation. TRL loads any other name itself."""
+    import sys
+
+    module = sys.modules[GRPOTrainer.__module__]
+    original = module.create_model_from_path
+    if isinstance(model, str) or model is None or _hub_loadable(_model_id(model)):
+        yield
+        return
+
+    def create(name, **kwargs):
+        if name != _model_id(model):
+            return original(name, **kwargs)
+        ref = copy.deepcopy(model)
+        dtype = kwargs.get("dtype")
+        if isinstance(dtype, torch.dtype):
+            ref = ref.to(dtype)
+        ref.requires_grad_(False)
+        return ref.eval()
+
+    module.create_model_from_path = create
+    try:
+        yield
+    finally:
+        module.create_model_from_path = original

@@ -1,0 +1,181 @@
+"""The project's verifiers as TRL reward functions (``verifier_reward``): a real
+MRTPOGRPOTrainer trains 2 steps with two built-in verifiers of the constraints task as
+``reward_funcs``, their spans replayed; MRTPO's own GDPO statistics are logged beside TRL's;
+and MRTPOConfig's relevance form, stop and truncated credit reach the advantages as in
+``mrtpo train``."""
+
+import json
+import math
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from mrtpo.integrations import trl_trainer  # noqa: E402
+from mrtpo.integrations.trl import mrtpo_advantages_for_grpo  # noqa: E402
+from mrtpo.integrations.trl_trainer import (  # noqa: E402
+    MRTPOConfig,
+    MRTPOGRPOTrainer,
+    example_row,
+    verifier_reward,
+)
+from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, task_texts  # noqa: E402
+from mrtpo.tasks import load_task  # noqa: E402
+from mrtpo.trainer import stop_token_at_mean  # noqa: E402
+from mrtpo.verifiers import Example  # noqa: E402
+from mrtpo_kernels import specific_relevance  # noqa: E402
+
+G = 4
+
+
+def tiny_for(task):
+    tok = build_tokenizer(task_texts(task))
+    cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                     num_kv_heads=1, max_positions=256)  # fmt: skip
+    model = build_tiny_model(tok, cfg, seed=0)
+    head = torch.nn.Linear(cfg.hidden_size, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_output_embeddings().weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = 3.0  # some completions end, others are cut
+    model.config.tie_word_embeddings = False
+    model.lm_head = head
+    return model, tok
+
+
+def recording(records, rows):
+    class Recording(MRTPOGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            # every other completion is the example's gold answer (and its stop token), so
+            # that the verifiers' scores vary within a group and the advantages are not 0
+            ids, logps = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            if not hasattr(self, "_gold"):
+                encode = trl_trainer._trl_prompt_encoder(self)
+                eos = self._tokenizer.eos_token_id
+                cap = self.max_completion_length - 1
+                self._gold = {
+                    tuple(encode(r["prompt"])): self._tokenizer(r["reference"])["input_ids"][:cap]
+                    + [eos]
+                    for r in rows
+                }  # fmt: skip
+            return [self._gold[tuple(p)] if i % 2 == 0 else c
+                    for i, (p, c) in enumerate(zip(prompt_ids, ids))], logps  # fmt: skip
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            records.append(dict(inputs=inputs, rewards=self._mrtpo_rewards_per_func.clone(),
+                                out=dict(out), replay=self.last_replay["replay"]))  # fmt: skip
+            return out
+
+    return Recording
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(mrtpo_relevance="specific", mrtpo_stop_credit="uniform",
+                  mrtpo_truncated_credit="uniform", mrtpo_gamma=0.5)],
+    ids=["js", "specific-uniform-credit"],
+)  # fmt: skip
+def test_two_builtin_verifiers_train_a_grpo_trainer(tmp_path, options):
+    task = load_task("constraints")
+    verifiers = task.verifiers[:2]  # start_phrase, keyword_include: both name prompt spans
+    rows = [example_row(ex) for ex in task.train[:8]]
+    ds = datasets.Dataset.from_list(rows)
+    torch.manual_seed(0)
+    model, tok = tiny_for(task)
+    config = MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=G,
+        max_completion_length=40, max_steps=2, learning_rate=1e-2, beta=0.0,
+        temperature=1.3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        bf16=False, seed=0, **options,
+    )  # fmt: skip
+    records = []
+    trainer = recording(records, rows)(
+        model=model, reward_funcs=[verifier_reward(v) for v in verifiers], args=config,
+        train_dataset=ds, processing_class=tok,
+    )  # fmt: skip
+    trainer.train()
+    names = [v.name for v in verifiers]
+    assert trainer.reward_func_names == names
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2]
+    assert len(records) == 2
+    for rec, h in zip(records, logs):
+        rep, inputs = rec["replay"], rec["inputs"]
+        # every row's spans are its verifier's, re-scored here from the dataset's columns
+        texts = tok.batch_decode(rec["out"]["completion_ids"], skip_special_tokens=True)
+        for i, x in enumerate(inputs):
+            example = Example(id=x["example_id"], prompt=x["prompt"][-1]["content"],
+                              fields=json.loads(x["fields"]), reference=x["reference"])  # fmt: skip
+            for k, v in enumerate(verifiers):
+                verdict = v(example, texts[i])
+                assert rec["rewards"][i, k] == pytest.approx(verdict.score)
+                assert rep.has_info[i, k] == bool(verdict.spans)
+        assert rep.has_info.any(dim=0).all()  # both rewards named spans and were replayed
+        assert (rec["rewards"].view(-1, G, 2).std(1) > 0).any(0).all()  # scores vary
+        for name in names:
+            assert h[f"mrtpo/relevance/{name}"] > 0
+        # MRTPO's GDPO statistics, beside TRL's default-aggregation ones
+        r = rec["rewards"].double().view(-1, G, 2)
+        flat = r.amax(1) == r.amin(1)
+        for k, name in enumerate(names):
+            assert h[f"mrtpo/gdpo_std/{name}"] == pytest.approx(float(r[:, :, k].std(1).mean()))
+            assert h[f"mrtpo/frac_zero_std/{name}"] == pytest.approx(
+                float(flat[:, k].double().mean())
+            )
+        assert h["mrtpo/frac_zero_std_all"] == pytest.approx(float(flat.all(1).double().mean()))
+        assert "reward_std" in h and "frac_reward_zero_std" in h  # TRL's own, untouched
+        # the advantages: the replay's relevance, allocated as `mrtpo train` allocates it
+        mask = rec["out"]["completion_mask"].bool()
+        relevance, has_info = rep.relevance, rep.has_info.clone()
+        ids = rec["out"]["completion_ids"]
+        finished = ((ids == tok.eos_token_id) & mask).any(1)
+        if options:
+            assert bool(finished.any()) and bool((~finished).any())
+            relevance = specific_relevance(relevance, has_info)
+            lengths = mask.sum(1)
+            packed = stop_token_at_mean(relevance[:, mask], lengths, finished, 0.5)
+            relevance = relevance.clone()
+            relevance[:, mask] = packed
+            has_info &= finished[:, None]
+        plain = mrtpo_advantages_for_grpo(rec["rewards"], G, mask, rep.relevance, rep.has_info,
+                                          alpha=1.0, gamma=config.mrtpo_gamma)  # fmt: skip
+        want = mrtpo_advantages_for_grpo(rec["rewards"], G, mask, relevance, has_info,
+                                         alpha=1.0, gamma=config.mrtpo_gamma)  # fmt: skip
+        torch.testing.assert_close(rec["out"]["advantages"], want, rtol=1e-5, atol=1e-6)
+        if options:  # the options moved the advantages
+            assert not torch.allclose(want, plain, rtol=1e-4, atol=1e-5)
+        assert all(math.isfinite(h[key]) for key in h if isinstance(h[key], float))
+
+
+def test_verifier_reward_reads_the_columns_and_refuses_bad_ones():
+    """Every built-in family: the reward function rebuilds the Example from its row and
+    returns the verifier's (score, spans); spans=False returns the scores alone."""
+    for name in ("constraints", "sql", "tools"):
+        task = load_task(name)
+        ex = task.train[0]
+        row = example_row(ex)
+        for v in task.verifiers:
+            fn = verifier_reward(v)
+            assert fn.__name__ == v.name
+            for completion in (ex.reference, "nothing useful"):
+                want = v(ex, completion)
+                (got,) = fn([row["prompt"]], [[{"role": "assistant", "content": completion}]],
+                            fields=[row["fields"]], example_id=[row["example_id"]],
+                            reference=[row["reference"]])  # fmt: skip
+                assert got == (want.score, list(want.spans))
+                (plain,) = verifier_reward(v, spans=False)([ex.prompt], [completion],
+                                                           fields=[ex.fields])  # fmt: skip
+                assert plain == want.score
+    v = load_task("constraints").verifiers[0]
+    fn = verifier_reward(v)
+    with pytest.raises(ValueError, match="fields: sample 0 is not valid JSON"):
+        fn(["p"], ["c"], fields=["{not json"])
+    with pytest.raises(ValueError, match="fields: expected 2 values"):
+        fn(["p", "q"], ["c", "d"], fields=["{}"])
+    with pytest.raises(ValueError, match="prompt: sample 0 is neither"):
+        fn([[{"role": "system", "content": "x"}]], ["c"], fields=["{}"])
+    with pytest.raises(ValueError, match="verifier: expected a verifier"):
+        verifier_reward(lambda ex, r: None)
