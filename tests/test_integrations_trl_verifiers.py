@@ -65,8 +65,18 @@ def recording(records, rows):
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            records.append(dict(inputs=inputs, rewards=self._mrtpo_rewards_per_func.clone(),
-                                out=dict(out), replay=self.last_replay["replay"]))  # fmt: skip
+            rec = dict(inputs=inputs, rewards=self._mrtpo_rewards_per_func.clone(),
+                       out=dict(out), replay=self.last_replay["replay"])  # fmt: skip
+            # the same batch replayed in full (no pair skipped), allocated as the trainer
+            # allocates: the token advantages must be the same bit for bit
+            full = self._mrtpo_replay(inputs, out, self.last_replay["spans"], "train")
+            relevance, has_info, gamma = self._allocating(full.relevance, full.has_info.bool(), out)
+            rec["full_advantages"] = mrtpo_advantages_for_grpo(
+                rec["rewards"], self.num_generations, out["completion_mask"], relevance,
+                has_info, reward_weights=self.reward_weights, alpha=self.mrtpo_alpha,
+                gamma=gamma, scale_rewards=self.scale_rewards,
+            )  # fmt: skip
+            records.append(rec)
             return out
 
     return Recording
@@ -137,14 +147,22 @@ def test_two_builtin_verifiers_train_a_grpo_trainer(tmp_path, options):
             relevance = specific_relevance(relevance, has_info)
             lengths = mask.sum(1)
             packed = stop_token_at_mean(relevance[:, mask], lengths, finished, 0.5)
-            relevance = relevance.clone()
-            relevance[:, mask] = packed
+            relevance = torch.zeros(relevance.shape, dtype=packed.dtype)
+            relevance[:, mask] = packed  # d^gamma in float64, allocated with gamma 1
             has_info &= finished[:, None]
+            gamma = 1.0
+        else:
+            gamma = config.mrtpo_gamma
         plain = mrtpo_advantages_for_grpo(rec["rewards"], G, mask, rep.relevance, rep.has_info,
                                           alpha=1.0, gamma=config.mrtpo_gamma)  # fmt: skip
         want = mrtpo_advantages_for_grpo(rec["rewards"], G, mask, relevance, has_info,
-                                         alpha=1.0, gamma=config.mrtpo_gamma)  # fmt: skip
+                                         alpha=1.0, gamma=gamma)  # fmt: skip
         torch.testing.assert_close(rec["out"]["advantages"], want, rtol=1e-5, atol=1e-6)
+        # pairs whose GDPO advantage is 0 were not replayed, and nothing moved
+        assert torch.equal(rec["out"]["advantages"], rec["full_advantages"])
+        named = int(rep.has_info.sum())
+        assert h["mrtpo/replay/pairs"] == int(rep.replayed_pairs.sum()) <= named
+        assert h["mrtpo/replay/pairs"] + h["mrtpo/replay/skipped"] == named
         if options:  # the options moved the advantages
             assert not torch.allclose(want, plain, rtol=1e-4, atol=1e-5)
         assert all(math.isfinite(h[key]) for key in h if isinstance(h[key], float))

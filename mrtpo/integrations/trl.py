@@ -108,10 +108,21 @@ def mrtpo_advantages_for_grpo(
     group_ids = consecutive_group_ids(b_all, num_generations, device=rewards_per_func.device)
     if process_slice is None:
         return padded_token_advantages(
-            rewards_per_func, group_ids, completion_mask, relevance, has_info,
-            mask_name="completion_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
-            eps=eps, eps_batch=eps_batch, delta=delta, clip=clip, nan=nan,
-        ).token  # fmt: skip
+            rewards_per_func,
+            group_ids,
+            completion_mask,
+            relevance,
+            has_info,
+            mask_name="completion_mask",
+            weights=reward_weights,
+            alpha=alpha,
+            gamma=gamma,
+            eps=eps,
+            eps_batch=eps_batch,
+            delta=delta,
+            clip=clip,
+            nan=nan,
+        ).token.float()  # float64 with float64 relevance (stop credit's d^gamma): as TRL's
 
     # Several processes: the group and batch statistics need every sample's rewards, the
     # reallocation only this process's relevance. The other rows join with one placeholder
@@ -146,7 +157,7 @@ def mrtpo_advantages_for_grpo(
         mask_name="completion_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
         eps=eps, eps_batch=eps_batch, delta=delta, clip=clip, nan=nan,
     ).token  # fmt: skip
-    return token[idx]
+    return token[idx].float()
 
 
 def fused_policy_loss(

@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - the trl extra is not installed
 from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevance
 
 from ..spans import score_and_spans
+from .common import consecutive_group_ids
 from .trl import LOSS_TYPES, _check_scale_rewards, fused_policy_loss, mrtpo_advantages_for_grpo
 
 __all__ = ["MRTPOConfig", "MRTPOGRPOTrainer", "verifier_reward"]
@@ -515,35 +516,43 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         k = rewards.shape[1]
         spans = self._mrtpo_spans(inputs, k)
         self._mrtpo_span_store.clear()
+        rank = self.accelerator.process_index
+        process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
         if self.relevance_fn is not None:
             relevance, has_info = self.relevance_fn(self, inputs, output)
         else:
             # Whether this process replays depends on its rows (another may name spans
             # where this one names none), so the replay runs no collective; the logging
             # after it runs the same ones on every process, replayed or not.
+            # Only the (completion, reward) pairs whose GDPO advantage is not exactly 0 are
+            # replayed (the rewards of every process are known here): the token advantages
+            # are the same bit for bit as a full replay's.
             rep = None
+            named = 0
             if spans is not None:
-                rep = self._mrtpo_replay(inputs, output, spans, mode)
+                moving = self._replay_mask(rewards, g, spans, process_slice)
+                named = sum(bool(s) for row in spans for s in row)
+                if bool(moving.any()):
+                    rep = self._mrtpo_replay(inputs, output, spans, mode, moving)
+            if rep is not None:
                 relevance, has_info = rep.relevance, rep.has_info
             else:
                 relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
                 has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
-            self._log_replay(rep, mode)
-        relevance, has_info = self._allocating(
+            self._log_replay(rep, mode, named)
+        relevance, has_info, gamma = self._allocating(
             relevance.to(mask.device), has_info.to(mask.device).bool(), output
         )
-        rank = self.accelerator.process_index
-        process_slice = None if rewards.shape[0] == b else slice(rank * b, (rank + 1) * b)
         output["advantages"] = mrtpo_advantages_for_grpo(
             rewards, g, mask, relevance, has_info,
             reward_weights=self.reward_weights.to(rewards.device), alpha=self.mrtpo_alpha,
-            gamma=self.mrtpo_gamma, scale_rewards=self.scale_rewards,
+            gamma=gamma, scale_rewards=self.scale_rewards,
             process_slice=process_slice,
         )  # fmt: skip
         return output
 
     def _allocating(self, relevance, has_info, output):
-        """The relevance and has_info that allocate each reward, from the replay's, as
+        """The relevance, has_info and gamma that allocate each reward, from the replay's, as
         ``mrtpo train`` makes them: the relevance mode, then the stop-token and truncated
         credit (MRTPOConfig)."""
         mask = output["completion_mask"].bool()
@@ -553,11 +562,12 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         eos = torch.tensor(self.eos_token_ids, device=ids.device)
         # finished: the completion holds a stop token (TRL's mask ends at the first one)
         finished = (torch.isin(ids, eos) & mask.to(ids.device)).any(dim=1).to(mask.device)
-        if self.mrtpo_stop_credit == "uniform":
-            relevance = _stop_token_at_mean(relevance, mask, finished, self.mrtpo_gamma)
+        gamma = self.mrtpo_gamma
+        if self.mrtpo_stop_credit == "uniform":  # float64 d^gamma, allocated with gamma 1
+            relevance, gamma = _stop_token_at_mean(relevance, mask, finished, gamma), 1.0
         if self.mrtpo_truncated_credit == "uniform":
             has_info = has_info & finished[:, None]  # a cut completion: GDPO's broadcast
-        return relevance, has_info
+        return relevance, has_info, gamma
 
     def _log_group_stats(self, rewards, g, mode):
         """MRTPO's own GDPO statistics of the step (the rewards gathered over processes, so
@@ -599,8 +609,26 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             found = found or any(spans[i][j] for i in range(len(inputs)))
         return spans if found else None
 
+    def _replay_mask(self, rewards, g, spans, process_slice):
+        """(B, K) bool: this process's pairs that name spans and whose GDPO advantage over
+        the whole batch (every process's rewards, grouped by ``g``) is not exactly 0."""
+        from mrtpo.replay import replay_mask_from_rewards
+
+        group_ids = consecutive_group_ids(rewards.shape[0], g, device=rewards.device)
+        moving = replay_mask_from_rewards(
+            rewards, group_ids, weights=self.reward_weights.to(rewards.device), eps=1e-4,
+            nan="zero",
+        )  # fmt: skip
+        if process_slice is not None:
+            moving = moving[process_slice]
+        info = torch.tensor([[bool(s) for s in row] for row in spans], dtype=torch.bool)
+        moving = moving & info
+        if self.mrtpo_relevance == "specific":  # r_k mixes a row's rewards: whole rows
+            moving = info & moving.any(dim=1, keepdim=True)
+        return moving
+
     @torch.no_grad()
-    def _mrtpo_replay(self, inputs, output, spans, mode):
+    def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None):
         from mrtpo.replay import replay_relevance
 
         model = self.accelerator.unwrap_model(self.model)
@@ -614,7 +642,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
                     prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
                     temperature=self.temperature, micro_batch=self.mrtpo_replay_micro_batch,
                     max_tokens=self.mrtpo_replay_max_tokens,
-                    pad_token_id=self._tokenizer.pad_token_id,
+                    pad_token_id=self._tokenizer.pad_token_id, replay_mask=replay_mask,
                 )  # fmt: skip
         finally:
             model.train(was_training)
@@ -624,27 +652,33 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         return rep
 
-    def _log_replay(self, rep, mode):
+    def _log_replay(self, rep, mode, named: int = 0):
         """One all-reduce, run by every process whatever its rows hold (``rep`` None: this
         process replayed nothing): the replay's seconds averaged over the processes that
-        replayed, and per reward its relevance summed over the tokens of the samples it
-        names spans of, over every process."""
+        replayed, the pairs replayed and the pairs with spans skipped (their advantage is 0)
+        over every process, and per reward its relevance summed over the tokens of the
+        pairs replayed, over every process. ``named``: this process's pairs with spans."""
         dev = self.accelerator.device
         k = len(self.reward_func_names)
-        local = torch.zeros(2 + 2 * k, dtype=torch.float64, device=dev)
+        local = torch.zeros(4 + 2 * k, dtype=torch.float64, device=dev)
+        local[3] = float(named)
         if rep is not None:
             local[0], local[1] = float(rep.seconds), 1.0
+            pairs = rep.replayed_pairs.to(dev)
+            local[2] = float(pairs.sum())
             m = rep.response_mask.to(dev).double()
             for j in range(k):
-                w = m * rep.has_info[:, j].to(dev).double()[:, None]
-                local[2 + 2 * j] = (rep.relevance[j].to(dev).double() * w).sum()
-                local[3 + 2 * j] = w.sum()
+                w = m * pairs[:, j].double()[:, None]
+                local[4 + 2 * j] = (rep.relevance[j].to(dev).double() * w).sum()
+                local[5 + 2 * j] = w.sum()
         tot = self.accelerator.reduce(local, reduction="sum").cpu()
         metrics = self._metrics[mode]
         if float(tot[1]) > 0:
             metrics["mrtpo/replay_seconds"].append(float(tot[0] / tot[1]))
+        metrics["mrtpo/replay/pairs"].append(float(tot[2]))
+        metrics["mrtpo/replay/skipped"].append(float(tot[3] - tot[2]))
         for j, name in enumerate(self.reward_func_names):
-            rel, count = float(tot[2 + 2 * j]), float(tot[3 + 2 * j])
+            rel, count = float(tot[4 + 2 * j]), float(tot[5 + 2 * j])
             if count > 0:
                 metrics[f"mrtpo/relevance/{name}"].append(rel / count)
 
@@ -804,20 +838,20 @@ def _nan_reduce(x: torch.Tensor, fn) -> float:
 
 
 def _stop_token_at_mean(relevance, mask, finished, gamma):
-    """(K, B, T) ``relevance`` with the last token of each finished completion (at least 2
-    tokens) set to (mean of d^gamma over its other tokens)^(1 / gamma): its allocation
-    weight becomes 1 for every reward and the completion's mean of d^gamma is unchanged
-    (``mrtpo train --stop-credit uniform``); in float64, so that a small gamma neither
-    underflows nor moves the other tokens."""
+    """(K, B, T) ``relevance`` raised to ``gamma`` in float64, with the last token of each
+    finished completion (at least 2 tokens) set to the mean of d^gamma over its other tokens
+    (``mrtpo train --stop-credit uniform``, `mrtpo.trainer.stop_token_at_mean` on the padded
+    layout): allocated with gamma 1, its weight is 1 for every reward and every other token's
+    weight is what it is without the stop token. The power is handed over, not a d whose
+    power it is: that d leaves float range at small gamma."""
     m = mask.bool()
     lengths = m.sum(dim=1)
     last = m & (m.long().cumsum(dim=1) == lengths[:, None])  # (B, T), one per non-empty row
     pick = finished & (lengths >= 2)
     p = relevance.clamp(min=0).double() ** gamma * m
     others = (p.sum(dim=2) - (p * last).sum(dim=2)) / (lengths - 1).clamp(min=1)  # (K, B)
-    value = (others ** (1.0 / gamma)).to(relevance.dtype)
     where = (last & pick[:, None])[None]
-    return torch.where(where, value[:, :, None].expand_as(relevance), relevance)
+    return torch.where(where, others[:, :, None].expand_as(p), p)
 
 
 def _model_id(model) -> str:
