@@ -217,7 +217,8 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     models = sorted({m for m, _ in cases})
     paths = []
     # time per stage, stacked, each length relative to GDPO's step
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models) + 1.2, 4.6),
+                             squeeze=False)  # fmt: skip
     colors = {s: f"C{i}" for i, s in enumerate(STAGES)}
     for ax, model in zip(axes[0], models):
         ns = [n for n in _lengths(cases) if (model, n) in cases]
@@ -245,8 +246,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel(f"step {what} / GDPO's step at that length")
         ax.set_title(f"{model}: M = MRTPO, H = half the pairs skipped, G = GDPO", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     path = out / "method_step_time.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -264,15 +266,16 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                 continue
             ax.plot(*zip(*pts), styles[v], marker="o", color=f"C{mi}",
                     label=f"{model}: {LABEL[v]}")  # fmt: skip
-            if v == "gdpo":  # a slope-1 guide through the first point
-                t0, e0 = pts[0]
+            if v == "gdpo":  # a slope-1 guide through the longest point
+                t1, e1 = pts[-1]
                 ts = [t for t, _ in pts]
-                ax.plot(ts, [e0 * t / t0 for t in ts], color="0.6", lw=0.8, alpha=0.7)
+                ax.plot(ts, [e1 * t / t1 for t in ts], color="0.6", lw=0.8, alpha=0.7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("response tokens in the step")
     ax.set_ylabel("peak memory beyond the step's start, MiB")
-    ax.set_title("Peak memory of one step (grey: linear growth from GDPO's first point)",
+    ax.set_title("Peak memory of one step (grey: proportional to the tokens, through GDPO's "
+                 "longest point)",
                  fontsize=9)  # fmt: skip
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
