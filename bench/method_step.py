@@ -45,8 +45,8 @@ them; medians are reported. Beside the wall time, each stage's process CPU time:
 thread, the compute itself, much less stretched than the wall time on a shared machine.
 
 Rows are appended to DIR/method_step.csv (one per stage and a ``step`` row per case and
-variant); DIR/runs.jsonl records each invocation's command and its ``uptime`` load at start
-and end.
+variant), every repeat's own figures to DIR/cases.jsonl; DIR/runs.jsonl records each
+invocation's command and its ``uptime`` load at start and end.
 """
 
 from __future__ import annotations
@@ -442,7 +442,8 @@ def _context(device: str) -> dict:
 
 def rows_of(spec: dict, results: list[dict], ctx: dict, load: str) -> list[dict]:
     """CSV rows of one (model, length, variant): one per stage and a ``step`` row; medians
-    over the repeats (time), the largest peak over them (memory)."""
+    over the repeats of the times, the peaks and the extra memory (each repeat's peak less
+    its own start)."""
     base = dict(ctx, op="method_step", provider=spec["variant"], model=spec["model"],
                 N=spec["length"], K=spec["K"], threads=spec["threads"], load_avg=load,
                 repeats=len(results))  # fmt: skip
@@ -461,20 +462,20 @@ def rows_of(spec: dict, results: list[dict], ctx: dict, load: str) -> list[dict]
     rows = []
 
     def add(stage, ms, cpu, peak):
+        extra = [max(0, p - r["baseline"]) for p, r in zip(peak, ok)]  # each repeat's own
         rows.append(dict(
             base, stage=stage, ms_p20=_pct(ms, 20), ms_p50=statistics.median(ms),
             ms_p80=_pct(ms, 80), cpu_ms_p50="" if cuda else statistics.median(cpu),
-            peak_mem_mb=max(peak) / MIB,
-            extra_mem_mb=max(0, max(peak) - min(r["baseline"] for r in ok)) / MIB, status="ok",
-            note=note,
+            peak_mem_mb=statistics.median(peak) / MIB,
+            extra_mem_mb=statistics.median(extra) / MIB, status="ok", note=note,
         ))  # fmt: skip
 
     cuda = spec["device"].startswith("cuda")
     step_peaks = [max(s["peak"] for s in r["stages"].values()) for r in ok]
     add("step", [r["step_ms"] for r in ok], [r["step_cpu_ms"] for r in ok], step_peaks)
     for s in STAGES:
-        have = [r["stages"][s] for r in ok if s in r["stages"]]
-        if have:
+        if all(s in r["stages"] for r in ok):
+            have = [r["stages"][s] for r in ok]
             add(s, [h["ms"] for h in have], [h["cpu_ms"] for h in have], [h["peak"] for h in have])
     return rows
 
@@ -611,6 +612,10 @@ def main(argv=None) -> list[dict]:
                           + (f"{ms:.0f} ms" if ms else f"{res['status']} {res.get('note', '')}"),
                           file=sys.stderr, flush=True)  # fmt: skip
             load = f"{load} / {uptime_load().split()[0]}"
+            with open(out / "cases.jsonl", "a") as f:  # every repeat's own figures
+                for v in args.variants:
+                    for res in results[v]:
+                        f.write(json.dumps(dict(specs[v], **res)) + "\n")
             new = []
             for v in args.variants:
                 new += rows_of(specs[v], results[v], ctx, load)

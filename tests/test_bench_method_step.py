@@ -65,6 +65,11 @@ def test_tiny_run_rows_report_and_plots(tmp_path):
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     assert len(runs) == 1 and runs[0]["command"].startswith("python -m bench.method_step")
     assert len(runs[0]["load_start"].split()) == 3 == len(runs[0]["load_end"].split())
+    cases = [json.loads(x) for x in (out / "cases.jsonl").read_text().splitlines()]
+    assert sorted((c["length"], c["variant"]) for c in cases) == sorted(
+        (n, v) for n in (16, 64) for v in ms.VARIANTS
+    )
+    assert all(c["status"] == "ok" and set(c["stages"]) >= set(ms.GDPO_STAGES) for c in cases)
     # a second invocation appends; the report reads both
     ms.main(["--out", str(out), "--models", "tiny", "--lengths", "32", "--repeats", "1",
              "--variants", "gdpo", "--in-process"])  # fmt: skip
