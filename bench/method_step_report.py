@@ -138,13 +138,14 @@ def headline(cases: dict) -> list[str]:
 
 
 def linearity(cases: dict) -> list[str]:
-    """Peak extra memory per response token, per model and variant, at every length: a
-    constant column is linear growth."""
+    """Peak extra memory per model and variant at every length, with the growth per added
+    response token since the previous length (KiB): a constant growth is linear in the
+    length; the fixed part (parameter gradients, kernel scratch) shows at the first."""
     lines = ["| model | variant | " + " | ".join(f"{n} tok" for n in _lengths(cases)) + " |"]
     lines.append("|" + "---|" * (lines[0].count("|") - 1))
     for model in sorted({m for m, _ in cases}):
         for v in VARIANTS:
-            cells = []
+            cells, prev = [], None
             for n in _lengths(cases):
                 st = cases.get((model, n), {}).get(v)
                 if not _ok(st):
@@ -153,7 +154,11 @@ def linearity(cases: dict) -> list[str]:
                 ex, tok = num(st["step"], "extra_mem_mb"), num(st["step"], "tokens")
                 worst = max(((num(r, "extra_mem_mb") or 0), s) for s, r in st.items()
                             if s != "step")  # fmt: skip
-                cells.append(f"{ex * 1024 / tok:,.1f} ({worst[1]})")
+                cell = f"{ex:,.0f} MiB ({worst[1]})"
+                if prev is not None and tok > prev[1]:
+                    cell += f", {(ex - prev[0]) * 1024 / (tok - prev[1]):+,.1f} KiB/token"
+                cells.append(cell)
+                prev = (ex, tok)
             if any(c != "-" for c in cells):
                 lines.append(f"| {model} | {v} | " + " | ".join(cells) + " |")
     return lines
@@ -197,7 +202,8 @@ def markdown(rows: list[dict], runs: list[dict]) -> str:
         "batch); step / GDPO and extra / GDPO's: against GDPO's step of the same batch, "
         "measured in the same run, interleaved.",
         "",
-        "## Memory per response token (KiB, peak extra / tokens; the stage holding the peak)",
+        "## Peak memory beyond the step's start (the stage holding it; growth per added "
+        "response token since the previous length)",
         "",
         *linearity(cases),
         "",
