@@ -60,7 +60,7 @@ def table(cases: dict) -> list[str]:
     head = ("| model | tokens per response | variant | pairs replayed / skipped | step wall ms "
             "| step ms | "
             + " | ".join(STAGES) + " | replay + JS share | step / GDPO | peak extra MiB "
-            "| extra / GDPO's | extra KiB per token |")  # fmt: skip
+            "| extra / GDPO's |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (model, n), by in sorted(cases.items()):
         gdpo = by.get("gdpo")
@@ -73,13 +73,12 @@ def table(cases: dict) -> list[str]:
             if not _ok(st):
                 r = st.get("step") or next(iter(st.values()))
                 lines.append(f"| {model} | {n} | {v} | {r['status']}: {r['note']} |"
-                             + " |" * (len(STAGES) + 7))  # fmt: skip
+                             + " |" * (len(STAGES) + 6))  # fmt: skip
                 continue
             step = st["step"]
             ms = _ms(st, "step")
             share = sum(_ms(st, s) for s in REPLAY_STAGES) / ms if ms else None
             extra = num(step, "extra_mem_mb")
-            tokens = num(step, "tokens") or 0
             cells = [
                 model,
                 str(n),
@@ -94,7 +93,6 @@ def table(cases: dict) -> list[str]:
                 f"{ms / g_ms:.2f}" if g_ms else "-",
                 _f(extra, 1),
                 f"{extra / g_mem:.2f}" if g_mem and extra is not None else "-",
-                _f(extra * 1024 / tokens, 1) if tokens and extra is not None else "-",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -244,11 +242,13 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                     bottom += h
                 ax.text(x, bottom, {"mrtpo": "M", "mrtpo-half": "H", "gdpo": "G"}[v],
                         ha="center", va="bottom", fontsize=7)  # fmt: skip
-            if g_ms:
-                ax.text(i, -0.12, f"GDPO {g_ms / 1e3:.3g} s", ha="center", va="top",
-                        fontsize=7, transform=ax.get_xaxis_transform())  # fmt: skip
-        ax.set_xticks(range(len(ns)), [str(n) for n in ns])
-        ax.set_xlabel("tokens per response", labelpad=14)
+        ticks = []
+        for n in ns:
+            gd = cases[(model, n)].get("gdpo")
+            g = _ms(gd, "step") if _ok(gd) else None
+            ticks.append(f"{n}" + (f"\nGDPO {g / 1e3:.3g} s" if g else ""))
+        ax.set_xticks(range(len(ns)), ticks, fontsize=8)
+        ax.set_xlabel("tokens per response")
         ax.set_ylabel(f"step {what} / GDPO's step at that length")
         ax.set_title(f"{model}: M = MRTPO, H = half the pairs skipped, G = GDPO", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
