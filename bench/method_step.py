@@ -374,7 +374,7 @@ def child(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
     device = torch.device(spec["device"])
-    model, tok = build_model(spec["model"], spec["length"] + 256, spec["cache_dir"], device.type)
+    model, tok = build_model(spec["model"], spec["length"] + 256, spec["cache_dir"], str(device))
     prompter = ChatPrompter(tok)
     shape = dict(prompts=spec["prompts"], group=spec["group"], k=spec["K"], variant=spec["variant"],
                  seed=spec["seed"])  # fmt: skip
