@@ -142,6 +142,11 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="runs/trl_grpo_mrtpo")
+    ap.add_argument(
+        "--replay-all",
+        action="store_true",
+        help="replay pairs whose advantage is 0 too (relevance on every pair)",
+    )
     args = ap.parse_args(argv)
 
     import datasets
@@ -178,7 +183,7 @@ def main(argv=None):
         max_steps=args.steps, learning_rate=args.lr, beta=args.beta,
         temperature=args.temperature, mask_truncated_completions=True, logging_steps=1,
         report_to=[], save_strategy="no", seed=0,  # on a CPU: use_cpu, bf16 off
-        mrtpo_alpha=args.alpha,
+        mrtpo_alpha=args.alpha, mrtpo_replay_all=args.replay_all,
     )  # fmt: skip
     if task is None:
         dataset = datasets.Dataset.from_dict({"prompt": [make_prompt(i) for i in range(32)]})

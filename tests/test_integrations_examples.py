@@ -31,10 +31,13 @@ def test_trl_example_runs_with_replayed_relevance(tmp_path, capsys):
         return show(trainer, tok, **kw)
 
     ex.show_top_tokens = recording
-    logs = ex.main(["--steps", "2", "--out", str(tmp_path)])
+    # every pair replayed: the tiny model's rewards rarely vary within a group, and the
+    # default skips the pairs whose advantage is 0
+    logs = ex.main(["--steps", "2", "--out", str(tmp_path), "--replay-all"])
     assert [h["step"] for h in logs] == [1, 2]
     assert all(math.isfinite(h["loss"]) for h in logs)
     for h in logs:
+        assert h["mrtpo/replay/skipped"] == 0 and h["mrtpo/replay/pairs"] > 0
         assert h["mrtpo/replay_seconds"] > 0
         assert h["mrtpo/relevance/says_word"] > 0 and h["mrtpo/relevance/ends_with"] > 0
         assert "mrtpo/relevance/short" not in h
@@ -62,7 +65,7 @@ def test_trl_example_runs_under_torchrun_two_processes(tmp_path, task):
     root = EXAMPLE.parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(EXAMPLE), "--steps", "2", "--max-completion", "12", "--out",
-           str(tmp_path)] + ([] if task is None else ["--task", task])  # fmt: skip
+           str(tmp_path), "--replay-all"] + ([] if task is None else ["--task", task])  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     try:
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,

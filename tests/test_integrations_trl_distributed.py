@@ -56,6 +56,7 @@ def _rank_main(rank: int, port: int, out: str):
                 rewards=self._mrtpo_rewards_per_func.cpu(),
                 completion_ids=o["completion_ids"].cpu(), mask=o["completion_mask"].cpu(),
                 advantages=o["advantages"].cpu(), relevance=self.last_replay["replay"].relevance,
+                pairs=self.last_replay["replay"].replayed_pairs.cpu(),
             ))  # fmt: skip
             return o
 
@@ -115,8 +116,14 @@ def test_two_processes_give_the_advantages_of_one(tmp_path):
     two = torch.cat([pad(r["advantages"]) for r in recs])
     assert bool((two != 0).any())
     torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
+    # the pairs each rank replayed (GDPO advantage not 0 over both ranks' rewards) have the
+    # one-process relevance; the others were skipped (relevance 0) and moved nothing
     rel_two = torch.cat([pad(r["relevance"]) for r in recs], dim=1)
-    torch.testing.assert_close(rel_two, rep.relevance, rtol=1e-5, atol=1e-6)
+    pairs = torch.cat([r["pairs"] for r in recs])  # (B, K)
+    assert bool(pairs.any())
+    keep = pairs.T[:, :, None].expand_as(rel_two)
+    torch.testing.assert_close(rel_two[keep], rep.relevance[keep], rtol=1e-5, atol=1e-6)
+    assert not bool(rel_two[~keep].any())
     # the fused loss ran through the DDP wrapper: the gradients were averaged, so the two
     # ranks (different rows) took the same step, and it moved the weights
     moved = False
@@ -175,6 +182,12 @@ def _case_rank_main(rank: int, port: int, out: str):
         return scores
 
     class Hostile(trl_trainer.MRTPOGRPOTrainer):
+        def _mrtpo_spans(self, inputs, k):  # which (row, reward) name spans on this rank
+            spans = super()._mrtpo_spans(inputs, k)
+            self.named = None if spans is None else torch.tensor(
+                [[bool(x) for x in row] for row in spans])  # fmt: skip
+            return spans
+
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             ids, logps = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             if rank == 1 and case["name"] == "rank1-truncated-masked":
@@ -200,12 +213,10 @@ def _case_rank_main(rank: int, port: int, out: str):
             processing_class=tok, reward_spans=[word_spans, None, None],
         )  # fmt: skip
         trainer.train()
-        replayed = getattr(trainer, "last_replay", None)
         logged = trainer.state.log_history[0]
         final = trainer.accelerator.unwrap_model(trainer.model).state_dict()
         torch.save(
-            dict(logged=logged, final=final,
-                 has_info=None if replayed is None else replayed["replay"].has_info),
+            dict(logged=logged, final=final, has_info=trainer.named),
             os.path.join(out, f"{name}.rank{rank}.pt"),
         )  # fmt: skip
 
@@ -237,8 +248,14 @@ def test_ranks_whose_rows_differ_never_deadlock(tmp_path):
         for key, val in recs[0]["logged"].items():  # MRTPO's figures: the same on every rank
             if key.startswith("mrtpo/"):
                 assert recs[1]["logged"][key] == pytest.approx(val, rel=1e-12), (name, key)
-        assert "mrtpo/replay_seconds" in recs[0]["logged"], name
         info = [r["has_info"] for r in recs]
+        # every pair that names spans was replayed or skipped (its GDPO advantage is 0),
+        # counted over both ranks
+        named = sum(int(i.sum()) for i in info if i is not None)
+        got = recs[0]["logged"]
+        assert got["mrtpo/replay/pairs"] + got["mrtpo/replay/skipped"] == named, name
+        if got["mrtpo/replay/pairs"] > 0:
+            assert "mrtpo/replay_seconds" in got, name
         if name == "mixed-spans":  # says_word's spans on rank 0, ends_bye's on rank 1
             assert info[0][:, 0].all() and not info[0][:, 1].any()
             assert info[1][:, 1].all() and not info[1][:, 0].any()

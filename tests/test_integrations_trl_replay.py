@@ -89,8 +89,8 @@ def recording_class(records):
                                 out={k: v for k, v in out.items()}, replay=self._last))  # fmt: skip
             return out
 
-        def _mrtpo_replay(self, inputs, output, spans, mode):
-            self._last = super()._mrtpo_replay(inputs, output, spans, mode)
+        def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None):
+            self._last = super()._mrtpo_replay(inputs, output, spans, mode, replay_mask)
             return self._last
 
     return Recording
@@ -182,6 +182,7 @@ def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
     spans = _spans_of(rec["inputs"])
     relevance, has_info = rec["replay"].relevance, rec["replay"].has_info  # what it used
     assert has_info.tolist() == [[True, True, False]] * len(responses)
+    pairs = rec["replay"].replayed_pairs  # the others' GDPO advantage is 0: not replayed
     replayed = {}
     for i, (p, r) in enumerate(zip([x["prompt"] for x in rec["inputs"]], responses)):
         if not r:
@@ -191,6 +192,9 @@ def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
         with torch.no_grad():
             lp = m64(torch.tensor([full + r])).logits[0, len(full) - 1 : -1]
             for k in (0, 1):
+                if not pairs[i, k]:
+                    assert torch.all(relevance[k, i] == 0)  # skipped
+                    continue
                 s, e = spans[i][k][0]
                 q = tok(p[:s] + p[e:])["input_ids"]
                 lq = m64(torch.tensor([q + r])).logits[0, len(q) - 1 : -1]
@@ -198,8 +202,8 @@ def test_trl_replay_plain_prompts_masked_truncations_float64(tmp_path):
                 torch.testing.assert_close(relevance[k, i][mask[i]].double(), want,
                                            rtol=1e-3, atol=1e-4)  # fmt: skip
             assert torch.all(relevance[2, i] == 0)
-        replayed[i] = True
-    assert replayed
+        replayed[i] = bool(pairs[i, :2].any())
+    assert any(replayed.values())
     # the trainer's advantages came from that relevance: a masked row is all zero
     assert torch.all(out["advantages"][~mask] == 0)
 

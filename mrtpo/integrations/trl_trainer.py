@@ -68,6 +68,9 @@ class MRTPOConfig(GRPOConfig):
         mrtpo_replay_micro_batch: the replay's chunk holds at most this many completions.
         mrtpo_replay_max_tokens: and at most this many padded prompt + completion tokens
             (None: no limit).
+        mrtpo_replay_all: True replays every (completion, reward) pair that names spans,
+            including those whose GDPO advantage is 0 (they move no token advantage; the
+            default skips them): relevance figures on every pair, at the replay's full cost.
         mrtpo_advantages: False keeps TRL's own advantages (only the fused log-probs and
             loss are used).
     """
@@ -102,6 +105,11 @@ class MRTPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "MRTPO: padded prompt + completion tokens per replay chunk "
                           "(default: no limit)."},
+    )  # fmt: skip
+    mrtpo_replay_all: bool = field(
+        default=False,
+        metadata={"help": "MRTPO: replay pairs whose advantage is 0 too (relevance figures on "
+                          "every pair; the token advantages are the same)."},
     )  # fmt: skip
     mrtpo_advantages: bool = field(
         default=True,
@@ -146,6 +154,7 @@ _OPTION_NAMES = (
     "mrtpo_truncated_credit",
     "mrtpo_replay_micro_batch",
     "mrtpo_replay_max_tokens",
+    "mrtpo_replay_all",
     "mrtpo_advantages",
 )
 # the constructor keywords of earlier versions -> the MRTPOConfig fields (deprecated)
@@ -195,8 +204,9 @@ def _check_options(o: dict) -> dict:
             raise ValueError(f"{name}: expected one of {CREDIT_MODES}, got {o[name]!r}")
     out["mrtpo_replay_micro_batch"] = count("mrtpo_replay_micro_batch")
     out["mrtpo_replay_max_tokens"] = count("mrtpo_replay_max_tokens", optional=True)
-    if not isinstance(o["mrtpo_advantages"], bool):
-        raise ValueError(f"mrtpo_advantages: expected a bool, got {o['mrtpo_advantages']!r}")
+    for name in ("mrtpo_replay_all", "mrtpo_advantages"):
+        if not isinstance(o[name], bool):
+            raise ValueError(f"{name}: expected a bool, got {o[name]!r}")
     return out
 
 
@@ -622,6 +632,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         if process_slice is not None:
             moving = moving[process_slice]
         info = torch.tensor([[bool(s) for s in row] for row in spans], dtype=torch.bool)
+        if self.mrtpo_replay_all:
+            return info
         moving = moving & info
         if self.mrtpo_relevance == "specific":  # r_k mixes a row's rewards: whole rows
             moving = info & moving.any(dim=1, keepdim=True)
