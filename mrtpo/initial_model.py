@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .data.instructions import noisy_reference
+from .data import noisy_reference
 from .model import load_model, warm_start
 from .model_folder import build_lock, publish_folder, save_model
 from .pretrained import CONVERSION_VERSION, builtin_folder

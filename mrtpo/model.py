@@ -328,7 +328,7 @@ def default_model(
     prompter = ChatPrompter(tokenizer)
     examples = list(task.train)
     if cfg.warm_noise > 0:
-        from mrtpo.data.instructions import noisy_reference
+        from mrtpo.data import noisy_reference
 
         rng = random.Random(seed + 7919)
         examples = [
