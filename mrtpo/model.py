@@ -270,14 +270,17 @@ def warm_start(
     although its gradients matched float32's). ``micro_batch``: forwards of at most this
     many examples, their gradients accumulated into the same step (the same mean loss over
     the batch's response tokens; less activation memory for long prompts); None: one
-    forward per batch.
+    forward per batch. With ``micro_batch``, AdamW also runs one parameter at a time.
     Returns the mean loss of the last 10 steps."""
     if not examples:
         raise ValueError("examples: the task has no training examples")
     if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
         raise ValueError(f"micro_batch: expected an int >= 1 or None, got {micro_batch!r}")
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # the micro-batched (low-memory) path also updates one parameter at a time: the
+    # multi-tensor AdamW holds temporaries the size of all the weights
+    foreach = None if micro_batch is None else False
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=foreach)
     weight_fn = lambda: lm_head(model)
     model.train()
     losses = []
