@@ -33,9 +33,9 @@ four constraints; `compose` can also break any subset of them, one form per cons
 (the own constraint's per-kind breaker, a wrong keyword, the other ending, padding past the
 word limit). Every one of the 16 subsets is checked with the official checkers when the
 task is built (a prompt any subset of which does not give exactly the intended verdicts is
-dropped), so `noisy_reference` (the warm start's data mix) fails exactly the constraints
-it draws. The references say nothing about the prompt's question: the rewards judge the
-constraints only.
+dropped), so `noisy_reference` (the warm start's data mix, which breaks the three added
+constraints, never the own one) fails exactly the constraints it draws. The references say
+nothing about the prompt's question: the rewards judge the constraints only.
 
 The data are Ai2's IFBench test set (ODC-BY-1.0, as the package's description says); the
 checkers' code is Apache-2.0.
@@ -421,16 +421,22 @@ def make_examples(rng: random.Random, id_prefix: str = "ifbench-real") -> list[E
     return out
 
 
+NOISY_ROLES = ROLES[1:]  # the constraints the warm start's noise breaks
+
+
 def noisy_reference(rng: random.Random, example: Example, p_wrong: float) -> str:
-    """``example``'s reference with each of its four constraints broken independently with
-    probability ``p_wrong`` (`compose`): a warm start on such references passes each about
-    1 - p_wrong of the time. Every subset was checked when the example was built."""
+    """``example``'s reference with each of its three added constraints (`NOISY_ROLES`)
+    broken independently with probability ``p_wrong`` (`compose`): a warm start on such
+    references passes each about 1 - p_wrong of the time. The own IFBench constraint is
+    always kept: it is learned least (a 30-step warm start at noise 0.4 passed it 0.23 of the
+    time, the added ones 0.61-0.73), so breaking it too would push it below the 0.2-0.6 band
+    the warm start is calibrated to. Every subset was checked when the example was built."""
     if not 0.0 <= p_wrong <= 1.0:
         raise ValueError(f"p_wrong: expected a probability in [0, 1], got {p_wrong!r}")
     spec = example.fields.get("ifbench")
     if spec is None:
         raise ValueError(f"example: {example.id!r} is not an ifbench-real example")
-    ok = tuple(rng.random() >= p_wrong for _ in ROLES)
+    ok = tuple(role not in NOISY_ROLES or rng.random() >= p_wrong for role in ROLES)
     return compose(spec, ok)
 
 
