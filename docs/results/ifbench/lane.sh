@@ -22,7 +22,7 @@ else
   if [ -d "$out/checkpoint" ]; then mode=--resume; else mode=--overwrite; fi
   $PY -m mrtpo train --task ifbench-real --model smollm2-135m-instruct \
     --algo "$arm" --seed "$seed" --steps $STEPS \
-    --warm-steps 40 --warm-noise 0.3 --autocast bfloat16 \
+    --warm-steps 30 --warm-noise 0.6 --autocast bfloat16 \
     --prompts-per-step 2 --group-size 4 --max-new-tokens 64 --micro-batch 2 --lr 2e-5 \
     --no-baseline-replay --checkpoint-every 5 --threads 1 --device cpu --quiet \
     --cache-dir runs/cache --out "$out" $mode > "$out.log" 2>&1 || {
