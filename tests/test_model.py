@@ -175,3 +175,32 @@ def test_tokenizer_arguments_are_checked():
         build_tokenizer(CORPUS, vocab_size=100)
     with pytest.raises(ValueError, match="texts"):
         build_tokenizer([], vocab_size=320)
+
+
+def test_warm_start_micro_batches_take_the_same_steps(tok):
+    """Gradients accumulated over forwards of 1 or 2 examples give the step of one forward
+    over the batch (the mean loss over all of its response tokens, not a mean of means)."""
+    from mrtpo.model import warm_start
+    from mrtpo.verifiers import Example
+
+    examples = [
+        Example(id=str(i), prompt=CORPUS[i % 4][: 20 + 7 * i], reference=CORPUS[i % 3][: 9 + 5 * i])
+        for i in range(6)
+    ]
+    pr = ChatPrompter(tok)
+    states, losses = [], []
+    for micro in (None, 1, 2):
+        model = build_tiny_model(tok, TINY, seed=3)
+        losses.append(
+            warm_start(model, pr, examples, steps=3, batch=4, lr=1e-2, seed=0, micro_batch=micro)
+        )
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    init = build_tiny_model(tok, TINY, seed=3).state_dict()
+    assert any(not torch.equal(init[k], v) for k, v in states[0].items())  # it trained
+    for other in states[1:]:
+        for k, v in states[0].items():
+            torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-5)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+    with pytest.raises(ValueError, match="micro_batch: expected an int >= 1"):
+        warm_start(model, pr, examples, steps=1, batch=2, lr=1e-2, micro_batch=0)
