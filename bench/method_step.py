@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import gc
 import json
 import os
@@ -487,20 +486,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    new = not path.exists() or path.stat().st_size == 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({c: _fmt(r.get(c, "")) for c in COLUMNS})
+    from .results import append_rows as append_csv_rows
 
-
-def _fmt(x):
-    if isinstance(x, float):
-        return f"{x:.5g}" if abs(x) < 1e5 else f"{x:.1f}"
-    return "" if x is None else x
+    append_csv_rows(str(path), rows, columns=COLUMNS, digits=5)
 
 
 def uptime_load() -> str:

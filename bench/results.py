@@ -41,21 +41,25 @@ COLUMNS = (
 STATUSES = ("ok", "estimated", "unavailable", "unsupported", "oom", "error", "timeout")
 
 
-def append_rows(path: str, rows: list[dict]) -> None:
-    """Append rows to the CSV at ``path``, writing the header if the file is new."""
+def append_rows(path: str, rows: list[dict], columns: tuple = COLUMNS, digits: int = 4) -> None:
+    """Append rows to the CSV at ``path``, writing the header if the file is new.
+
+    ``columns`` names the CSV columns (the bench table's by default); floats are written with
+    ``digits`` significant digits below ``10**digits`` and with one decimal at or above it.
+    """
     new = not os.path.exists(path) or os.path.getsize(path) == 0
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow({c: _fmt(r.get(c, "")) for c in COLUMNS})
+            w.writerow({c: _fmt(r.get(c, ""), digits) for c in columns})
 
 
-def _fmt(x):
+def _fmt(x, digits: int = 4):
     if isinstance(x, float):
-        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.1f}"
+        return f"{x:.{digits}g}" if abs(x) < 10**digits else f"{x:.1f}"
     return "" if x is None else x
 
 
