@@ -34,10 +34,12 @@ import time
 PARTS = ("cublas", "rows", "rows-sweep", "ops", "correctness")
 
 
-def _emit(path: str, record: dict) -> None:
+def emit_record(path: str, record: dict, tag: str = "micro") -> None:
+    """Append ``record`` (time-stamped) to the JSON-lines file ``path``, synced at once, and
+    print it after ``[tag]`` (bench/gpu_window.py writes its records through this too)."""
     record = {"t": round(time.time(), 1), **record}
     line = json.dumps(record)
-    print(f"[micro] {line}", flush=True)
+    print(f"[{tag}] {line}", flush=True)
     with open(path, "a") as f:
         f.write(line + "\n")
         f.flush()
@@ -183,21 +185,28 @@ def part_rows_sweep(torch, chunk_plan, cm, args, emit):
             os.environ["MRTPO_ROW_BLOCK"] = before
 
 
-def part_ops(torch, chunk_plan, cm, args, emit):
-    import mrtpo_kernels as mk
-
-    from . import formulas
-
+def op_inputs(torch, args):
+    """(h, w, labels, generator): bf16 hidden states and weights at ``args``' shape, seeded."""
     dev, bf = args.device, torch.bfloat16
     n, d, v = args.n, args.d, args.v
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(n, d, device=dev, generator=g).to(bf).requires_grad_()
     w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).to(bf).requires_grad_()
     lab = torch.randint(0, v, (n,), device=dev, generator=g)
+    return h, w, lab, g
+
+
+def op_calls(torch, args) -> list[tuple]:
+    """[(name, call, K)]: the three ops at ``args``' shape, one call each (bench/gpu_window.py
+    times the same calls)."""
+    import mrtpo_kernels as mk
+
+    h, w, lab, g = op_inputs(torch, args)
+    n, d, dev = args.n, args.d, args.device
     old = torch.full((n,), -12.0, device=dev)
     adv = torch.randn(n, device=dev, generator=g)
     up = torch.randn(n, device=dev, generator=g)
-    ctx = _context(chunk_plan, args)
+    hq = (h.detach()[None] + 0.3 * torch.randn(4, n, d, device=dev, generator=g)).to(h.dtype)
 
     def policy():
         loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
@@ -209,17 +218,21 @@ def part_ops(torch, chunk_plan, cm, args, emit):
         lp.backward(up)
         h.grad = w.grad = None
 
-    hq = (h.detach()[None] + 0.3 * torch.randn(4, n, d, device=dev, generator=g)).to(bf)
-
     def js():
         with torch.no_grad():
             mk.linear_js_distance(h.detach(), hq, w.detach(), backend="triton")
 
-    for name, fn, k in (
-        ("linear_policy_loss_fwd_bwd", policy, 1),
-        ("linear_logprobs_fwd_bwd", logprobs, 1),
-        ("linear_js_distance", js, 4),
-    ):
+    return [("linear_policy_loss_fwd_bwd", policy, 1), ("linear_logprobs_fwd_bwd", logprobs, 1),
+            ("linear_js_distance", js, 4)]  # fmt: skip
+
+
+def part_ops(torch, chunk_plan, cm, args, emit):
+    from . import formulas
+
+    dev = args.device
+    n, d, v = args.n, args.d, args.v
+    ctx = _context(chunk_plan, args)
+    for name, fn, k in op_calls(torch, args):
         rec = {"part": "ops", "name": name, **ctx}
         cuda = dev != "cpu"
         try:
@@ -285,19 +298,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_micro", description=__doc__)
     ap.add_argument("--part", choices=PARTS, required=True)
     ap.add_argument("--out", required=True, help="JSON-lines file the figures are appended to")
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--d", type=int, default=4096)
-    ap.add_argument("--v", type=int, default=151936)
-    ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
-    ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
+    add_shape_args(ap)
     ap.add_argument("--device", default="cuda", help="cpu: the plumbing under TRITON_INTERPRET=1")
     ap.add_argument("--rows", type=int, default=512, help="rows of the correctness part")
     ap.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     args = ap.parse_args(argv)
-    if args.grad_buffer_mib:
-        os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(args.grad_buffer_mib << 20)
-    if args.chunk_mib:
-        os.environ["MRTPO_CHUNK_BYTES"] = str(args.chunk_mib << 20)
+    apply_size_env(args)
     import torch
 
     from mrtpo_kernels import chunk_plan
@@ -314,14 +320,41 @@ def main(argv=None) -> int:
         print("gpu_micro: no CUDA device", file=sys.stderr)
         return 2
     fn = globals()[f"part_{args.part.replace('-', '_')}"]
+    return run_part(lambda emit: fn(torch, chunk_plan, cm, args, emit), args.part, args.out)
+
+
+def add_shape_args(ap) -> None:
+    """The shape and buffer flags bench/gpu_micro.py and bench/gpu_window.py share."""
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=4096)
+    ap.add_argument("--v", type=int, default=151936)
+    ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
+
+
+def apply_size_env(args) -> None:
+    """--grad-buffer-mib / --chunk-mib (when not 0) into the MRTPO_* variables the ops read."""
+    if args.grad_buffer_mib:
+        os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(args.grad_buffer_mib << 20)
+    if args.chunk_mib:
+        os.environ["MRTPO_CHUNK_BYTES"] = str(args.chunk_mib << 20)
+
+
+def run_part(call, part: str, out: str, tag: str = "micro") -> int:
+    """Run ``call(emit)`` (emit appends a record to ``out``), timing it: 0 when it returns, 1
+    (with an error record) when it raises; the records already written stay."""
     t0 = time.time()
+
+    def emit(rec):
+        return emit_record(out, rec, tag)
+
     try:
-        fn(torch, chunk_plan, cm, args, lambda rec: _emit(args.out, rec))
-    except Exception as exc:  # report what broke; the figures already written stay
-        _emit(args.out, {"part": args.part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        call(emit)
+    except Exception as exc:  # report what broke
+        emit({"part": part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         return 1
     finally:
-        print(f"[micro] part {args.part}: {time.time() - t0:.1f} s", flush=True)
+        print(f"[{tag}] part {part}: {time.time() - t0:.1f} s", flush=True)
     return 0
 
 

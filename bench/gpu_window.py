@@ -43,6 +43,8 @@ import subprocess
 import sys
 import time
 
+from .gpu_micro import add_shape_args, apply_size_env, op_calls, op_inputs, run_part
+
 PARTS = ("state", "timeline", "ab", "cublas", "rows", "peers")
 
 # The rules, fixed before the window runs (bench/gpu_window.sh's header quotes each line;
@@ -75,16 +77,6 @@ ROW_NAMES = re.compile(
     r"|_grad_cols|_policy_terms"
 )
 CPU_GEMM_NAMES = re.compile(r"^aten::(mm|addmm|matmul|bmm)$")
-
-
-def _emit(path: str, record: dict) -> None:
-    record = {"t": round(time.time(), 1), **record}
-    line = json.dumps(record)
-    print(f"[window] {line}", flush=True)
-    with open(path, "a") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _decide(emit, key: str, measured, outcome: str) -> None:
@@ -157,46 +149,13 @@ def _extra_mb(torch, fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 1e6
 
 
-def _inputs(torch, args):
-    dev, bf = args.device, torch.bfloat16
-    n, d, v = args.n, args.d, args.v
-    g = torch.Generator(device=dev).manual_seed(0)
-    h = torch.randn(n, d, device=dev, generator=g).to(bf).requires_grad_()
-    w = (torch.randn(v, d, device=dev, generator=g) * d**-0.5).to(bf).requires_grad_()
-    lab = torch.randint(0, v, (n,), device=dev, generator=g)
-    return h, w, lab, g
-
-
 def _ops(torch, args):
     """{name: (call, flops)}: the three ops at the window's shape, one call each."""
-    import mrtpo_kernels as mk
-
     from . import formulas
 
-    h, w, lab, g = _inputs(torch, args)
-    n, d, v, dev = args.n, args.d, args.v, args.device
-    old = torch.full((n,), -12.0, device=dev)
-    adv = torch.randn(n, device=dev, generator=g)
-    up = torch.randn(n, device=dev, generator=g)
-    hq = (h.detach()[None] + 0.3 * torch.randn(4, n, d, device=dev, generator=g)).to(h.dtype)
-
-    def policy():
-        loss, _ = mk.linear_policy_loss(h, w, lab, old, adv, backend="triton")
-        loss.backward()
-        h.grad = w.grad = None
-
-    def logprobs():
-        lp = mk.linear_logprobs(h, w, lab, backend="triton")
-        lp.backward(up)
-        h.grad = w.grad = None
-
-    def js():
-        with torch.no_grad():
-            mk.linear_js_distance(h.detach(), hq, w.detach(), backend="triton")
-
-    calls = {"linear_policy_loss_fwd_bwd": (policy, 1), "linear_logprobs_fwd_bwd": (logprobs, 1),
-             "linear_js_distance": (js, 4)}  # fmt: skip
-    return {name: (fn, formulas.flops(name, n, d, v, k)) for name, (fn, k) in calls.items()}
+    n, d, v = args.n, args.d, args.v
+    calls = op_calls(torch, args)
+    return {name: (fn, formulas.flops(name, n, d, v, k)) for name, fn, k in calls}
 
 
 # --------------------------------------------------------------------------- state
@@ -533,7 +492,7 @@ def cce_exact_options(linear_cross_entropy) -> dict:
 def part_peers(torch, args, emit):
     import mrtpo_kernels as mk
 
-    h, w, lab, g = _inputs(torch, args)
+    h, w, lab, g = op_inputs(torch, args)
     up = torch.randn(args.n, device=args.device, generator=g)
 
     def ours():
@@ -613,20 +572,13 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--part", choices=PARTS, required=True)
     ap.add_argument("--out", required=True, help="JSON-lines file the records are appended to")
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--d", type=int, default=4096)
-    ap.add_argument("--v", type=int, default=151936)
-    ap.add_argument("--grad-buffer-mib", type=int, default=0, help="0: the default")
-    ap.add_argument("--chunk-mib", type=int, default=0, help="0: the default")
+    add_shape_args(ap)
     ap.add_argument("--device", default="cuda", help="cpu: the dry run under TRITON_INTERPRET=1")
     ap.add_argument("--rounds", type=int, default=7, help="A/B rounds")
     ap.add_argument("--tag", default="before", help="state: before or after")
     ap.add_argument("--traces", default=None, help="timeline: folder for the chrome traces")
     args = ap.parse_args(argv)
-    if args.grad_buffer_mib:
-        os.environ["MRTPO_GRAD_BUFFER_BYTES"] = str(args.grad_buffer_mib << 20)
-    if args.chunk_mib:
-        os.environ["MRTPO_CHUNK_BYTES"] = str(args.chunk_mib << 20)
+    apply_size_env(args)
     if args.traces is None:
         args.traces = os.path.join(os.path.dirname(os.path.abspath(args.out)), "traces")
     os.makedirs(args.traces, exist_ok=True)
@@ -636,16 +588,7 @@ def main(argv=None) -> int:
         print("gpu_window: no CUDA device", file=sys.stderr)
         return 2
     fn = globals()[f"part_{args.part}"]
-    t0 = time.time()
-    emit = lambda rec: _emit(args.out, rec)  # noqa: E731
-    try:
-        fn(torch, args, emit)
-    except Exception as exc:  # report what broke; the records already written stay
-        emit({"part": args.part, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-        return 1
-    finally:
-        print(f"[window] part {args.part}: {time.time() - t0:.1f} s", flush=True)
-    return 0
+    return run_part(lambda emit: fn(torch, args, emit), args.part, args.out, "window")
 
 
 if __name__ == "__main__":
