@@ -24,13 +24,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, out: str):
+def _join_group(rank: int, port: int) -> None:
+    """This process as rank ``rank`` of the two-process gloo group on the CPU, one thread."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), ACCELERATE_USE_CPU="yes", OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME="lo",
     )  # fmt: skip
     torch.set_num_threads(1)
+
+
+def _config(output_dir: str):
+    """One GRPO step at the tests' shape (both two-process tests train under it)."""
+    return trl.GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=PER_DEVICE,
+        num_generations=G, max_completion_length=6, max_steps=1, learning_rate=1e-2,
+        beta=0.0, mask_truncated_completions=True, temperature=1.3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+    )  # fmt: skip
+
+
+def _rank_main(rank: int, port: int, out: str):
+    _join_group(rank, port)
     import copy
 
     from test_integrations_trl_replay import (
@@ -64,12 +79,7 @@ def _rank_main(rank: int, port: int, out: str):
     model, tok = tiny_model()
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
     ds = datasets.Dataset.from_dict({"prompt": prompts * 3, "topic": WORDS * 3})
-    config = trl.GRPOConfig(
-        output_dir=os.path.join(out, "run"), per_device_train_batch_size=PER_DEVICE,
-        num_generations=G, max_completion_length=6, max_steps=1, learning_rate=1e-2,
-        beta=0.0, mask_truncated_completions=True, temperature=1.3, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
-    )  # fmt: skip
+    config = _config(os.path.join(out, "run"))
     trainer = Recording(
         model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
         processing_class=tok, reward_spans=[word_spans, None, None],
@@ -144,12 +154,7 @@ DEADLINE_S = 180
 
 
 def _case_rank_main(rank: int, port: int, out: str):
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port), ACCELERATE_USE_CPU="yes", OMP_NUM_THREADS="1",
-        GLOO_SOCKET_IFNAME="lo",
-    )  # fmt: skip
-    torch.set_num_threads(1)
+    _join_group(rank, port)
     from test_integrations_trl_replay import (
         PROMPTS,
         WORDS,
@@ -202,12 +207,7 @@ def _case_rank_main(rank: int, port: int, out: str):
         case["name"] = name
         torch.manual_seed(0)
         model, tok = tiny_model()
-        config = trl.GRPOConfig(
-            output_dir=os.path.join(out, name), per_device_train_batch_size=PER_DEVICE,
-            num_generations=G, max_completion_length=6, max_steps=1, learning_rate=1e-2,
-            beta=0.0, mask_truncated_completions=True, temperature=1.3, logging_steps=1,
-            report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
-        )  # fmt: skip
+        config = _config(os.path.join(out, name))
         trainer = Hostile(
             model=model, reward_funcs=[says_word, bye, length], args=config, train_dataset=ds,
             processing_class=tok, reward_spans=[word_spans, None, None],
