@@ -69,15 +69,21 @@ def tiny_model(seed=0):
     tok = build_tokenizer(PROMPTS * 8 + [" ".join(WORDS) + " bye"] * 8)
     cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                      num_kv_heads=1, max_positions=128)  # fmt: skip
+    return eos_biased_model(tok, cfg, seed), tok
+
+
+def eos_biased_model(tok, cfg, seed=0):
+    """A tiny model of ``cfg`` with an untied head (the embeddings' weights) whose bias is 3 on
+    EOS and 0 elsewhere: some completions end, others are truncated."""
     model = build_tiny_model(tok, cfg, seed=seed)
     head = torch.nn.Linear(cfg.hidden_size, len(tok), bias=True)
     with torch.no_grad():
         head.weight.copy_(model.get_output_embeddings().weight)
         head.bias.zero_()
-        head.bias[tok.eos_token_id] = 3.0  # some completions end, others are truncated
+        head.bias[tok.eos_token_id] = 3.0
     model.config.tie_word_embeddings = False
     model.lm_head = head
-    return model, tok
+    return model
 
 
 def recording_class(records):

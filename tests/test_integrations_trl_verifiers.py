@@ -13,6 +13,8 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+from test_integrations_trl_replay import eos_biased_model  # noqa: E402
+
 from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.integrations.trl import mrtpo_advantages_for_grpo  # noqa: E402
 from mrtpo.integrations.trl_trainer import (  # noqa: E402
@@ -21,7 +23,7 @@ from mrtpo.integrations.trl_trainer import (  # noqa: E402
     example_row,
     verifier_reward,
 )
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, task_texts  # noqa: E402
+from mrtpo.model import TinyConfig, build_tokenizer, task_texts  # noqa: E402
 from mrtpo.tasks import load_task  # noqa: E402
 from mrtpo.trainer import stop_token_at_mean  # noqa: E402
 from mrtpo.verifiers import Example  # noqa: E402
@@ -34,15 +36,7 @@ def tiny_for(task):
     tok = build_tokenizer(task_texts(task))
     cfg = TinyConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                      num_kv_heads=1, max_positions=256)  # fmt: skip
-    model = build_tiny_model(tok, cfg, seed=0)
-    head = torch.nn.Linear(cfg.hidden_size, len(tok), bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_output_embeddings().weight)
-        head.bias.zero_()
-        head.bias[tok.eos_token_id] = 3.0  # some completions end, others are cut
-    model.config.tie_word_embeddings = False
-    model.lm_head = head
-    return model, tok
+    return eos_biased_model(tok, cfg), tok  # some completions end, others are cut
 
 
 def recording(records, rows):
