@@ -49,8 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=5)
     args = ap.parse_args(argv)
     summary = load(args.runs, args.target, args.window, args.steps)
-    print("| run | held-out steps to target | held-out AUC | held-out start -> final all-pass "
-          "| training steps to target | training AUC | training s |")
+    print(
+        "| run | held-out steps to target | held-out AUC | held-out start -> final all-pass "
+        "| training steps to target | training AUC | training s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for algo, rs in summary["runs"].items():
         for r in sorted(rs, key=lambda r: r["seed"]):
