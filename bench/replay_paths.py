@@ -84,6 +84,7 @@ def run_train(args) -> dict:
         group_size=args.group, max_new_tokens=args.tokens, device="cpu", threads=args.threads,
         checkpoint_every=10**6, html_samples=0, cache_dir=args.cache_dir,
         tiny=TinyConfig(warm_steps=0) if args.model is None else TinyConfig(),
+        replay_all=True,  # the replay's full cost: every pair with spans, none skipped
     )  # fmt: skip
     trainer = Trainer(cfg)
     if trainer.k != K:
@@ -123,8 +124,9 @@ def run_train(args) -> dict:
     forwards = {k: max(n for _, n in v) for k, v in replays.items()}
     del torch
     return dict(
-        what="mrtpo train: Trainer.train_step (rollout + replay + update), --algo mrtpo vs "
-        "--algo gdpo --no-baseline-replay, same rollouts",
+        what="mrtpo train: Trainer.train_step (rollout + replay + update), --algo mrtpo "
+        "--replay-all (every pair replayed: the full cost, before the skip of pairs whose "
+        "advantage is 0) vs --algo gdpo --no-baseline-replay, same rollouts",
         with_s=with_s, without_s=without_s, replay_s=phase,
         replay_forwards_with=forwards["with"], replay_forwards_without=forwards["without"],
         note=f"replay_s: replay phase of mrtpo minus gdpo's (old log-probs only); "
@@ -206,6 +208,7 @@ def run_trl(args) -> dict:
             report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=args.seed,
             disable_tqdm=True, shuffle_dataset=False,
         )  # fmt: skip
+        config.mrtpo_replay_all = True  # the replay's full cost: no pair skipped
         clock = Clock()
         trainer = MRTPOGRPOTrainer(
             model=copy.deepcopy(base), reward_funcs=rewards, args=config, train_dataset=ds,

@@ -479,6 +479,14 @@ class TrainConfig:
         choices=BATCH_NORMS,
         group="MRTPO",
     )
+    replay_all: bool = setting(
+        False,
+        "under mrtpo, replay every (response, reward) pair with spans, also those whose GDPO "
+        "advantage is 0 (the default skips them: they move no token advantage); the token "
+        "advantages are the same, the relevance diagnostics cover every pair, at the "
+        "replay's full cost",
+        group="MRTPO",
+    )
     replay_for_baselines: bool = setting(
         True,
         "skip contrastive replay under grpo/gdpo (it only feeds the relevance metrics there)",

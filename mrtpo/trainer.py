@@ -320,7 +320,7 @@ class Trainer:
         # under mrtpo, only the pairs whose advantage can move a token are replayed (the
         # baselines' replay, a diagnostic, replays every pair)
         moving = None
-        if cfg.algo == "mrtpo":
+        if cfg.algo == "mrtpo" and not cfg.replay_all:
             moving = replay_mask_from_rewards(
                 ro.rewards, ro.group_ids, has_info=has_info, whole_rows=mode.mixes_rewards
             )

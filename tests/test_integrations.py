@@ -351,9 +351,15 @@ def test_trl_fused_loss_trl_normalizers(loss_type):
     hidden, weight, ids, mask, old, _, adv = _policy_inputs(10)
     mask[5] = 0
     h1 = hidden.clone().requires_grad_()
+    # token_normalizer is dapo's alone (the trainer passes it there only); elsewhere it is
+    # refused rather than ignored
+    norm = dict(token_normalizer=40.0) if loss_type == "dapo" else {}
+    if loss_type != "dapo":
+        with pytest.raises(ValueError, match="token_normalizer: used by loss_type 'dapo' only"):
+            trl.fused_policy_loss(hidden, weight, ids, mask, None, adv, loss_type=loss_type,
+                                  max_completion_length=9, token_normalizer=40.0)  # fmt: skip
     loss, _ = trl.fused_policy_loss(
-        h1, weight, ids, mask, None, adv, loss_type=loss_type, max_completion_length=9,
-        token_normalizer=40.0,
+        h1, weight, ids, mask, None, adv, loss_type=loss_type, max_completion_length=9, **norm
     )  # fmt: skip
     loss.backward()
     h2 = hidden.clone().requires_grad_()

@@ -586,3 +586,19 @@ def test_replay_skip_leaves_training_bit_for_bit(tmp_path, monkeypatch, settings
             assert torch.equal(got, info & got.any(1, keepdim=True))
     assert skipped_total > 0  # the skip happened
     assert any(r["replay/pairs"] for r in skip.metrics)  # and some pairs were replayed
+
+
+def test_replay_all_replays_every_pair_and_trains_the_same(tmp_path):
+    """--replay-all: every pair with spans is replayed (none skipped); training is the
+    default's bit for bit."""
+    runs = {}
+    for name, replay_all in (("skip", False), ("all", True)):
+        cfg = tiny_config(tmp_path / name, steps=2, group_size=4, replay_all=replay_all)
+        cfg.cache_dir = str(tmp_path / "cache")
+        runs[name] = train(cfg, task=mixed_task(), progress=False)
+    skip, every = runs["skip"].metrics, runs["all"].metrics
+    assert all(r["replay/skipped"] == 0 for r in every)
+    assert sum(r["replay/skipped"] for r in skip) > 0
+    for a, b in zip(skip, every):
+        assert a["replay/pairs"] + a["replay/skipped"] == b["replay/pairs"]
+        assert all(a[k] == b[k] for k in ("loss", "grad_norm", "all_pass"))
