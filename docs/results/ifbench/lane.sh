@@ -3,7 +3,7 @@
 # checkpoint when one is there (rerun the script as it is after a stop; a finished run is
 # left as it is). Run from the fixed checkout named in the record (cwd); PY names the
 # interpreter, RUNS the folder of the lanes (default runs/ifbench). Afterwards it checks that
-# the run's metrics carry the held-out metric (eval/all_pass) and exits 3 if not: the runs
+# the run's metrics carry the held-out evaluations ("eval" in its rows) and exits 3 if not: the runs
 # are only valid from a checkout whose trainer logs it (issue 34, item 1).
 #   bash docs/results/ifbench/lane.sh ARM SEED      ARM: gdpo | mrtpo, SEED: 0, 1, ...
 set -u
@@ -25,13 +25,14 @@ else
     --warm-steps 30 --warm-noise 0.6 --autocast bfloat16 \
     --prompts-per-step 2 --group-size 4 --max-new-tokens 64 --micro-batch 2 --lr 2e-5 \
     --no-baseline-replay --checkpoint-every 5 --threads 1 --device cpu --quiet \
+    --eval-every 10 --eval-prompts 15 --eval-samples 4 --eval-seed 0 \
     --cache-dir runs/cache --out "$out" $mode > "$out.log" 2>&1 || {
     echo "$out: training failed, see $out.log" >&2
     exit 1
   }
 fi
-if ! grep -q '"eval/all_pass"' "$out/metrics.jsonl"; then
-  echo "$out: metrics.jsonl has no eval/all_pass (held-out metric): not a valid lane" >&2
+if ! grep -q '"eval": \[{' "$out/metrics.jsonl"; then
+  echo "$out: metrics.jsonl has no held-out evaluations (\"eval\"): not a valid lane" >&2
   exit 3
 fi
 echo "$out: done"
