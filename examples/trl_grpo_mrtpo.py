@@ -211,11 +211,9 @@ def main(argv=None):
     if trainer.accelerator.is_main_process:
         for line in show_top_tokens(trainer, tok):
             print(line)
-    # several processes: wait for every rank, then close the process group before exit (a
-    # gloo group left to interpreter shutdown can abort a rank: "terminate called without an
-    # active exception", exit -6, after training finished)
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    # several processes: every rank waits for the others, then the process group closes
+    # (MRTPOGRPOTrainer.end_training says why a gloo group must not be left to exit)
+    trainer.end_training()
     return logs
 
 

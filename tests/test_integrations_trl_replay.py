@@ -225,3 +225,21 @@ def test_trl_reward_spans_errors(tmp_path):
         trl_trainer.MRTPOGRPOTrainer(**common, reward_spans=[word_spans])
     with pytest.raises(ValueError, match=r"reward_spans\[1\]: expected a callable"):
         trl_trainer.MRTPOGRPOTrainer(**common, reward_spans=[word_spans, "x"])
+
+
+def test_trl_end_training_one_process(tmp_path):
+    """``end_training`` closes the run: with one process it is Accelerate's own (no group to
+    wait on); a bad pause is refused by name before anything closes (the two-process path
+    runs in test_integrations_trl_distributed.py and the example's torchrun test)."""
+    model, tok = tiny_model()
+    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                            num_generations=4, report_to=[], use_cpu=True)  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[says_word, length],
+                                           args=config, train_dataset=ds, processing_class=tok,
+                                           reward_spans=[word_spans, None])  # fmt: skip
+    for bad in (-1, float("nan"), True, "1", 61):
+        with pytest.raises(ValueError, match="settle_seconds: expected a number of seconds"):
+            trainer.end_training(settle_seconds=bad)
+    assert trainer.accelerator.num_processes == 1
+    trainer.end_training()

@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -506,6 +507,29 @@ class MRTPOGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"reward_spans[{j}]: expected a callable or None, got "
                                  f"{type(fn).__name__}")  # fmt: skip
         self.reward_spans = list(reward_spans)
+
+    def end_training(self, settle_seconds: float = 0.25) -> None:
+        """Close the process group at the end of a script run under several processes
+        (``torchrun``); with one process, only Accelerate's own ``end_training``.
+
+        Every process waits for the others, then sleeps ``settle_seconds`` (releasing the
+        GIL) before the group is destroyed. The pause matters with gloo: its worker thread
+        frees the last collective's tensors after the collective has returned, and that
+        free takes the GIL. A group torn down before then (by ``destroy_process_group``,
+        by the DDP model's garbage collection or at interpreter exit) can deadlock the
+        process in the group's destructor or abort it ("terminate called without an
+        active exception", exit -6) although every step trained: PyTorch's gloo backend,
+        seen here about once in ten two-process runs of the TRL example."""
+        if isinstance(settle_seconds, bool) or not isinstance(settle_seconds, (int, float)) \
+                or not 0 <= settle_seconds <= 60:  # fmt: skip
+            raise ValueError(
+                f"settle_seconds: expected a number of seconds in [0, 60], got {settle_seconds!r}"
+            )
+        acc = self.accelerator
+        if acc.num_processes > 1:
+            acc.wait_for_everyone()
+            time.sleep(settle_seconds)
+        acc.end_training()
 
     # ------------------------------------------------------------ advantages
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
