@@ -9,9 +9,11 @@ prompt with those spans removed from its text (``mrtpo.spans``), rendered throug
 chat template and tokenized afresh. The response tokens y_i are teacher-forced after x (once,
 shared by all K and by the old log-probs) and after every x^{-k}, in batched forwards without
 gradient; a prompt's forward runs once and its key/value cache serves every response that
-follows it. The last hidden states at the response positions and the LM head go to
-``linear_js_distance`` one-vs-many: hidden_p (N, d) against hidden_q (K, N, d), chunk by chunk
-of rows. Rewards without spans need no replay: their distance is 0 and has_info is False.
+follows it, and a prompt without spans starts from the full prompt's cache at their longest
+common token prefix (only the rest of it is run). The last hidden states at the response
+positions and the LM head go to ``linear_js_distance`` one-vs-many: hidden_p (n, d) against
+hidden_q (K', n, d), per group of rows with the same kept rewards, chunk by chunk of rows.
+Rewards without spans need no replay: their distance is 0 and has_info is False.
 
 Replay only what can move (``replay_mask``): a reward whose GDPO advantage A_k is exactly 0
 for a response moves none of its tokens (METHOD.md section 5), so its replay can be skipped

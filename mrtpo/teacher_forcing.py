@@ -6,7 +6,9 @@ Layout of a teacher-forced batch: prompts left-padded to a common width P, respo
 right-padded to R, position ids counted over the attention mask, so the hidden state that
 predicts response token t of every row sits at column P - 1 + t whatever the prompt length.
 ``forward_shared_prompts`` runs each distinct prompt once and lets its key/value cache serve
-every response that follows it.
+every response that follows it; ``forward_after_prefix`` starts a prompt from another
+prompt's cache of their common first tokens. Responses go through a cache in pieces of at
+most ``TAIL_PIECE`` tokens, with an attention mask only where prompts are left-padded.
 """
 
 from __future__ import annotations
