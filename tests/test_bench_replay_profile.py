@@ -71,3 +71,17 @@ def test_replay_profile_times_every_part_of_both_paths(tmp_path):
     text = args.record.read_text()
     assert text.count("| whole replay |") == 2 and "## Mask `rewards`: 8" in text
     assert "--mask none,rewards" in text and "load a" in text
+
+
+def test_tail_memory_bench_runs_and_agrees(tmp_path, monkeypatch):
+    """bench/tail_memory.py at a small size: both ways give the same hidden states."""
+    from bench.tail_memory import main
+
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
+    record = tmp_path / "tail.md"
+    assert main(["--tokens", "24", "--piece", "8", "--out", str(tmp_path / "o"),
+                 "--record", str(record)]) == 0  # fmt: skip
+    rows = [x for x in record.read_text().splitlines() if x.startswith(("| same", "| mixed"))]
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row.split("|")[-2]) < 1e-5
