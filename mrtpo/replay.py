@@ -9,9 +9,11 @@ prompt with those spans removed from its text (``mrtpo.spans``), rendered throug
 chat template and tokenized afresh. The response tokens y_i are teacher-forced after x (once,
 shared by all K and by the old log-probs) and after every x^{-k}, in batched forwards without
 gradient; a prompt's forward runs once and its key/value cache serves every response that
-follows it. The last hidden states at the response positions and the LM head go to
-``linear_js_distance`` one-vs-many: hidden_p (N, d) against hidden_q (K, N, d), chunk by chunk
-of rows. Rewards without spans need no replay: their distance is 0 and has_info is False.
+follows it, and a prompt without spans starts from the full prompt's cache at their longest
+common token prefix (only the rest of it is run). The last hidden states at the response
+positions and the LM head go to ``linear_js_distance`` one-vs-many: hidden_p (n, d) against
+hidden_q (K', n, d), per group of rows with the same kept rewards, chunk by chunk of rows.
+Rewards without spans need no replay: their distance is 0 and has_info is False.
 
 Replay only what can move (``replay_mask``): a reward whose GDPO advantage A_k is exactly 0
 for a response moves none of its tokens (METHOD.md section 5), so its replay can be skipped
@@ -36,7 +38,7 @@ from mrtpo_kernels import ADVANTAGE_DEFAULTS, gdpo_advantages, linear_js_distanc
 from .model import lm_head
 from .prompting import ChatPrompter, Span, merge_spans
 from .spans import is_chat_prompt, normalize_spans, prompt_without_spans
-from .teacher_forcing import forward_shared_prompts, teacher_batch
+from .teacher_forcing import forward_after_prefix, forward_shared_prompts, teacher_batch
 
 
 @dataclass
@@ -271,12 +273,23 @@ def _head(model):
     return lm_head(model)
 
 
-def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device) -> torch.Tensor:
-    """(N, d) packed hidden states predicting each response token, without gradient."""
+def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device, *, prefixes=None,
+                 prefix=None) -> torch.Tensor:  # fmt: skip
+    """(N, d) packed hidden states predicting each response token, without gradient.
+
+    ``prefixes``: a dict that the with-information forward fills with each distinct
+    prompt's key/value cache (``forward_shared_prompts``). ``prefix``: per layer the cached
+    keys and values of the first tokens of the one prompt all rows share; only the rest of
+    the prompt and the responses are then run (``forward_after_prefix``). Both are for Hugging
+    Face models only (a ``CallableLM`` always runs whole rows)."""
     if not isinstance(model, CallableLM):
-        h = forward_shared_prompts(
-            model, prompts, responses, pad_id, micro_batch=micro_batch, device=device
-        )
+        if prefix is not None:
+            h = forward_after_prefix(model, prefix, prompts[0], responses, pad_id,
+                                     device=device)  # fmt: skip
+        else:
+            h = forward_shared_prompts(model, prompts, responses, pad_id,
+                                       micro_batch=micro_batch, device=device,
+                                       prefixes=prefixes)  # fmt: skip
         return h.to(lm_head(model)[0].dtype)  # under autocast the decoder may give bf16
     out = [model.weight.new_empty((0, model.weight.shape[1]))]
     for s in range(0, len(prompts), micro_batch):
@@ -287,6 +300,31 @@ def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device) -> torc
         r_width = tb.response_mask.shape[1]
         out.append(h[:, tb.prompt_width - 1 : tb.prompt_width - 1 + r_width][tb.response_mask])
     return torch.cat(out).to(model.weight.dtype)
+
+
+def _shared_prefix(prefixes, full, ids):
+    """The cached keys and values of the longest common token prefix of the full prompt
+    ``full`` and the prompt without spans ``ids`` (at most len(ids) - 1 tokens, so that a
+    prompt token is still run and predicts the first response token), or None when there
+    is none or ``full``'s cache was not kept."""
+    kv = None if prefixes is None else prefixes.get(tuple(full))
+    if kv is None:
+        return None
+    n = 0
+    for a, b in zip(full, ids[: len(ids) - 1]):
+        if a != b:
+            break
+        n += 1
+    if n == 0:
+        return None
+    return [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+
+
+# a GEMM of fewer than 4 rows takes another BLAS kernel whose rows differ in the last bits
+# from the same rows in a larger GEMM (measured with MKL, AVX-512): the JS and log-prob
+# GEMMs of a group of kept pairs get at least this many token rows (copies, dropped), so
+# that a token's distance never depends on which other pairs were kept
+_MIN_JS_TOKENS = 4
 
 
 def _stream_ids(prompts, streams, encode):
@@ -313,7 +351,7 @@ class _Core:
 
 def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
                  micro_batch, max_tokens=None, pointwise=False, keep_hidden=False,
-                 keep=None) -> _Core:  # fmt: skip
+                 keep=None, reuse=True) -> _Core:  # fmt: skip
     """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
     ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
     forward per distinct prompt, its key/value cache shared by the responses after it), the
@@ -324,7 +362,16 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     spans is the same (a group's rows, for one reward), its prompt run once. ``keep`` (n, J)
     bools, optional: a (row, stream) that is False is not replayed and its distance is 0; a
     unit runs when one of its rows is kept, all of its rows, so that what a kept pair gets
-    never depends on which others were left out (the same forward, bit for bit)."""
+    never depends on which others were left out (the same forward, bit for bit).
+
+    Cheaper forwards and JS (``reuse``, the default): the with-information forward keeps each
+    full prompt's key/value cache, and a unit starts from it at the longest common token
+    prefix of its prompt without spans and the full prompt (at most all but one of its
+    tokens), so it runs only the rest of that prompt and its responses; the JS runs per group
+    of rows with the same kept streams, on the kept pairs only. A unit's forward and a
+    kept pair's JS read only the with-information forward of the chunk and the unit's own
+    rows, never which other pairs are kept. ``reuse=False``: whole prompts without spans and
+    one JS over every row and stream with a kept pair (for side-by-side benchmarks)."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
     if max_tokens is not None and (
@@ -366,8 +413,9 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     replayed = 0
     for rows in chunks:
         per_fwd = len(rows)  # one forward per chunk (and per chunk of its replays)
+        prefixes = {} if reuse and j_n else None  # the chunk's prompts' key/value caches
         hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
-                          pad_id, per_fwd, device)  # fmt: skip
+                          pad_id, per_fwd, device, prefixes=prefixes)  # fmt: skip
         idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
         labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
         labels = labels.to(device)
@@ -385,57 +433,83 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         units = {u: js for u, js in units.items() if any(kp for _, kp in js)}
         if not units:  # nothing to replay in this chunk: distance 0, no JS
             continue
-        # the JS runs on the rows and streams that have a kept replay only; a (row, stream)
-        # without one inside them holds hidden_p itself (and gets distance 0)
-        jobs = [(a, j, kp) for (j, _), js in units.items() for a, kp in js]
-        used_rows = sorted({a for a, _, kp in jobs if kp})
-        used = sorted({j for _, j, kp in jobs if kp})
-        slot = {j: s for s, j in enumerate(used)}
-        local = [0]
-        for a in used_rows:
-            local.append(local[-1] + lengths[rows[a]])
-        at = {a: u for u, a in enumerate(used_rows)}
-        sel = torch.cat([torch.arange(starts[rows[a]], starts[rows[a] + 1]) for a in used_rows])
-        sel = sel.to(device)
-        if len(used_rows) == len(rows):
-            hp_u, lab_u, lp_u = hp, labels, lp
+        # the JS runs per group of rows with the same kept streams, on those pairs only
+        # (legacy: one group of every row and stream with a kept pair, the pairs not kept
+        # inside it holding hidden_p itself, their distance then zeroed)
+        kept_of: dict[int, list[int]] = {}
+        for (j, _), js in units.items():
+            for a, kp in js:
+                if kp:
+                    kept_of.setdefault(a, []).append(j)
+        if reuse:
+            by_set: dict[tuple, list[int]] = {}
+            for a in sorted(kept_of):
+                by_set.setdefault(tuple(sorted(set(kept_of[a]))), []).append(a)
         else:
-            li = _local_index(rows, used_rows, lengths).to(device)
-            hp_u, lab_u, lp_u = hp[li], labels[li], lp[li]
-        hq = hp_u.unsqueeze(0).repeat(len(used), 1, 1)
-        cover = torch.zeros((len(used), local[-1]), dtype=torch.bool)
+            by_set = {tuple(sorted({j for js in kept_of.values() for j in js})): sorted(kept_of)}
+        groups = [_JSGroup(streams, g_rows, rows, lengths, starts, hp, device)
+                  for streams, g_rows in by_set.items()]  # fmt: skip
+        where = {}  # (row in chunk, stream) -> (group, slot, token offset in the group)
+        for grp in groups:
+            for a, off in zip(grp.rows, grp.offsets):
+                for s_, j in enumerate(grp.streams):
+                    where[(a, j)] = (grp, s_, off)
         for (j, ids), js in units.items():
             unit_rows = [rows[a] for a, _ in js]
+            pre = _shared_prefix(prefixes, full_ids[unit_rows[0]], ids) if reuse else None
             h = _rows_hidden(model, [list(ids)] * len(js), [responses[r] for r in unit_rows],
-                             pad_id, len(js), device)  # fmt: skip
+                             pad_id, len(js), device, prefix=pre)  # fmt: skip
             pos = 0
             for (a, kp), r in zip(js, unit_rows):
                 t = lengths[r]
                 if kp:
-                    u = at[a]
-                    hq[slot[j], local[u] : local[u + 1]] = h[pos : pos + t]
-                    cover[slot[j], local[u] : local[u + 1]] = True
+                    grp, s_, off = where[(a, j)]
+                    grp.hq[s_, off : off + t] = h[pos : pos + t]
+                    grp.cover[s_, off : off + t] = True
                 pos += t
-        replayed += len(jobs)
-        cover = cover.to(device)
-        used_t = torch.tensor(used, dtype=torch.long, device=device)
-        d = linear_js_distance(hp_u, hq, weight, bias=bias, temperature=temperature)
-        # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
-        dist[used_t[:, None], sel[None, :]] = torch.where(cover, d.float(), 0.0)
-        if ratio is not None:
-            for s_, j in enumerate(used):
-                lq = linear_logprobs(hq[s_], weight, lab_u, bias=bias, temperature=temperature)
-                ratio[j, sel] = torch.where(cover[s_], (lq - lp_u).abs().float(), 0.0)
+            replayed += len(js)
+        for grp in groups:
+            n_g = grp.n_tokens
+            used_t = torch.tensor(grp.streams, dtype=torch.long, device=device)
+            cover = grp.cover[:, :n_g].to(device)
+            d = linear_js_distance(grp.hp, grp.hq, weight, bias=bias, temperature=temperature)
+            # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
+            dist[used_t[:, None], grp.sel[None, :]] = torch.where(cover, d[:, :n_g].float(), 0.0)
+            if ratio is not None:
+                lab_g, lp_g = labels[grp.local], lp[grp.local]
+                for s_, j in enumerate(grp.streams):
+                    lq = linear_logprobs(grp.hq[s_], weight, lab_g, bias=bias,
+                                         temperature=temperature)[:n_g]  # fmt: skip
+                    delta = (lq - lp_g[:n_g]).abs().float()
+                    ratio[j, grp.sel] = torch.where(cover[s_], delta, 0.0)
     return _Core(dist, old, ratio, hidden_p, replayed)
 
 
-def _local_index(rows, used_rows, lengths) -> torch.Tensor:
-    """Positions, in a chunk's packed tokens (``rows`` in order), of the rows ``used_rows``
-    (indices into ``rows``, ascending)."""
-    local = [0]
-    for r in rows:
-        local.append(local[-1] + lengths[r])
-    return torch.cat([torch.arange(local[a], local[a + 1]) for a in used_rows])
+class _JSGroup:
+    """Rows of a chunk (indices into its ``rows``, ascending) whose JS runs together over
+    ``streams``: their with-information hidden states ``hp`` (n, d), the replays' ``hq``
+    (streams, n, d) (hidden_p until a replay fills them; ``cover`` says where one did),
+    ``sel`` their positions in the batch's packed tokens, ``local`` in the chunk's. Padded
+    to at least ``_MIN_JS_TOKENS`` token rows (copies of the last, dropped)."""
+
+    def __init__(self, streams, g_rows, rows, lengths, starts, hp, device):
+        self.streams, self.rows = list(streams), list(g_rows)
+        chunk_at = [0]
+        for r in rows:
+            chunk_at.append(chunk_at[-1] + lengths[r])
+        self.offsets, n = [], 0
+        for a in g_rows:
+            self.offsets.append(n)
+            n += lengths[rows[a]]
+        self.n_tokens = n
+        local = torch.cat([torch.arange(chunk_at[a], chunk_at[a + 1]) for a in g_rows])
+        sel = torch.cat([torch.arange(starts[rows[a]], starts[rows[a] + 1]) for a in g_rows])
+        if n < _MIN_JS_TOKENS:
+            local = torch.cat([local, local[-1:].repeat(_MIN_JS_TOKENS - n)])
+        self.local, self.sel = local.to(device), sel.to(device)
+        self.hp = hp[self.local]
+        self.hq = self.hp.unsqueeze(0).repeat(len(self.streams), 1, 1)
+        self.cover = torch.zeros((len(self.streams), len(local)), dtype=torch.bool)
 
 
 # --------------------------------------------------------------------------- neutral API
