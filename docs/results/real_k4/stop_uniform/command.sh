@@ -2,24 +2,30 @@
 # reward (--stop-credit uniform), K = 4, the recorded runs' settings (docs/results/real_k4/runs:
 # same seeds, warm start, batch, target 0.3 set before the first K = 4 run) with that one
 # setting changed; and the sharper form's seed 2 with it, which stopped at 56 of 100 steps.
-# From a fixed checkout of d4adf57 (a git worktree at /work/wt25, PYTHONPATH pointing at it,
+# From a fixed checkout of d4adf57 (a git worktree, PYTHONPATH pointing at it,
 # the C++ extension copied in), one thread per run, two lanes side by side. Resumable (a
 # checkpoint every 5 steps): rerun the script as it is.
+# Usage: bash command.sh [CHECKOUT] -- CHECKOUT (or $W) is the fixed checkout, default the
+# checkout holding this script; PY names the interpreter (default CHECKOUT/.venv/bin/python);
+# REC the recorded runs (default ../runs beside this script).
 set -u
-W=${W:-/work/wt25}
-PY=${PY:-/work/main/.venv/bin/python}
-REC=${REC:-/work/main/docs/results/real_k4/runs}
+H=$(cd "$(dirname "$0")/../../../.." && pwd) || exit 2
+W=$(cd "${1:-${W:-$H}}" && pwd) || exit 2
+[ -d "$W/mrtpo" ] || { echo "$0: CHECKOUT $W holds no mrtpo/: not a checkout" >&2; exit 2; }
+PY=${PY:-.venv/bin/python}
+REC=$(cd "${REC:-$H/docs/results/real_k4/runs}" && pwd) || exit 2
 cd "$W"
 export PYTHONPATH="$W" OMP_NUM_THREADS=1
 S=docs/results/scripts/rerun_config.py
 # the warm-started starting folder once (every run here has init_seed 0), before two runs
 # could both write it
-$PY - <<'PYEOF'
+$PY - "$REC/mrtpo-seed0/config.json" <<'PYEOF'
 import json
+import sys
 from mrtpo.config import TrainConfig
 from mrtpo.pretrained import initial_folder
 from mrtpo.tasks import load_task
-c = TrainConfig.from_dict(json.load(open("/work/main/docs/results/real_k4/runs/mrtpo-seed0/config.json")))
+c = TrainConfig.from_dict(json.load(open(sys.argv[1])))
 print(initial_folder(c.model, load_task(c.task, seed=c.init_seed), seed=c.init_seed,
       cache_dir=c.cache_dir, warm_steps=c.tiny.warm_steps, warm_noise=c.tiny.warm_noise, log=print))
 PYEOF

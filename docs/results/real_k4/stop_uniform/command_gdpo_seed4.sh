@@ -1,13 +1,18 @@
 # Issue 25, item 1: GDPO's seed 4 (the JS arms' seed 4 ran in the session before), from the
-# same fixed checkout as command.sh / command_seeds34.sh (d4adf57, worktree at /work/wt25,
+# same fixed checkout as command.sh / command_seeds34.sh (d4adf57, a git worktree of it,
 # the C++ extension copied in). The warm-started folder is rebuilt in this worktree's cache:
 # the check (GDPO seed 0 for 5 steps against the recorded gdpo-seed0) says whether it is the
 # folder the other arms' seeds 0-4 started from (first step that differs: None = the same).
 # Resumable: rerun the script as it is.
+# Usage: bash command_gdpo_seed4.sh [CHECKOUT] -- CHECKOUT (or $W) is the fixed checkout,
+# default the checkout holding this script; PY names the interpreter (default CHECKOUT/.venv/bin/python);
+# REC the recorded runs (default runs beside this script).
 set -u
-W=${W:-/work/wt25}
-PY=${PY:-/work/main/.venv/bin/python}
-REC=${REC:-/work/main/docs/results/real_k4/stop_uniform/runs}
+H=$(cd "$(dirname "$0")/../../../.." && pwd) || exit 2
+W=$(cd "${1:-${W:-$H}}" && pwd) || exit 2
+[ -d "$W/mrtpo" ] || { echo "$0: CHECKOUT $W holds no mrtpo/: not a checkout" >&2; exit 2; }
+PY=${PY:-.venv/bin/python}
+REC=$(cd "${REC:-$H/docs/results/real_k4/stop_uniform/runs}" && pwd) || exit 2
 cd "$W"
 export PYTHONPATH="$W" OMP_NUM_THREADS=1
 S=docs/results/scripts/rerun_config.py

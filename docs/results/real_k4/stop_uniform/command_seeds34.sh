@@ -1,5 +1,5 @@
 # Issue 25, item 1: seeds 3 and 4 of GDPO, the JS form and the JS form with --stop-credit
-# uniform, K = 4, from the same fixed checkout as command.sh (d4adf57 at /work/wt25), and
+# uniform, K = 4, from the same fixed checkout as command.sh (a git worktree of d4adf57), and
 # seeds 0-2 of GDPO and of the JS form again there. The recorded settings, with the seed
 # changed for seeds 3 and 4 (init_seed stays 0: every K = 4 run starts from the same warm
 # start). Why seeds 0-2 again: the check that runs first (GDPO seed 0 for 15 steps against
@@ -9,10 +9,15 @@
 # Ordered so that whole seeds of every arm come first (seeds 0-3, then 4). Resumable: rerun
 # the script as it is. Stopped for time (2026-12-03 15:20 UTC) after seeds 0-3 of every arm:
 # gdpo-seed4, mrtpo-seed4 and mrtpo-stopuniform-seed4 have not run.
+# Usage: bash command_seeds34.sh [CHECKOUT] -- CHECKOUT (or $W) is the fixed checkout, default the
+# checkout holding this script; PY names the interpreter (default CHECKOUT/.venv/bin/python);
+# REC the recorded runs (default ../runs beside this script).
 set -u
-W=${W:-/work/wt25}
-PY=${PY:-/work/main/.venv/bin/python}
-REC=${REC:-/work/main/docs/results/real_k4/runs}
+H=$(cd "$(dirname "$0")/../../../.." && pwd) || exit 2
+W=$(cd "${1:-${W:-$H}}" && pwd) || exit 2
+[ -d "$W/mrtpo" ] || { echo "$0: CHECKOUT $W holds no mrtpo/: not a checkout" >&2; exit 2; }
+PY=${PY:-.venv/bin/python}
+REC=$(cd "${REC:-$H/docs/results/real_k4/runs}" && pwd) || exit 2
 cd "$W"
 export PYTHONPATH="$W" OMP_NUM_THREADS=1
 S=docs/results/scripts/rerun_config.py
