@@ -128,8 +128,8 @@ write_summary
 # Peer libraries (Liger, Cut Cross-Entropy) come along as wheels in .whl/ (no network);
 # installed first, so that env.json lists their versions.
 if ls .whl/*.whl > /dev/null 2>&1 || [ "$DRY" = 1 ]; then
-  step wheels 40 "$PY" -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  step wheels 40 "$PY" -m pip install --no-index --no-deps --target "$PWD/build/site" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$PWD/build/site"
 fi
 
 step env 40 bash -c "nvidia-smi; \"$PY\" -m bench.envinfo --ceilings --out \"$OUT_DIR/env.json\""

@@ -41,8 +41,8 @@ step() {
   echo "| $name | rc=$rc | $(( $(date +%s) - t0 )) s |" >> "$OUT_DIR/steps.md"
 }
 if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  "$PY" -m pip install -q --no-index --no-deps --target "$PWD/build/site" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$PWD/build/site"
 fi
 echo "| step | outcome | time |" > "$OUT_DIR/steps.md"; echo "|---|---|---|" >> "$OUT_DIR/steps.md"
 step pytest_gpu_logprobs 60 "$PY" -m pytest -m gpu -o addopts= -p no:cacheprovider -v -rA \

@@ -125,8 +125,8 @@ step() {
 : > "$STEPS"
 write_summary
 if ls .whl/*.whl > /dev/null 2>&1 && [ "$DRY" = 0 ]; then
-  step wheels 40 "$PY" -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  step wheels 40 "$PY" -m pip install --no-index --no-deps --target "$PWD/build/site" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$PWD/build/site"
 fi
 step state_before 20 "${WIN[@]}" --part state --tag before
 step timeline 110 "${WIN[@]}" --part timeline
