@@ -104,6 +104,25 @@ def _progress(row: dict) -> None:
     )
 
 
+def portable_arg(arg: str, cwd: str | None = None, out: str | None = None) -> str:
+    """``arg`` as the record's reproduce line shows it: a path under the device's output
+    folder ($OUT) as ``$OUT/...``, one under the current directory relative to it, anything
+    else as given (a record names no machine's absolute path)."""
+    cwd = os.getcwd() if cwd is None else cwd
+    out = os.environ.get("OUT") if out is None else out
+    prefix, _, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    if not os.path.isabs(value):
+        return arg
+    norm = os.path.normpath(value)
+    for base, shown in ((out, "$OUT"), (cwd, ".")):
+        if base and os.path.isabs(base):
+            rel = os.path.relpath(norm, os.path.normpath(base))
+            if rel == "." or not rel.startswith(".."):
+                value = shown if rel == "." else f"{shown}/{rel}" if shown == "$OUT" else rel
+                break
+    return f"{prefix}={value}" if prefix else value
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.preset is None:
@@ -143,7 +162,8 @@ def main(argv=None) -> int:
     csv_path = args.csv or os.path.join(out_dir, "results.csv")
     md_path = args.md or os.path.splitext(csv_path)[0] + ".md"
     rows: list[dict] = []
-    args_s = " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    given = sys.argv[1:] if argv is None else argv
+    args_s = " ".join(shlex.quote(portable_arg(a)) for a in given)
     command = f"python -m bench {args_s}".strip()
     for group in _groups(specs, isolate):
         if isolate == "none":

@@ -133,3 +133,17 @@ def test_tracked_files_name_no_machine_paths():
         "machine-absolute paths in tracked files (take them as arguments or relative to "
         "the checkout; see this test's docstring):\n" + "\n".join(found)
     )
+
+
+def test_bench_reproduce_line_names_no_machine_path():
+    """bench's record writes its command line with paths under $OUT or the current
+    directory made portable (a device run passes --out "$OUT/bench", an absolute path)."""
+    from bench.__main__ import portable_arg
+
+    assert portable_arg("/root/out/bench", cwd="/srv/co", out="/root/out") == "$OUT/bench"
+    assert portable_arg("/root/out", cwd="/srv/co", out="/root/out") == "$OUT"
+    assert portable_arg("--out=/root/out/b", cwd="/srv/co", out="/root/out") == "--out=$OUT/b"
+    assert portable_arg("/srv/co/bench/x.csv", cwd="/srv/co", out="") == "bench/x.csv"
+    assert portable_arg("/root/outer/x", cwd="/srv/co", out="/root/out") == "/root/outer/x"
+    assert portable_arg("bench/x.csv", cwd="/srv/co", out="/root/out") == "bench/x.csv"
+    assert portable_arg("--preset", cwd="/srv/co", out="/root/out") == "--preset"
