@@ -525,11 +525,21 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"settle_seconds: expected a number of seconds in [0, 60], got {settle_seconds!r}"
             )
-        acc = self.accelerator
-        if acc.num_processes > 1:
-            acc.wait_for_everyone()
-            time.sleep(settle_seconds)
-        acc.end_training()
+        self._settle(settle_seconds)
+        self.accelerator.end_training()
+
+    def train(self, *args, **kwargs):
+        """``GRPOTrainer.train``; with several processes it then settles the collectives as
+        ``end_training`` does (every process waits, gloo's worker frees the last tensors),
+        so that a script that ends without ``end_training`` does not abort at exit."""
+        out = super().train(*args, **kwargs)
+        self._settle(0.25)
+        return out
+
+    def _settle(self, seconds: float) -> None:
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+            time.sleep(seconds)  # releases the GIL: gloo's worker can free its last work
 
     # ------------------------------------------------------------ advantages
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
