@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_replay import PROMPTS, TINY  # the replay tests' prompts and tiny model shape
 
 import mrtpo.replay as replay_mod
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head
+from mrtpo.model import build_tiny_model, build_tokenizer, lm_head
 from mrtpo.prompting import ChatPrompter
 from mrtpo.replay import _replay_core, _stream_ids, replay_relevance
 from mrtpo.teacher_forcing import forward_after_prefix, forward_responses, forward_shared_prompts
 from mrtpo_kernels.reference import js_distance_ref
-
-PROMPTS = [
-    'Write a note about owls. Start with "hello". Include the word "blue".',
-    'Write a note about rain. Include the word "gold". End with "bye now".',
-]
-TINY = TinyConfig(
-    vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1
-)
 
 
 def _setup():
