@@ -380,6 +380,7 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     weight, bias = _head(model)
     device = weight.device
+    js_weight, js_bias, js_dtype = _js_head(weight, bias)
     pad_id = 0 if pad_id is None else int(pad_id)
     n = len(responses)
     j_n = num_streams
@@ -472,7 +473,8 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
             n_g = grp.n_tokens
             used_t = torch.tensor(grp.streams, dtype=torch.long, device=device)
             cover = grp.cover[:, :n_g].to(device)
-            d = linear_js_distance(grp.hp, grp.hq, weight, bias=bias, temperature=temperature)
+            d = linear_js_distance(grp.hp.to(js_dtype), grp.hq.to(js_dtype), js_weight,
+                                   bias=js_bias, temperature=temperature)  # fmt: skip
             # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
             dist[used_t[:, None], grp.sel[None, :]] = torch.where(cover, d[:, :n_g].float(), 0.0)
             if ratio is not None:
@@ -483,6 +485,24 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
                     delta = (lq - lp_g[:n_g]).abs().float()
                     ratio[j, grp.sel] = torch.where(cover[s_], delta, 0.0)
     return _Core(dist, old, ratio, hidden_p, replayed)
+
+
+def _js_head(weight: torch.Tensor, bias: torch.Tensor | None):
+    """The LM head the JS runs on, its bias and the hidden states' dtype for it. Under
+    autocast to bfloat16 on the head's device the model's own LM head runs on bf16 operands
+    (and rounds its logits to bf16): the JS takes the same bf16 operands, and the kernel
+    accumulates and writes the logits in fp32 (on a GPU torch.mm's out_dtype, on a CPU
+    oneDNN's bf16 GEMM; bench/results/cpu-bf16-logits-2026-12-05.md). Otherwise the head as
+    it is."""
+    dev = weight.device.type
+    if (
+        weight.dtype == torch.float32
+        and torch.is_autocast_enabled(dev)
+        and torch.get_autocast_dtype(dev) == torch.bfloat16
+    ):
+        low = torch.bfloat16
+        return weight.to(low), (None if bias is None else bias.to(low)), low
+    return weight, bias, weight.dtype
 
 
 class _JSGroup:

@@ -279,8 +279,9 @@ def chunk_plan(
 def gemm_path(backend: str, device, dtype) -> str:
     """The GEMMs the chunk driver runs on ``backend`` for ``dtype`` inputs on ``device``:
     "16-bit, fp32 out", "fp32", or "fp32 fallback" (16-bit inputs on a device where torch
-    has no 16-bit GEMM with fp32 output: an fp32 weight copy and fp32 GEMMs). Benchmarks
-    print it in every row, so the slow path never hides."""
+    has no 16-bit GEMM with fp32 output: an fp32 weight copy and fp32 GEMMs), with
+    ", bf16-operand logits" where a CPU's oneDNN runs the logits GEMM of bf16 inputs on
+    bf16 operands. Benchmarks print it in every row, so the slow path never hides."""
     import torch
 
     return _lm_head.gemm_path(row_kernel(backend), torch.device(device), dtype)

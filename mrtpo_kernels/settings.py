@@ -116,6 +116,14 @@ SETTINGS: dict[str, Setting] = {
             "adds its own chunk, so the extra memory is this plus the chunk driver's "
             "buffers; 0: recompute every row",
         ),
+        Setting(
+            "MRTPO_CPU_BF16_GEMM",
+            "1",
+            "1: on a CPU whose oneDNN has bf16 GEMMs (AVX512-BF16 or AMX), the chunk "
+            "driver's logits GEMM runs on bf16 operands with fp32 accumulation and output "
+            "when the hidden states and the LM head are both bf16 (their values are bf16, so "
+            "the operands lose nothing); 0: the fp32 GEMM on upcast copies",
+        ),
         Setting("MRTPO_SKIP_CUDA_BUILD", "0", "build time: 1 never builds the CUDA extension"),
         Setting("MRTPO_SKIP_CPU_BUILD", "0", "build time: 1 does not build the CPU extension"),
         Setting(
@@ -182,6 +190,10 @@ def chunk_bytes() -> int:
 
 def grad_buffer_bytes() -> int:
     return positive_int("MRTPO_GRAD_BUFFER_BYTES")
+
+
+def cpu_bf16_gemm() -> bool:
+    return flag("MRTPO_CPU_BF16_GEMM")
 
 
 def js_scratch_bytes() -> int:

@@ -329,7 +329,9 @@ def test_gpu_micro_parts_run_under_interpreter(tmp_path):
     for name in ("linear_policy_loss_fwd_bwd", "linear_logprobs_fwd_bwd", "linear_js_distance"):
         r = by[("ops", name)]
         assert "error" not in r and r["ms"] > 0 and r["pred_ms"] > 0
-        assert r["gemm_path"] == "fp32 fallback"  # the CPU's torch has no 16-bit fp32-out GEMM
+        # the CPU's torch has no 16-bit fp32-out GEMM (whether oneDNN then runs the bf16
+        # logits GEMM, the suffix, is test_chunk_driver's question)
+        assert r["gemm_path"].startswith("fp32 fallback")
     assert by[("correctness", "bf16_24_rows")]["ok"] is True
     assert by[("cublas", "full_bf16_gemm")]["ms"] > 0
     sweep = {(r["name"], r["block"]) for r in rows if r["part"] == "rows-sweep"}

@@ -119,8 +119,13 @@ def test_predicted_ms_in_rows(default_plan):
     cols = cell._model_columns(spec)
     assert cols == {"pred_ms": None, "gemm_path": "fp32"}
     spec["dtype"] = "bfloat16"
-    assert cell._model_columns(spec)["gemm_path"] == "fp32"  # no GRAD_OUT on torch's kernel
-    assert chunk_plan.gemm_path("torch", "cpu", __import__("torch").bfloat16) == "fp32"
+    from mrtpo_kernels.backends import _lm_head
+
+    # no GRAD_OUT on torch's kernel: fp32 GEMMs, the logits one on bf16 operands where a
+    # CPU's oneDNN has bf16 GEMMs (MRTPO_CPU_BF16_GEMM, on by default)
+    want = "fp32" + (", bf16-operand logits" if _lm_head._cpu_bf16_gemm_available() else "")
+    assert cell._model_columns(spec)["gemm_path"] == want
+    assert chunk_plan.gemm_path("torch", "cpu", __import__("torch").bfloat16) == want
 
 
 def test_cpu_check_rows_are_complete():

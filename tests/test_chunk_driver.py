@@ -781,3 +781,84 @@ def test_plan_counts_the_overlap_chunk(monkeypatch):
         assert chunk_plan.chunk_plan(op, n, v, 896).buffer_bytes == chunk_plan.chunk_plan(
             op, n, v, 896, overlap=False).buffer_bytes  # fmt: skip
         monkeypatch.delenv("MRTPO_OVERLAP_ROWS")
+
+
+# --------------------------------------------------------------------------- bf16 operands, CPU
+
+
+def _bf16_case(n=37, d=24, v=3001, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).bfloat16()
+    hq = (h.float() + 0.5 * torch.randn(2, n, d, generator=g)).bfloat16()
+    w = (0.3 * torch.randn(v, d, generator=g)).bfloat16()
+    y = torch.randint(0, v, (n,), generator=g)
+    return h, hq, w, y
+
+
+def test_cpu_bf16_logits_path_is_exact_operands_fp32_accumulation(monkeypatch):
+    """bf16 hidden states and head on the CPU: the logits GEMM runs in oneDNN's bf16 mode
+    (the switch on inside the GEMM, restored after), and every output equals the fp32
+    GEMM's on the same (upcast) operands up to the order of fp32 accumulation; against
+    float64 both are within the error budget of plain PyTorch in bf16."""
+    import torch
+
+    import mrtpo_kernels as mk
+    from mrtpo_kernels import reference
+    from mrtpo_kernels.backends import _lm_head
+
+    if not _lm_head._cpu_bf16_gemm_available():
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    h, hq, w, y = _bf16_case()
+    seen = []
+    real = _lm_head.fp32_logits
+
+    def spy(*a, **k):
+        seen.append(torch.backends.mkldnn.matmul.fp32_precision)
+        return real(*a, **k)
+
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    monkeypatch.setattr(_lm_head, "fp32_logits", spy)
+    out = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("MRTPO_CPU_BF16_GEMM", on)
+        seen.clear()
+        lp = mk.linear_logprobs(h, w, y, backend="cpu")
+        d = mk.linear_js_distance(h, hq, w, backend="cpu")
+        assert seen and set(seen) == ({"bf16"} if on == "1" else {before}), (on, seen)
+        assert torch.backends.mkldnn.matmul.fp32_precision == before  # restored
+        out[on] = (lp.float(), d.float())
+    assert (out["1"][0] - out["0"][0]).abs().max() < 1e-4
+    assert (out["1"][1] - out["0"][1]).abs().max() < 1e-4
+    ref_lp = reference.linear_logprobs_ref(h.double(), w.double(), y)[0]
+    plain = torch.log_softmax((h @ w.t()).float(), -1).gather(1, y[:, None])[:, 0]
+    budget = 2 * (plain.double() - ref_lp).abs().max().item() + 1e-5
+    assert (out["1"][0].double() - ref_lp).abs().max().item() <= budget
+    from mrtpo_kernels import chunk_plan
+
+    monkeypatch.setenv("MRTPO_CPU_BF16_GEMM", "1")
+    assert chunk_plan.gemm_path("cpu", "cpu", torch.bfloat16).endswith("bf16-operand logits")
+    monkeypatch.setenv("MRTPO_CPU_BF16_GEMM", "0")
+    assert chunk_plan.gemm_path("cpu", "cpu", torch.bfloat16) == "fp32"
+    assert chunk_plan.gemm_path("cpu", "cpu", torch.float32) == "fp32"
+
+
+def test_cpu_bf16_logits_rows_do_not_depend_on_the_batch():
+    """The replay's bit-for-bit skip needs a token's JS to be the same whichever other rows
+    share its GEMM: on the bf16 path too, every row of a call equals the same row computed
+    in a call of fewer rows."""
+    import torch
+
+    import mrtpo_kernels as mk
+    from mrtpo_kernels.backends import _lm_head
+
+    if not _lm_head._cpu_bf16_gemm_available():
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    h, hq, w, _ = _bf16_case(n=64, d=64, v=8192, seed=1)
+    full = mk.linear_js_distance(h, hq, w, backend="cpu")
+    for s, e in ((0, 4), (5, 9), (10, 27), (31, 64)):
+        part = mk.linear_js_distance(h[s:e], hq[:, s:e], w, backend="cpu")
+        assert torch.equal(part, full[:, s:e]), (s, e)
+    one = mk.linear_js_distance(h[3:7], hq[:1, 3:7], w, backend="cpu")
+    assert torch.equal(one, full[:1, 3:7])

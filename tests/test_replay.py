@@ -575,10 +575,14 @@ def _group_batch():
     return prompts, spans, responses, rewards, gids
 
 
-def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages():
+@pytest.mark.parametrize("amp", ["none", "bfloat16"])
+def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages(amp):
     """The engine with replay_mask: the replayed pairs' relevance is the full replay's bit
     for bit (a replay forward holds one (group, reward) unit whatever else is skipped), the
-    skipped pairs' is 0, and so the token advantages are equal (torch.equal)."""
+    skipped pairs' is 0, and so the token advantages are equal (torch.equal). Under autocast
+    to bf16 too, where the JS runs on the bf16 head (the CPU's bf16-operand GEMMs)."""
+    import contextlib
+
     from mrtpo.integrations.common import padded_token_advantages
     from mrtpo.replay import replay_mask_from_rewards
 
@@ -590,8 +594,11 @@ def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages():
     # rewards 0 and 1 zero variance (reward 3 names no span); group 2, a group of one: none
     assert keep.sum() == 4 + 2 + 4 and not keep[8].any() and not keep[:, [0, 3]].any()
     kw = dict(tokenizer=tok, temperature=0.9, micro_batch=16)
-    full = replay_relevance(model, prompts, responses, spans, **kw)
-    part = replay_relevance(model, prompts, responses, spans, replay_mask=keep, **kw)
+    ctx = contextlib.nullcontext if amp == "none" else (
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16))  # fmt: skip
+    with ctx():
+        full = replay_relevance(model, prompts, responses, spans, **kw)
+        part = replay_relevance(model, prompts, responses, spans, replay_mask=keep, **kw)
     assert torch.equal(part.has_info, full.has_info) and torch.equal(part.replayed_pairs, keep)
     assert part.skipped == int(info.sum()) - 10 and full.skipped == 0
     on = keep.t()[:, :, None] & full.response_mask[None]
@@ -605,8 +612,39 @@ def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages():
                                     part.has_info, **opts).token  # fmt: skip
         assert torch.equal(a, b)
     # nested lists work as the mask too
-    again = replay_relevance(model, prompts, responses, spans, replay_mask=keep.tolist(), **kw)
+    with ctx():
+        again = replay_relevance(model, prompts, responses, spans, replay_mask=keep.tolist(),
+                                 **kw)  # fmt: skip
     assert torch.equal(again.relevance, part.relevance)
+
+
+def test_replay_js_takes_the_bf16_head_under_bf16_autocast(monkeypatch):
+    """Under autocast to bf16 the JS gets the LM head and the hidden states in bf16 (as the
+    model's own head runs under autocast), and fp32 otherwise; the relevance moves only by
+    the bf16 rounding of its operands."""
+    import mrtpo.replay as replay_mod
+
+    tok, model = _chat_setup()
+    prompts, spans, responses, _, _ = _group_batch()
+    seen = []
+    real = replay_mod.linear_js_distance
+
+    def spy(hp, hq, w, **k):
+        seen.append((hp.dtype, hq.dtype, w.dtype))
+        return real(hp, hq, w, **k)
+
+    monkeypatch.setattr(replay_mod, "linear_js_distance", spy)
+    kw = dict(tokenizer=tok, temperature=0.9, micro_batch=16)
+    fp32 = replay_relevance(model, prompts, responses, spans, **kw)
+    assert seen and set(seen) == {(torch.float32,) * 3}
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = replay_relevance(model, prompts, responses, spans, **kw)
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    assert lm_head(model)[0].dtype == torch.float32  # the model's head is left as it was
+    on = fp32.has_info.t()[:, :, None] & fp32.response_mask[None]
+    moved = (low.relevance[on] - fp32.relevance[on]).abs().max()
+    assert 0 < moved < 0.05  # 6e-5 here
 
 
 def test_replay_mask_skipped_rows_get_no_replay_forward():

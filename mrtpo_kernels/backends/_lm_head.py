@@ -4,13 +4,23 @@ blocks, and dh = G W, dW (+)= G^T h from a block's logit gradient G.
 Two paths (``gemm_path`` names them): fp32 operands (fp32 or float64 inputs, a kernel
 without GRAD_OUT, or a device whose torch has no 16-bit GEMM with fp32 output: the weight
 upcast once), or 16-bit operands with fp32 accumulation and output (torch.mm's out_dtype;
-``f32_out_supported`` tries it once per device and dtype and caches the answer, the one
-table this module keeps).
+``f32_out_supported`` tries it once per device and dtype and caches the answer).
+
+On the CPU, where torch.mm has no out_dtype, the fp32 path's logits GEMM of bf16 hidden
+states and a bf16 head runs in oneDNN's bf16 mode for fp32 matmuls (``cpu_bf16_logits``):
+the upcast operands hold bf16 values, so rounding them to bf16 changes nothing, and the
+products are accumulated and written in fp32, which is what out_dtype=float32 computes.
+The gradient GEMMs keep fp32 operands (the logit gradient is not a bf16 value).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+
+from .. import settings
 
 
 def upcast(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -32,6 +42,48 @@ def fp32_logits(
 
 
 LOW = (torch.bfloat16, torch.float16)  # 16-bit input dtypes
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_bf16_gemm_available() -> bool:
+    """oneDNN with bf16 GEMMs on this CPU and torch's per-backend fp32 precision switch."""
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and hasattr(torch.backends.mkldnn, "matmul")
+            and hasattr(torch.backends.mkldnn.matmul, "fp32_precision")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_bf16_logits(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the logits GEMM of these operands runs on bf16 operands on the CPU: both
+    bf16 CPU tensors, MRTPO_CPU_BF16_GEMM on and oneDNN able to."""
+    return (
+        hidden.device.type == "cpu"
+        and hidden.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and settings.cpu_bf16_gemm()
+        and _cpu_bf16_gemm_available()
+    )
+
+
+@contextlib.contextmanager
+def bf16_operand_gemms():
+    """fp32 matmuls on the CPU inside run on bf16-rounded operands with fp32 accumulation
+    (oneDNN); the previous setting is restored on exit. The switch is process-wide: an fp32
+    matmul of another thread at the same moment would round its operands too."""
+    mm = torch.backends.mkldnn.matmul
+    before = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mm.fp32_precision = before
+
+
 _F32_OUT: dict[tuple[str, int | None, torch.dtype], bool] = {}
 
 
@@ -80,11 +132,15 @@ class Head:
         self.dtype = dt
         self.w = weight if self.low else upcast(weight)
         self.b32 = upcast(bias)
+        self.bf16_operands = not self.low and cpu_bf16_logits(hidden, weight)
 
     def logits(self, h, buf, w=None, b32=None):
         """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
         w = self.w if w is None else w
         b32 = self.b32 if b32 is None else b32
+        if self.bf16_operands:
+            with bf16_operand_gemms():  # fp32 copies of bf16 values: nothing is rounded
+                return fp32_logits(h, w, b32, buf)
         if not self.low:
             return fp32_logits(h, w, b32, buf)
         out = buf[: h.shape[0]]
@@ -131,7 +187,12 @@ def gemm_path(kern, device: torch.device, dtype: torch.dtype) -> str:
     "16-bit, fp32 out" (the weight as it is, 16-bit gradient buffer), "fp32" (fp32 or
     float64 inputs, or a kernel without GRAD_OUT) or "fp32 fallback" (16-bit inputs and a
     kernel with GRAD_OUT, but torch has no out_dtype GEMM on the device: an fp32 copy of the
-    weight and fp32 GEMMs, several times slower on a GPU)."""
-    if dtype in LOW and kern.GRAD_OUT:
-        return "16-bit, fp32 out" if f32_out_supported(device, dtype) else "fp32 fallback"
-    return "fp32"
+    weight and fp32 GEMMs, several times slower on a GPU); either fp32 path with
+    ", bf16-operand logits" for bf16 inputs on a CPU whose oneDNN runs the logits GEMM of
+    bf16 hidden states and head on bf16 operands (``cpu_bf16_logits``; the gradient GEMMs
+    stay fp32)."""
+    if dtype in LOW and kern.GRAD_OUT and f32_out_supported(device, dtype):
+        return "16-bit, fp32 out"
+    path = "fp32 fallback" if dtype in LOW and kern.GRAD_OUT else "fp32"
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return path + (", bf16-operand logits" if cpu_bf16_logits(probe, probe) else "")

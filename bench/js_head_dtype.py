@@ -1,0 +1,170 @@
+"""The replay's JS on the CPU with the LM head in fp32 and in bf16 (autocast), side by side in
+one process: what the bf16-operand logits GEMM (``MRTPO_CPU_BF16_GEMM``) buys.
+
+Shapes of issue 25's K = 4 replay by default (SmolLM2-135M-Instruct's head: V = 49152,
+d = 576; 256 response tokens, K = 2 kept streams, one JS group), random hidden states and
+head (the cost depends on the shapes; the error on the values, so a scale near the model's is
+used). Three ways, alternating ``--repeats`` times, one thread:
+
+- ``fp32``: hidden states and head in fp32 (the replay before the head followed autocast);
+- ``bf16, fp32 GEMM``: bf16 operands, ``MRTPO_CPU_BF16_GEMM=0`` (upcast copies, fp32 GEMM);
+- ``bf16, bf16 GEMM``: bf16 operands, ``MRTPO_CPU_BF16_GEMM=1`` (oneDNN's bf16 GEMM, fp32
+  accumulation and logits: what the replay runs under ``--autocast bfloat16``).
+
+Each distance is compared with the float64 reference of its own operands, and the bf16 ways
+with the fp32 way (the rounding of the operands to bf16, which autocast does to the model's
+own head).
+
+    python -m bench.js_head_dtype --record bench/results/cpu-bf16-logits-DATE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "(uptime unavailable)"
+
+
+WAYS = ("fp32", "bf16, fp32 GEMM", "bf16, bf16 GEMM")
+
+
+def operands(n: int, k: int, d: int, v: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hp = torch.randn(n, d, generator=g) * 2.0
+    hq = hp + 0.7 * torch.randn(k, n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * 0.06
+    return hp, hq, w
+
+
+def run(args) -> dict:
+    from mrtpo_kernels import linear_js_distance
+    from mrtpo_kernels.backends import _lm_head
+    from mrtpo_kernels.reference import js_distance_ref
+
+    hp, hq, w = operands(args.tokens, args.streams, args.d, args.vocab, args.seed)
+    low = [t.to(torch.bfloat16) for t in (hp, hq, w)]
+    calls = {
+        "fp32": ("1", (hp, hq, w)),
+        "bf16, fp32 GEMM": ("0", low),
+        "bf16, bf16 GEMM": ("1", low),
+    }
+    secs: dict[str, list[float]] = {way: [] for way in WAYS}
+    out: dict[str, torch.Tensor] = {}
+    before = os.environ.get("MRTPO_CPU_BF16_GEMM")
+    try:
+        for rep in range(args.repeats + 1):
+            for way in WAYS:
+                flag, (a, b, c) = calls[way]
+                os.environ["MRTPO_CPU_BF16_GEMM"] = flag
+                t = time.perf_counter()
+                out[way] = linear_js_distance(a, b, c, backend="cpu")
+                if rep:  # the first round warms up
+                    secs[way].append(time.perf_counter() - t)
+    finally:
+        if before is None:
+            os.environ.pop("MRTPO_CPU_BF16_GEMM", None)
+        else:
+            os.environ["MRTPO_CPU_BF16_GEMM"] = before
+
+    def ref(a, b, c):
+        zp = a.double() @ c.double().t()
+        return torch.stack([js_distance_ref(zp, b[j].double() @ c.double().t())
+                            for j in range(b.shape[0])])  # fmt: skip
+
+    ref32, ref16 = ref(hp, hq, w), ref(*low)
+    err = {
+        "fp32": (out["fp32"].double() - ref32).abs().max().item(),
+        "bf16, fp32 GEMM": (out["bf16, fp32 GEMM"].double() - ref16).abs().max().item(),
+        "bf16, bf16 GEMM": (out["bf16, bf16 GEMM"].double() - ref16).abs().max().item(),
+    }
+    return {
+        "shape": dict(tokens=args.tokens, streams=args.streams, d=args.d, vocab=args.vocab),
+        "available": _lm_head._cpu_bf16_gemm_available(),
+        "median_s": {way: statistics.median(secs[way]) for way in WAYS},
+        "max_err_vs_float64": err,
+        "bf16_vs_fp32_max_abs": (out["bf16, bf16 GEMM"] - out["fp32"]).abs().max().item(),
+        "bf16_vs_fp32_mean_abs": (out["bf16, bf16 GEMM"] - out["fp32"]).abs().mean().item(),
+        "mean_distance": out["fp32"].mean().item(),
+        "gemm_ways_max_abs": (out["bf16, bf16 GEMM"] - out["bf16, fp32 GEMM"]).abs().max().item(),
+    }
+
+
+def write_record(args, res, load_before, load_after):
+    s = res["shape"]
+    med = res["median_s"]
+    lines = [
+        "# The replay's JS on the CPU: LM head in fp32 and in bf16, side by side",
+        "",
+        "Command (from the checkout root, one thread):",
+        "",
+        "```",
+        f"PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.js_head_dtype --tokens {s['tokens']} "
+        f"--streams {s['streams']} --d {s['d']} --vocab {s['vocab']} --repeats {args.repeats} "
+        f"--seed {args.seed} --record {args.record}",
+        "```",
+        "",
+        f"Load before: `{load_before}`  ",
+        f"Load after: `{load_after}`",
+        "",
+        f"`linear_js_distance`, one-vs-{s['streams']}: {s['tokens']} tokens, d = {s['d']}, "
+        f"V = {s['vocab']} (issue 25's K = 4 replay group on SmolLM2-135M's head), random "
+        f"operands; oneDNN bf16 GEMMs on this CPU: {res['available']}. Seconds, median of "
+        f"{args.repeats} rounds, the three ways alternating in one process (a first round not "
+        "counted). A shared machine: read the ratios.",
+        "",
+        "| way | seconds | / fp32 | max error vs float64 of its operands |",
+        "|---|---:|---:|---:|",
+    ]
+    for way in WAYS:
+        lines.append(f"| {way} | {med[way]:.3f} | {med[way] / med['fp32']:.2f} | "
+                     f"{res['max_err_vs_float64'][way]:.1e} |")  # fmt: skip
+    lines += [
+        "",
+        f"- bf16 GEMM against fp32 GEMM on the same bf16 operands: largest |difference| "
+        f"{res['gemm_ways_max_abs']:.1e} (the order of fp32 accumulation).",
+        f"- bf16 operands against fp32 ones (the rounding autocast applies to the model's own "
+        f"head): largest |difference| {res['bf16_vs_fp32_max_abs']:.1e}, mean "
+        f"{res['bf16_vs_fp32_mean_abs']:.1e}, against a mean distance of "
+        f"{res['mean_distance']:.3f}.",
+        "",
+    ]
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    args.record.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--d", type=int, default=576)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", type=Path, required=True, help="the Markdown file to write")
+    args = ap.parse_args(argv)
+    for name in ("tokens", "streams", "d", "vocab", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}: expected a positive int, got {getattr(args, name)}")
+    torch.set_num_threads(1)
+    load_before = uptime()
+    res = run(args)
+    load_after = uptime()
+    write_record(args, res, load_before, load_after)
+    print(args.record.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
