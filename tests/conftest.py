@@ -6,6 +6,8 @@ reference may be at most 2x the error of plain PyTorch in the same dtype, plus a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,21 @@ CPU_BACKENDS = [b for b in ("cpu", "torch") if backend_status().get(b) == "ok"]
 
 def pytest_report_header(config):
     return [f"mrtpo_kernels backends: {backend_status()}"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def models_cache(tmp_path_factory):
+    """One model cache (MRTPO_CACHE) for the whole session: a built-in model is converted
+    once and shared by every test that loads it, and no test writes into the user's own
+    cache. Tests that check the cache rules themselves set MRTPO_CACHE with monkeypatch."""
+    path = tmp_path_factory.mktemp("mrtpo-cache")
+    before = os.environ.get("MRTPO_CACHE")
+    os.environ["MRTPO_CACHE"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("MRTPO_CACHE", None)
+    else:
+        os.environ["MRTPO_CACHE"] = before
 
 
 @pytest.fixture(params=CPU_BACKENDS)

