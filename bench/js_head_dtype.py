@@ -15,7 +15,13 @@ Each distance is compared with the float64 reference of its own operands, and th
 with the fp32 way (the rounding of the operands to bf16, which autocast does to the model's
 own head).
 
-    python -m bench.js_head_dtype --record bench/results/cpu-bf16-logits-DATE.md
+``--replay N`` adds the whole replay: ``mrtpo.replay._replay_core`` on one rollout of issue
+25's K = 4 settings (``bench.replay_profile.batch``: SmolLM2-135M-Instruct warm-started,
+bf16 autocast, responses of 32 tokens, only the pairs whose advantage is not 0), with the
+JS's head in fp32 (``_js_head`` as before this change) and as autocast gives it, alternating
+N times in one process.
+
+    python -m bench.js_head_dtype --replay 6 --record bench/results/cpu-bf16-logits-DATE.md
 """
 
 from __future__ import annotations
@@ -101,6 +107,45 @@ def run(args) -> dict:
     }
 
 
+def replay_ab(repeats: int, cache_dir: str, out: Path, seed: int) -> dict:
+    """The whole replay with the JS head in fp32 and as autocast gives it, alternating."""
+    import mrtpo.replay as replay_mod
+    from bench.replay_profile import _Timer, batch
+    from mrtpo.replay import _replay_core, _stream_ids, replay_mask_from_rewards
+
+    ns = argparse.Namespace(tokens=32, seed=seed, out=out, cache_dir=cache_dir)
+    tr, cfg, ro, responses = batch(ns)
+    has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
+    keep = replay_mask_from_rewards(ro.rewards, ro.group_ids, has_info=has_info).tolist()
+    streams = _stream_ids([ex.prompt for ex in ro.examples], [list(r) for r in ro.spans],
+                          lambda t: tr.prompter.encode(t).ids)  # fmt: skip
+    full = [list(p) for p in ro.prompt_ids]
+    kw = dict(num_streams=tr.k, pad_id=tr.tok.pad_token_id, temperature=cfg.temperature,
+              micro_batch=cfg.micro_batch * 2, keep=keep)  # fmt: skip
+    real = replay_mod._js_head
+    ways = {"fp32 head": lambda w, b: (w, b, w.dtype), "autocast head (bf16)": real}
+    secs = {name: [] for name in ways}
+    try:
+        for rep in range(repeats + 1):
+            for name, head in ways.items():
+                replay_mod._js_head = head
+                with tr._amp(), torch.no_grad(), _Timer(replay_mod) as timer:
+                    t = time.perf_counter()
+                    _replay_core(tr.model, full, streams, responses, **kw)
+                    total = time.perf_counter() - t
+                if rep:
+                    secs[name].append((total, timer.sec["js"]))
+    finally:
+        replay_mod._js_head = real
+    return {
+        name: {
+            "total": statistics.median(t for t, _ in v),
+            "js": statistics.median(j for _, j in v),
+        }
+        for name, v in secs.items()
+    } | {"pairs": int(sum(map(sum, keep))), "rows": len(responses), "repeats": repeats}
+
+
 def write_record(args, res, load_before, load_after):
     s = res["shape"]
     med = res["median_s"]
@@ -112,7 +157,9 @@ def write_record(args, res, load_before, load_after):
         "```",
         f"PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.js_head_dtype --tokens {s['tokens']} "
         f"--streams {s['streams']} --d {s['d']} --vocab {s['vocab']} --repeats {args.repeats} "
-        f"--seed {args.seed} --record {args.record}",
+        f"--seed {args.seed}"
+        + (f" --replay {args.replay}" if args.replay else "")
+        + f" --record {args.record}",
         "```",
         "",
         f"Load before: `{load_before}`  ",
@@ -140,6 +187,24 @@ def write_record(args, res, load_before, load_after):
         f"{res['mean_distance']:.3f}.",
         "",
     ]
+    rep = res.get("replay")
+    if rep:
+        a, b = rep["fp32 head"], rep["autocast head (bf16)"]
+        lines += [
+            "## The whole replay",
+            "",
+            f"One rollout of issue 25's K = 4 settings ({rep['rows']} responses of 32 tokens, "
+            f"{rep['pairs']} pairs whose advantage is not 0 replayed, bf16 autocast), "
+            f"`_replay_core` with the JS head in fp32 and as autocast gives it, alternating "
+            f"{rep['repeats']} times (a first round not counted); seconds, medians.",
+            "",
+            "| part | fp32 head | autocast head (bf16) | ratio |",
+            "|---|---:|---:|---:|",
+            f"| fused JS | {a['js']:.3f} | {b['js']:.3f} | {b['js'] / a['js']:.2f} |",
+            f"| whole replay | {a['total']:.3f} | {b['total']:.3f} | "
+            f"{b['total'] / a['total']:.2f} |",
+            "",
+        ]
     args.record.parent.mkdir(parents=True, exist_ok=True)
     args.record.write_text("\n".join(lines))
 
@@ -152,14 +217,26 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        help="also time the whole K = 4 replay, alternating this many times",
+    )
+    ap.add_argument("--cache-dir", default="runs/cache", help="where built-in models are cached")
+    ap.add_argument("--out", type=Path, default=Path("runs/js-head-dtype"))
     ap.add_argument("--record", type=Path, required=True, help="the Markdown file to write")
     args = ap.parse_args(argv)
+    if args.replay < 0:
+        raise ValueError(f"--replay: expected an int >= 0, got {args.replay}")
     for name in ("tokens", "streams", "d", "vocab", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: expected a positive int, got {getattr(args, name)}")
     torch.set_num_threads(1)
     load_before = uptime()
     res = run(args)
+    if args.replay:
+        res["replay"] = replay_ab(args.replay, args.cache_dir, args.out, args.seed)
     load_after = uptime()
     write_record(args, res, load_before, load_after)
     print(args.record.read_text())
