@@ -55,8 +55,7 @@ def operands(n: int, k: int, d: int, v: int, seed: int):
 
 
 def run(args) -> dict:
-    from mrtpo_kernels import linear_js_distance
-    from mrtpo_kernels.backends import _lm_head
+    from mrtpo_kernels import chunk_plan, linear_js_distance
     from mrtpo_kernels.reference import js_distance_ref
 
     hp, hq, w = operands(args.tokens, args.streams, args.d, args.vocab, args.seed)
@@ -97,7 +96,9 @@ def run(args) -> dict:
     }
     return {
         "shape": dict(tokens=args.tokens, streams=args.streams, d=args.d, vocab=args.vocab),
-        "available": _lm_head._cpu_bf16_gemm_available(),
+        "available": chunk_plan.gemm_path("cpu", "cpu", torch.bfloat16).endswith(
+            "bf16-operand logits"
+        ),
         "median_s": {way: statistics.median(secs[way]) for way in WAYS},
         "max_err_vs_float64": err,
         "bf16_vs_fp32_max_abs": (out["bf16, bf16 GEMM"] - out["fp32"]).abs().max().item(),
