@@ -380,7 +380,7 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     weight, bias = _head(model)
     device = weight.device
-    js_weight, js_bias, js_dtype = _js_head(weight, bias)
+    js_head = None  # (weight, bias, hidden dtype) for the JS, made at its first use
     pad_id = 0 if pad_id is None else int(pad_id)
     n = len(responses)
     j_n = num_streams
@@ -473,8 +473,11 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
             n_g = grp.n_tokens
             used_t = torch.tensor(grp.streams, dtype=torch.long, device=device)
             cover = grp.cover[:, :n_g].to(device)
-            d = linear_js_distance(grp.hp.to(js_dtype), grp.hq.to(js_dtype), js_weight,
-                                   bias=js_bias, temperature=temperature)  # fmt: skip
+            if js_head is None:  # no bf16 copy of the head where no JS runs (GDPO, all skipped)
+                js_head = _js_head(weight, bias)
+            js_w, js_b, js_dt = js_head
+            d = linear_js_distance(grp.hp.to(js_dt), grp.hq.to(js_dt), js_w, bias=js_b,
+                                   temperature=temperature)  # fmt: skip
             # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
             dist[used_t[:, None], grp.sel[None, :]] = torch.where(cover, d[:, :n_g].float(), 0.0)
             if ratio is not None:
