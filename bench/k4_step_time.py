@@ -12,6 +12,10 @@ runs beside a GDPO step (the ratio uses the first ``--steps`` of each).
     python -m bench.k4_step_time --steps 10 --out runs/k4-step-time \
         --record bench/results/k4-step-time-DATE.md
 
+``--control``: GDPO beside GDPO instead (the same computation twice, the second copy in
+``gdpo-control``): what the protocol itself reads when nothing differs, the noise floor of
+the ratio on this machine (its process-to-process spread).
+
 The model is converted once into ``--cache-dir`` and warm-started once there (the same
 folder serves both runs); both happen before the two timed runs start.
 """
@@ -75,6 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default="runs/cache")
     ap.add_argument("--record", type=Path, required=True, help="the Markdown file to write")
     ap.add_argument(
+        "--control",
+        action="store_true",
+        help="GDPO beside GDPO (the protocol's noise floor) instead of MRTPO beside GDPO",
+    )
+    ap.add_argument(
         "--summarize",
         action="store_true",
         help="only write the record from the runs already in --out (and its loads.txt)",
@@ -90,70 +99,92 @@ def main(argv=None) -> int:
     procs = {}
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    for algo in ("gdpo", "mrtpo"):
-        steps = args.steps * (2 if algo == "gdpo" else 1)
+    base, timed = arms(args.control)
+    for arm in (base, timed):
+        steps = args.steps * (2 if arm == base else 1)
+        algo = arm.split("-")[0]
         cmd = [sys.executable, "-m", "mrtpo", "train", *SETTINGS, "--algo", algo,
-               "--seed", str(args.seed), "--steps", str(steps), "--out", str(args.out / algo),
+               "--seed", str(args.seed), "--steps", str(steps), "--out", str(args.out / arm),
                "--overwrite", "--checkpoint-every", str(steps), "--cache-dir",
                args.cache_dir, "--quiet"]  # fmt: skip
-        log = open(args.out / f"{algo}.log", "w")
-        procs[algo] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log = open(args.out / f"{arm}.log", "w")
+        procs[arm] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     loads = []
-    while procs["mrtpo"].poll() is None:
+    while procs[timed].poll() is None:
         time.sleep(30)
         loads.append(uptime())
     wall = time.time() - t0
     load_after = uptime()
-    gdpo = procs["gdpo"]
-    if gdpo.poll() is None:  # it was given more steps on purpose: stop it (our own child)
-        gdpo.terminate()
-        gdpo.wait()
-    elif gdpo.returncode:
-        print(f"gdpo failed ({gdpo.returncode}); see {args.out / 'gdpo.log'}")
+    first = procs[base]
+    if first.poll() is None:  # it was given more steps on purpose: stop it (our own child)
+        first.terminate()
+        first.wait()
+    elif first.returncode:
+        print(f"{base} failed ({first.returncode}); see {args.out / (base + '.log')}")
         return 1
-    if procs["mrtpo"].returncode:
-        print(f"mrtpo failed ({procs['mrtpo'].returncode}); see {args.out / 'mrtpo.log'}")
+    if procs[timed].returncode:
+        print(f"{timed} failed ({procs[timed].returncode}); see {args.out / (timed + '.log')}")
         return 1
     (args.out / "loads.txt").write_text("\n".join([load_before, *loads, load_after]) + "\n")
     return summarize(args, load_before, load_after, loads, wall)
 
 
+def arms(control: bool) -> tuple[str, str]:
+    """The run given twice the steps (the baseline) and the timed run, as folder names."""
+    return ("gdpo", "gdpo-control") if control else ("gdpo", "mrtpo")
+
+
 def summarize(args, load_before: str, load_after: str, loads: list, wall: float) -> int:
+    control = getattr(args, "control", False)
+    base, timed = arms(control)
     rows = {
         a: [json.loads(x) for x in (args.out / a / "metrics.jsonl").read_text().splitlines()]
-        for a in ("gdpo", "mrtpo")
+        for a in (base, timed)
     }
-    m = rows["mrtpo"][: args.steps]
-    g = rows["gdpo"][: len(m)]
+    m = rows[timed][: args.steps]
+    g = rows[base][: len(m)]
     command = (
         f"python -m bench.k4_step_time --steps {args.steps} --seed {args.seed} "
-        f"--out {args.out} --record {args.record}"
+        f"--out {args.out} --record {args.record}" + (" --control" if control else "")
     )
     each = " ".join(["mrtpo train", *SETTINGS, "--algo A", f"--seed {args.seed}"])
+    B, T = ("GDPO", "GDPO (control)") if control else ("GDPO", "MRTPO")
+    if control:
+        title = "GDPO beside GDPO, K = 4 real-model task: the side-by-side protocol's noise floor"
+        intro = ("Two identical `mrtpo train --algo gdpo` runs at once (one thread each, same "
+                 "warm start and seed: the same computation, step for step), issue 25's "
+                 "settings. Whatever their ratio is, it is the machine, not the method: the "
+                 "noise floor of the MRTPO / GDPO ratio measured the same way.")
+        arms_line = (f"Each run: `{each}` with A = gdpo. The first gets twice the steps and "
+                     "is stopped when the second ends.")
+    else:
+        title = "MRTPO / GDPO step time, K = 4 real-model task, side by side (issue 33, item 4)"
+        intro = ("Two `mrtpo train` runs at once (one thread each, same warm start and seed), "
+                 "issue 25's settings; MRTPO replays only the (response, reward) pairs whose "
+                 "GDPO advantage A_k is not 0 (token advantages bit for bit those of a full "
+                 "replay).")
+        arms_line = (f"Each run (A = gdpo, mrtpo): `{each}`. GDPO gets twice the steps and is "
+                     "stopped when MRTPO ends, so every MRTPO step ran beside a GDPO step.")
     lines = [
-        "# MRTPO / GDPO step time, K = 4 real-model task, side by side (issue 33, item 4)",
+        f"# {title}",
         "",
-        "Two `mrtpo train` runs at once (one thread each, same warm start and seed), "
-        "issue 25's settings; MRTPO replays only the (response, reward) pairs whose GDPO "
-        "advantage A_k is not 0 (token advantages bit for bit those of a full replay). "
-        "A 2-core machine shared with other agents: the ratio is measured side by side and "
-        "the load is stated.",
+        intro + " A 2-core machine shared with other agents: the ratio is measured side by "
+        "side and the load is stated.",
         "",
         "Command (from the checkout's root; `PYTHONPATH=.`, `OMP_NUM_THREADS=1`):",
         "",
         f"    {command}",
         "",
-        f"Each run (A = gdpo, mrtpo): `{each}`. GDPO gets twice the steps and is stopped when "
-        "MRTPO ends, so every MRTPO step ran beside a GDPO step.",
+        arms_line,
         "",
         f"- load before: `{load_before}`",
-        f"- load every 30 s while MRTPO ran (1-minute averages): "
+        f"- load every 30 s while {T} ran (1-minute averages): "
         f"{', '.join(_load1(x) for x in loads) or '-'}",
         f"- load after: `{load_after}`",
-        f"- wall time of the MRTPO run: {wall:.0f} s",
+        f"- wall time of the {T} run: {wall:.0f} s",
         "",
-        "| step | GDPO s (rollout / replay / update) | MRTPO s (rollout / replay / update) "
-        "| pairs replayed | skipped | MRTPO / GDPO |",
+        f"| step | {B} s (rollout / replay / update) | {T} s (rollout / replay / update) "
+        f"| pairs replayed | skipped | {T} / {B} |",
         "|---|---|---|---|---|---|",
     ]
     ratios = []
@@ -173,23 +204,29 @@ def summarize(args, load_before: str, load_after: str, loads: list, wall: float)
     med_m = statistics.median([step_seconds(r) for r in m[1:]] or [float("nan")])
     rep_g = statistics.median([r["time"]["replay"] for r in g[1:]] or [float("nan")])
     rep_m = statistics.median([r["time"]["replay"] for r in m[1:]] or [float("nan")])
+    upd_g = statistics.median([r["time"]["update"] for r in g[1:]] or [float("nan")])
+    upd_m = statistics.median([r["time"]["update"] for r in m[1:]] or [float("nan")])
     pairs = sum(b.get("replay/pairs") or 0 for b in m)
     skipped = sum(b.get("replay/skipped") or 0 for b in m)
     lines += [
         "",
         f"- {len(m)} steps side by side. From step 2 on (step 1 loads lazily and ran while "
-        f"the machine was loaded most): GDPO {tot2_g:.1f} s, MRTPO {tot2_m:.1f} s: **ratio "
-        f"{tot2_m / max(tot2_g, 1e-9):.3f}**; median step GDPO {med_g:.1f} s, MRTPO "
+        f"the machine was loaded most): {B} {tot2_g:.1f} s, {T} {tot2_m:.1f} s: **ratio "
+        f"{tot2_m / max(tot2_g, 1e-9):.3f}**; median step {B} {med_g:.1f} s, {T} "
         f"{med_m:.1f} s (ratio {med_m / med_g:.3f}); median of the per-step ratios "
-        f"{statistics.median(ratios[1:] or [float('nan')]):.3f}. All steps: GDPO "
-        f"{tot_g:.1f} s, MRTPO {tot_m:.1f} s ({tot_m / tot_g:.3f}).",
-        f"- replay phase, median from step 2 on: GDPO {rep_g:.2f} s (its old-log-prob "
-        f"forward), MRTPO {rep_m:.2f} s.",
-        f"- pairs with spans: {pairs + skipped}, replayed {pairs}, skipped {skipped} "
-        f"({skipped / max(1, pairs + skipped):.0%}).",
-        "- the rollouts differ after step 1 (the two policies part after their first "
-        "update), so a per-step ratio also carries the response lengths.",
+        f"{statistics.median(ratios[1:] or [float('nan')]):.3f}. All steps: {B} "
+        f"{tot_g:.1f} s, {T} {tot_m:.1f} s ({tot_m / tot_g:.3f}).",
+        f"- replay phase, median from step 2 on: {B} {rep_g:.2f} s (its old-log-prob "
+        f"forward), {T} {rep_m:.2f} s; update phase (the same code in both): {B} "
+        f"{upd_g:.2f} s, {T} {upd_m:.2f} s ({upd_m / upd_g:.3f}).",
     ]
+    if not control:
+        lines += [
+            f"- pairs with spans: {pairs + skipped}, replayed {pairs}, skipped {skipped} "
+            f"({skipped / max(1, pairs + skipped):.0%}).",
+            "- the rollouts differ after step 1 (the two policies part after their first "
+            "update), so a per-step ratio also carries the response lengths.",
+        ]
     args.record.parent.mkdir(parents=True, exist_ok=True)
     args.record.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -862,3 +862,34 @@ def test_cpu_bf16_logits_rows_do_not_depend_on_the_batch():
         assert torch.equal(part, full[:, s:e]), (s, e)
     one = mk.linear_js_distance(h[3:7], hq[:1, 3:7], w, backend="cpu")
     assert torch.equal(one, full[:1, 3:7])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_bf16_logits_blocked_upcast_equals_one_gemm(monkeypatch, with_bias):
+    """The bf16-operand logits GEMM upcasts the head a block of rows at a time (no fp32 copy
+    of the whole head per call): every logit equals, bit for bit, the one-GEMM product of
+    the upcast operands in the same bf16 mode, for blocks that do not divide the vocabulary;
+    a forward-only call never makes the whole fp32 copy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mrtpo_kernels.backends import _lm_head
+
+    if not _lm_head._cpu_bf16_gemm_available():
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    h, _, w, _ = _bf16_case(n=37, d=48, v=1000, seed=2)
+    b = (torch.randn(1000, generator=torch.Generator().manual_seed(3))).bfloat16()
+    bias = b if with_bias else None
+    monkeypatch.setattr(_lm_head, "WEIGHT_BLOCK_BYTES", 4 * 48 * 300)  # blocks of 300 rows
+    assert _lm_head.weight_block_rows(1000, 48) == 300
+    head = _lm_head.Head(SimpleNamespace(GRAD_OUT=False), h, w, bias)  # the cpu kernel's path
+    assert head.bf16_operands
+    got = head.logits(h, torch.empty(37, 1000))
+    assert head._w is None  # no whole fp32 copy of the head
+    with _lm_head.bf16_operand_gemms():
+        want = h.float() @ w.float().t()
+        if with_bias:
+            want = torch.addmm(b.float(), h.float(), w.float().t())
+    assert torch.equal(got, want)
+    assert torch.equal(head.w, w.float())  # the backward's copy, made when asked

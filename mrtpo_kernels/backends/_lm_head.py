@@ -118,35 +118,79 @@ def f32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _F32_OUT[key]
 
 
+# the bf16-operand logits GEMM on the CPU upcasts the bf16 head a block of rows at a time into
+# one reused fp32 buffer of about this size: an fp32 copy of the whole head would be a fresh
+# allocation per call (a 150k x 4096 head: 2.4 GB; page faults and zeroing cost as much as a
+# third of the GEMM at the replay's shapes, bench/results/cpu-js-blocked-upcast-2026-12-05.md)
+WEIGHT_BLOCK_BYTES = 8 << 20
+
+
+def weight_block_rows(vocab: int, d: int) -> int:
+    """Rows of the head per block of the blocked bf16-operand logits GEMM."""
+    return max(1, min(vocab, WEIGHT_BLOCK_BYTES // (4 * max(d, 1))))
+
+
 class Head:
     """The LM head's GEMMs for one call. 16-bit mode (the kernel has GRAD_OUT, the inputs
     are 16-bit and the device has out_dtype): the weight is used as it is, logits come out
     in fp32, and the kernel writes each row's logit gradient into a separate 16-bit
     gradient buffer (``grad_buffer``), the operand of the dh and dW GEMMs. Otherwise fp32
     operands (the weight upcast once when it is not fp32) and the gradient overwrites the
-    fp32 logits in place."""
+    fp32 logits in place. With bf16 operands on the CPU (``bf16_operands``) the logits GEMM
+    upcasts the head block by block into one small reused buffer; the whole fp32 copy
+    (``w``) is made only if a backward asks for it."""
 
     def __init__(self, kern, hidden, weight, bias):
         dt = hidden.dtype
         self.low = kern.GRAD_OUT and dt in LOW and f32_out_supported(hidden.device, dt)
         self.dtype = dt
-        self.w = weight if self.low else upcast(weight)
-        self.b32 = upcast(bias)
+        self.weight = weight
         self.bf16_operands = not self.low and cpu_bf16_logits(hidden, weight)
+        self._w = weight if self.low else (None if self.bf16_operands else upcast(weight))
+        self.b32 = upcast(bias)
+        self._block = None  # the reused fp32 block of the head (bf16 operands)
+
+    @property
+    def w(self) -> torch.Tensor:
+        """The head for the GEMMs: as it is in 16-bit mode, else fp32 (upcast once)."""
+        if self._w is None:
+            self._w = upcast(self.weight)
+        return self._w
 
     def logits(self, h, buf, w=None, b32=None):
         """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
-        w = self.w if w is None else w
         b32 = self.b32 if b32 is None else b32
         if self.bf16_operands:
+            if w is None:
+                return self._blocked_bf16_logits(h, buf, b32)
             with bf16_operand_gemms():  # fp32 copies of bf16 values: nothing is rounded
                 return fp32_logits(h, w, b32, buf)
+        w = self.w if w is None else w
         if not self.low:
             return fp32_logits(h, w, b32, buf)
         out = buf[: h.shape[0]]
         mm_f32(h, w.t(), out)  # logits = h W^T, 16-bit operands, fp32 out
         if b32 is not None:
             out += b32
+        return out
+
+    def _blocked_bf16_logits(self, h, buf, b32):
+        """The whole head's logits of rows h into buf[:rows] on bf16 operands, the head
+        upcast a block of rows at a time (fp32 copies of bf16 values: nothing is rounded;
+        each logit is the same dot product over d as in one GEMM)."""
+        v, d = self.weight.shape
+        out = buf[: h.shape[0]]
+        h32 = upcast(h)
+        cols = weight_block_rows(v, d)
+        if self._block is None:
+            self._block = h.new_empty((cols, d), dtype=torch.float32)
+        with bf16_operand_gemms():
+            for v0 in range(0, v, cols):
+                v1 = min(v, v0 + cols)
+                w_blk = self._block[: v1 - v0]
+                w_blk.copy_(self.weight[v0:v1])
+                b_blk = None if b32 is None else b32[v0:v1]
+                fp32_logits(h32, w_blk, b_blk, out[:, v0:v1])  # columns v0:v1 of the rows
         return out
 
     def grad_buffer(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
