@@ -151,20 +151,28 @@ def summarize(args, load_before: str, load_after: str, loads: list, wall: float)
     B, T = ("GDPO", "GDPO (control)") if control else ("GDPO", "MRTPO")
     if control:
         title = "GDPO beside GDPO, K = 4 real-model task: the side-by-side protocol's noise floor"
-        intro = ("Two identical `mrtpo train --algo gdpo` runs at once (one thread each, same "
-                 "warm start and seed: the same computation, step for step), issue 25's "
-                 "settings. Whatever their ratio is, it is the machine, not the method: the "
-                 "noise floor of the MRTPO / GDPO ratio measured the same way.")
-        arms_line = (f"Each run: `{each}` with A = gdpo. The first gets twice the steps and "
-                     "is stopped when the second ends.")
+        intro = (
+            "Two identical `mrtpo train --algo gdpo` runs at once (one thread each, same "
+            "warm start and seed: the same computation, step for step), issue 25's "
+            "settings. Whatever their ratio is, it is the machine, not the method: the "
+            "noise floor of the MRTPO / GDPO ratio measured the same way."
+        )
+        arms_line = (
+            f"Each run: `{each}` with A = gdpo. The first gets twice the steps and "
+            "is stopped when the second ends."
+        )
     else:
         title = "MRTPO / GDPO step time, K = 4 real-model task, side by side (issue 33, item 4)"
-        intro = ("Two `mrtpo train` runs at once (one thread each, same warm start and seed), "
-                 "issue 25's settings; MRTPO replays only the (response, reward) pairs whose "
-                 "GDPO advantage A_k is not 0 (token advantages bit for bit those of a full "
-                 "replay).")
-        arms_line = (f"Each run (A = gdpo, mrtpo): `{each}`. GDPO gets twice the steps and is "
-                     "stopped when MRTPO ends, so every MRTPO step ran beside a GDPO step.")
+        intro = (
+            "Two `mrtpo train` runs at once (one thread each, same warm start and seed), "
+            "issue 25's settings; MRTPO replays only the (response, reward) pairs whose "
+            "GDPO advantage A_k is not 0 (token advantages bit for bit those of a full "
+            "replay)."
+        )
+        arms_line = (
+            f"Each run (A = gdpo, mrtpo): `{each}`. GDPO gets twice the steps and is "
+            "stopped when MRTPO ends, so every MRTPO step ran beside a GDPO step."
+        )
     lines = [
         f"# {title}",
         "",

@@ -296,14 +296,16 @@ def skip_method() -> str:
     return "replay_mask" if has and hasattr(rp, "replay_mask_from_rewards") else "no spans"
 
 
-def run_step(model, tok, prompter, batch, variant: str, clock, device) -> dict:
+def run_step(model, tok, prompter, batch, variant: str, clock, device, *, ckpt=False) -> dict:
     """One step on ``batch`` (rollout aside), as mrtpo train's ``train_step`` and
-    ``_update`` run it with one micro-batch; stages into ``clock``."""
+    ``_update`` run it with one micro-batch; stages into ``clock``. ``ckpt``: the policy's
+    forward under ``mrtpo.model.gradient_checkpointing`` (``--gradient-checkpointing``), its
+    recompute then in ``backward``."""
     import torch
 
     import mrtpo.replay as rp
     from mrtpo.config import TrainConfig
-    from mrtpo.model import lm_head
+    from mrtpo.model import gradient_checkpointing, lm_head
     from mrtpo.relevance_modes import step_mode
     from mrtpo.teacher_forcing import response_hidden, teacher_batch
     from mrtpo.trainer import compute_advantages
@@ -348,7 +350,8 @@ def run_step(model, tok, prompter, batch, variant: str, clock, device) -> dict:
                                 lengths, cfg)  # fmt: skip
     clock.switch("policy_forward")
     tb = teacher_batch(batch["prompt_ids"], batch["responses"], tok.pad_token_id, device)
-    hidden = response_hidden(model, tb)
+    with gradient_checkpointing(model, ckpt):
+        hidden = response_hidden(model, tb)
     clock.switch("loss_forward")
     w, b = lm_head(model)
     loss, _ = linear_policy_loss(
@@ -378,7 +381,8 @@ def child(spec: dict) -> dict:
     shape = dict(prompts=spec["prompts"], group=spec["group"], k=spec["K"], variant=spec["variant"],
                  seed=spec["seed"])  # fmt: skip
     warm = build_batch(tok, prompter, length=spec["warmup_length"], **shape)
-    run_step(model, tok, prompter, warm, spec["variant"], _Off(), device)
+    ckpt = bool(spec.get("gradient_checkpointing"))
+    run_step(model, tok, prompter, warm, spec["variant"], _Off(), device, ckpt=ckpt)
     batch = build_batch(tok, prompter, length=spec["length"], **shape)
     del warm
     gc.collect()
@@ -388,7 +392,7 @@ def child(spec: dict) -> dict:
     base = clock.current_bytes()
     t0, c0 = time.perf_counter(), time.process_time()
     clock.start("info_forward")
-    got = run_step(model, tok, prompter, batch, spec["variant"], clock, device)
+    got = run_step(model, tok, prompter, batch, spec["variant"], clock, device, ckpt=ckpt)
     clock.stop()
     step_ms = (time.perf_counter() - t0) * 1e3
     step_cpu_ms = (time.process_time() - c0) * 1e3
@@ -456,6 +460,8 @@ def rows_of(spec: dict, results: list[dict], ctx: dict, load: str) -> list[dict]
                 responses=first["responses"], pairs=first["replayed"],
                 skipped=first["skipped"])  # fmt: skip
     note = first["peak_method"] + (f"; pairs skipped by {first['skip']}" if first["skip"] else "")
+    if spec.get("gradient_checkpointing"):
+        note += "; gradient checkpointing (the policy forward's recompute is in backward)"
     if len(ok) < len(results):
         note += f"; {len(results) - len(ok)} repeat(s) failed"
     rows = []
@@ -533,6 +539,12 @@ def parse(argv=None):
     ap.add_argument("--in-process", action="store_true",
                     help="run every case in this process (tests: no fresh process per case, so "
                     "the memory figures are not the method's alone)")  # fmt: skip
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="both arms' policy forward recomputes its activations in the backward "
+        "(mrtpo train --gradient-checkpointing): long responses in less memory",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -582,7 +594,8 @@ def main(argv=None) -> list[dict]:
             specs = {
                 v: dict(model=model, length=length, variant=v, K=args.K, prompts=args.prompts,
                         group=args.group, warmup_length=args.warmup_length, device=args.device,
-                        threads=args.threads, seed=args.seed, cache_dir=args.cache_dir)
+                        threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
+                        gradient_checkpointing=args.gradient_checkpointing)
                 for v in args.variants
             }  # fmt: skip
             results: dict[str, list[dict]] = {v: [] for v in args.variants}

@@ -431,6 +431,15 @@ class TrainConfig:
         "pretrained model's vocabulary and skips the head's weight gradient",
         group="optimization",
     )
+    gradient_checkpointing: bool = setting(
+        False,
+        "recompute each decoder layer's activations in the backward instead of keeping them "
+        "(about one more forward of compute): the update's activation memory falls from "
+        "every layer's intermediates to one (tokens, hidden) tensor per layer, what long "
+        "responses need; the gradients are the same",
+        resume_may_change=True,
+        group="optimization",
+    )
     kl_beta: float = setting(
         0.0, "weight of the k3 KL to the initial model, 0 = off", lo=0.0, group="optimization"
     )

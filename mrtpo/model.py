@@ -122,6 +122,60 @@ def last_hidden(model, input_ids, attention_mask) -> torch.Tensor:
 # The built-in tiny model
 
 
+def decoder_layers(model) -> list:
+    """The decoder's layers (the blocks a residual stream runs through): the model's
+    transformers ``GradientCheckpointingLayer`` modules, else ``decoder(model).layers``."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: the layer list itself
+        GradientCheckpointingLayer = ()  # noqa: N806
+    found = [m for m in model.modules() if GradientCheckpointingLayer
+             and isinstance(m, GradientCheckpointingLayer)]  # fmt: skip
+    if found:
+        return found
+    layers = getattr(decoder(model), "layers", None)
+    if layers is None or not len(layers):
+        raise ValueError(f"model: {type(model).__name__} has no decoder layers to checkpoint "
+                         "(no GradientCheckpointingLayer modules, no .layers)")  # fmt: skip
+    return list(layers)
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(model, enabled: bool = True):
+    """Within: every decoder layer run with gradient keeps only its inputs and recomputes
+    its activations in the backward (``torch.utils.checkpoint``, non-reentrant, which
+    replays the autocast state). The activations held for the backward of a teacher-forced
+    forward fall from every layer's intermediates to one (tokens, d) input per layer (plus
+    one layer's intermediates while it is recomputed), for about one more forward of
+    compute. Unlike ``model.gradient_checkpointing_enable()`` it does not need train mode
+    (the trainer's forwards run in eval mode: no dropout). Forwards without gradient run
+    as they are. ``enabled=False``: a no-op."""
+    if not enabled:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    before = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        run = layer.forward
+
+        def forward(*args, _run=run, **kwargs):
+            if not torch.is_grad_enabled():
+                return _run(*args, **kwargs)
+            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, before):
+            if old is None:
+                del layer.forward
+            else:
+                layer.forward = old
+
+
 def build_tiny_model(tokenizer, cfg: TinyConfig | None = None, *, seed: int = 0):
     """A small Qwen2 causal LM (tied embeddings) sized for ``tokenizer``; seeded init."""
     cfg = TinyConfig() if cfg is None else cfg

@@ -46,7 +46,7 @@ from .config import TrainConfig
 from .heldout import eval_due, evaluate_heldout
 from .initial_model import initial_folder
 from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
-from .model import default_model, lm_head, load_model, save_model
+from .model import default_model, gradient_checkpointing, lm_head, load_model, save_model
 from .model_folder import check_model_folder
 from .pretrained import stored_dtype
 from .prompting import ChatPrompter
@@ -423,7 +423,8 @@ class Trainer:
                         self.device,
                     )
                     idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-                    with self._amp():
+                    ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
+                    with self._amp(), ckpt:
                         hidden = response_hidden(self.model, tb)
                     w, b = weight_bias()
                     loss, met = linear_policy_loss(

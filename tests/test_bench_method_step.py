@@ -147,3 +147,23 @@ def test_bad_flags_are_named(tmp_path, capsys, argv, flag):
     with pytest.raises(SystemExit):
         ms.parse(["--out", str(tmp_path), *argv])
     assert flag in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_flag_reaches_the_policy_forward(tmp_path, monkeypatch):
+    """--gradient-checkpointing: both arms' policy forward runs through the checkpoint (its
+    recompute in backward), the rows say so, and the stages still partition the step."""
+    import torch.utils.checkpoint as ckpt
+
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "res"
+    ms.main(["--out", str(out), "--models", "tiny", "--lengths", "16", "--repeats", "1",
+             "--variants", "mrtpo,gdpo", "--in-process", "--gradient-checkpointing"])  # fmt: skip
+    assert calls
+    table = _rows(out / "method_step.csv")
+    for v in ("mrtpo", "gdpo"):
+        got = _check_case(table, 16, v)
+        assert all("gradient checkpointing" in r["note"] for r in got.values())
+    cases = [json.loads(x) for x in (out / "cases.jsonl").read_text().splitlines()]
+    assert all(c["gradient_checkpointing"] for c in cases)

@@ -204,3 +204,59 @@ def test_warm_start_micro_batches_take_the_same_steps(tok):
     assert losses[2] == pytest.approx(losses[0], rel=1e-5)
     with pytest.raises(ValueError, match="micro_batch: expected an int >= 1"):
         warm_start(model, pr, examples, steps=1, batch=2, lr=1e-2, micro_batch=0)
+
+
+@pytest.mark.parametrize("amp", ["none", "bfloat16"])
+def test_gradient_checkpointing_same_gradients_fewer_saved_activations(amp):
+    """Within ``gradient_checkpointing`` a teacher-forced forward with gradient keeps about
+    one (tokens, d) input per layer instead of every intermediate, and the gradients are
+    the same bit for bit (fp32, and under bf16 autocast, whose state the recompute replays);
+    forwards without gradient and the layers are as before once it exits."""
+    import contextlib
+
+    from mrtpo.model import (
+        build_tiny_model,
+        build_tokenizer,
+        decoder_layers,
+        gradient_checkpointing,
+        last_hidden,
+    )
+
+    tok = build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300)
+    model = build_tiny_model(tok, TinyConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                             num_layers=3, num_heads=2, num_kv_heads=1),
+                             seed=0).eval()  # fmt: skip
+    layers = decoder_layers(model)
+    assert len(layers) == 3
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (2, 40), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # a left-padded row
+    ctx = contextlib.nullcontext if amp == "none" else (
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16))  # fmt: skip
+
+    def run(enabled):
+        model.zero_grad(set_to_none=True)
+        saved = [0]
+
+        def pack(t):
+            saved[0] += t.numel()
+            return t
+
+        with gradient_checkpointing(model, enabled), ctx():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                h = last_hidden(model, ids, mask)
+                loss = (h.float().square() * mask[..., None]).sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()], saved[0], h.detach()
+
+    g0, n0, h0 = run(False)
+    g1, n1, h1 = run(True)
+    assert torch.equal(h0, h1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert n1 * 4 < n0, (n0, n1)
+    assert not any("forward" in layer.__dict__ for layer in layers)  # restored
+    with torch.no_grad(), ctx():  # no gradient: the layers run as they are
+        plain = last_hidden(model, ids, mask)
+        with gradient_checkpointing(model):
+            assert torch.equal(last_hidden(model, ids, mask), plain)

@@ -602,3 +602,33 @@ def test_replay_all_replays_every_pair_and_trains_the_same(tmp_path):
     for a, b in zip(skip, every):
         assert a["replay/pairs"] + a["replay/skipped"] == b["replay/pairs"]
         assert all(a[k] == b[k] for k in ("loss", "grad_norm", "all_pass"))
+
+
+def test_gradient_checkpointing_trains_the_same_run(tmp_path, monkeypatch):
+    """--gradient-checkpointing recomputes the decoder's activations in the backward: the same
+    run, metric for metric (the recompute is the same arithmetic), and the final weights
+    equal; the trainer's model has no patched layer left after a step."""
+    from mrtpo.model import decoder_layers
+
+    import torch.utils.checkpoint as ckpt
+
+    calls = []
+    real = ckpt.checkpoint
+    monkeypatch.setattr(ckpt, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = Trainer(tiny_config(tmp_path / "a", steps=2), task=mixed_task())
+    a.run(progress=False)
+    assert not calls
+    b = Trainer(tiny_config(tmp_path / "b", steps=2, gradient_checkpointing=True),
+                task=mixed_task())  # fmt: skip
+    b.run(progress=False)
+    assert calls  # the update's forwards went through the checkpoint
+    ra = [
+        json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    rb = [
+        json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert _comparable(ra) == _comparable(rb)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert not any("forward" in layer.__dict__ for layer in decoder_layers(b.model))
