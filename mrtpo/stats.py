@@ -38,6 +38,7 @@ interval can exclude chance: with n pairs the smallest two-sided sign-flip p-val
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
@@ -109,11 +110,26 @@ def paired_bootstrap(a, b, *, draws=4000, seed=0, diff=False):
 def sign_flip_p(diffs, *, exact_up_to=20, draws=200_000, seed=0) -> float:
     """Two-sided p-value of the paired differences' mean under the null that each pair's
     sign is a coin flip: the share of the 2^n sign patterns whose |mean| is at least the
-    observed one (exact up to ``exact_up_to`` pairs, else ``draws`` random patterns)."""
+    observed one (exact up to ``exact_up_to`` pairs, else ``draws`` random patterns).
+
+    The differences must be finite (a NaN or infinite one is a ValueError naming it: no
+    p-value, rather than a p of 0). They are scaled by a power of two (exact) so that no
+    sum overflows: the test does not depend on their scale, and the exact p-value is never
+    below 2 / 2^n (the observed pattern and its mirror image count)."""
     d = [float(x) for x in diffs]
     n = len(d)
     if n == 0:
         raise ValueError("sign_flip_p: expected at least one paired difference")
+    bad = next((i for i, x in enumerate(d) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise ValueError(
+            f"sign_flip_p: diffs[{bad}] is {d[bad]!r}; the paired differences must be finite "
+            "(a NaN or infinite difference has no sign-flip p-value)"
+        )
+    top = max(abs(x) for x in d)
+    if top > 0:
+        shift = math.frexp(top)[1]  # top / 2^shift in [0.5, 1): the sums stay below n
+        d = [math.ldexp(x, -shift) for x in d]
     observed = abs(sum(d)) - 1e-12 * max(1.0, sum(abs(x) for x in d))  # ties count as extreme
     if n <= exact_up_to:
         hits = 0

@@ -37,6 +37,21 @@ def test_sign_flip_p_is_exact():
         sign_flip_p([])
 
 
+def test_sign_flip_p_refuses_non_finite_differences_and_never_goes_below_its_floor():
+    """Issue 41, item 2: a NaN or infinite difference gave p = 0.0 (every comparison with
+    NaN is False: no sign pattern counted, not even the observed one)."""
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=r"sign_flip_p: diffs\[2\] is .*finite"):
+            sign_flip_p([0.1, 0.2, bad, 0.3])
+    # finite differences whose sum overflows a float (the observed |sum| was inf - inf =
+    # NaN): the test does not depend on the scale, and p is never below 2 / 2^n
+    for d in ([1e308] * 4, [1e308, -1e308, 1e308, 1e308], [5e-324] * 3, [1.5e308, 1e-300]):
+        assert sign_flip_p(d) >= 2 / 2 ** len(d)
+    assert sign_flip_p([1e308] * 6) == pytest.approx(2 / 64)
+    assert sign_flip_p([1e308, 1e308, -1e308]) == sign_flip_p([1.0, 1.0, -1.0])
+    assert sign_flip_p([0.0, 0.0]) == 1.0
+
+
 def test_paired_bootstrap_uses_the_pairing():
     # seeds differ a lot, MRTPO is ahead of GDPO by 0.05 on every seed: paired, the interval
     # excludes 0; resampling each arm on its own (the old analysis), it does not
