@@ -191,3 +191,72 @@ def test_verifier_reward_reads_the_columns_and_refuses_bad_ones():
         fn([[{"role": "system", "content": "x"}]], ["c"], fields=["{}"])
     with pytest.raises(ValueError, match="verifier: expected a verifier"):
         verifier_reward(lambda ex, r: None)
+
+
+@pytest.mark.parametrize("task_name", ["constraints-full", "constraints", "sql", "tools"])
+def test_verifier_reward_refuses_rows_without_the_fields_its_verifier_reads(task_name):
+    """Issue 41, item 3: without its ``fields`` column a slot constraint verifier paid 1.0
+    to any completion (the empty one included) and the others 0 to the gold answer, with no
+    word. A missing column, a missing key and a key of another form are each a ValueError
+    naming the column, the key and the row; a verifier that reads no field still scores."""
+    task = load_task(task_name)
+    ex = task.train[0]
+    row = example_row(ex)
+    chat = [{"role": "assistant", "content": ex.reference}]
+    checked = 0
+    for v in task.verifiers:
+        fn = verifier_reward(v)
+        needed = getattr(v, "fields_needed", None)
+        assert needed is not None, v.name  # every built-in verifier declares what it reads
+        if not needed:  # tool_format reads no field: a row without them still scores
+            (got,) = fn([row["prompt"]], [chat])
+            assert got == (v(ex, ex.reference).score, [])
+            continue
+        checked += 1
+        key = next(iter(needed))
+        with pytest.raises(ValueError, match=rf"fields: row 0 \(the dataset has no 'fields' "
+                                             rf"column\): no '{key}', which verifier "
+                                             rf"'{v.name}' reads"):  # fmt: skip
+            fn([row["prompt"]] * 2, [chat, ""])
+        fields = json.loads(row["fields"])
+        for bad, match in (({k: x for k, x in fields.items() if k != key}, f"no '{key}'"),
+                           ({**fields, key: 7}, f"'{key}' is int 7, expected"),
+                           ({**fields, key: None}, f"no '{key}'")):  # fmt: skip
+            with pytest.raises(ValueError, match=rf"fields: row 1: {match}"):
+                fn([row["prompt"]] * 2, [chat, chat], fields=[row["fields"], json.dumps(bad)])
+        # the complete row still gives the verifier's own verdict
+        (got,) = fn([row["prompt"]], [chat], fields=[row["fields"]])
+        assert got == (v(ex, ex.reference).score, list(v(ex, ex.reference).spans))
+    assert checked >= 3
+    if task_name == "constraints-full":  # malformed entries of the constraints list
+        fn = verifier_reward(task.verifiers[0])
+        bad = json.dumps({"constraints": ["word_count"]})
+        with pytest.raises(ValueError, match=r"fields: row 0: 'constraints' is list .*"
+                                             r"expected a list of dicts"):  # fmt: skip
+            fn([row["prompt"]], [""], fields=[bad])
+
+
+def test_verifier_reward_reads_message_parts_as_their_text():
+    """Issue 41, item 15: a completion whose content is a list of message parts was judged as
+    the string of a Python list; its text parts are joined (strings too), and a part that is
+    not text is refused, naming the sample and the part."""
+    task = load_task("sql")
+    ex = task.train[0]
+    row = example_row(ex)
+    cut = len(ex.reference) // 2
+    parts = [{"type": "text", "text": ex.reference[:cut]}, ex.reference[cut:]]
+    for v in task.verifiers:
+        fn = verifier_reward(v)
+        want = v(ex, ex.reference)
+        assert want.score == 1.0  # the gold query earns every SQL reward
+        (got,) = fn([row["prompt"]], [[{"role": "assistant", "content": parts}]],
+                    fields=[row["fields"]])  # fmt: skip
+        assert got == (want.score, list(want.spans))
+    fn = verifier_reward(task.verifiers[0])
+    image = [{"type": "text", "text": ex.reference}, {"type": "image", "image": "x.png"}]
+    for content, match in ((image, "sample 1: content part 1 is 'image', not text"),
+                           ({"text": ex.reference}, "sample 1: the message content is dict"),
+                           ([3], "sample 1: content part 0 is 'int', not text")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            fn([row["prompt"]] * 2, ["x", [{"role": "assistant", "content": content}]],
+               fields=[row["fields"]] * 2)  # fmt: skip

@@ -444,6 +444,8 @@ class IFBenchVerifier:
     """The reward of constraint ``ROLES[slot]`` of an ``ifbench-real`` example: the official
     checker's strict verdict (`official_check`); its span is that constraint's sentence."""
 
+    fields_needed = {"constraints": "records"}
+
     def __init__(self, slot: int, name: str | None = None):
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < len(ROLES):
             raise ValueError(f"slot: expected an int in [0, {len(ROLES)}), got {slot!r}")

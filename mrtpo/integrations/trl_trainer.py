@@ -318,6 +318,12 @@ def verifier_reward(verifier, *, spans: bool = True):
     last user message on a chat prompt). With ``spans=False`` it returns the scores alone
     (for TRL's own ``GRPOTrainer``). Its ``__name__`` is the verifier's name (TRL logs
     ``rewards/<name>/mean``, MRTPO ``mrtpo/relevance/<name>``).
+
+    A row whose ``fields`` lacks what the verifier reads (its ``fields_needed``: the
+    built-in verifiers declare theirs), the column absent included, or holds it in another
+    form is a ValueError naming the column, the key and the row: such a verifier would judge
+    nothing real (pay 1 to any completion, or 0 to the gold answer). A completion's content
+    given as a list of message parts is read as its text parts joined.
     """
     name = getattr(verifier, "name", None)
     if not callable(verifier) or not isinstance(name, str) or not name:
@@ -326,6 +332,7 @@ def verifier_reward(verifier, *, spans: bool = True):
             f"mrtpo.tasks.load_task(...).verifiers), got {type(verifier).__name__}"
         )
     from mrtpo.verifiers import Example
+    from mrtpo.verifiers.base import check_fields
 
     def reward(prompts, completions, fields=None, example_id=None, reference=None, **_):
         n = len(completions)
@@ -336,13 +343,18 @@ def verifier_reward(verifier, *, spans: bool = True):
                                  f"{len(values)}")  # fmt: skip
         out = []
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            text = _prompt_text(prompt, i)
+            row = _fields_of(None if fields is None else fields[i], i)
+            where = (f"fields: row {i}" if fields is not None
+                     else f"fields: row {i} (the dataset has no 'fields' column)")  # fmt: skip
+            check_fields(verifier, row, where=where)
             example = Example(
                 id=str(example_id[i]) if example_id is not None else str(i),
-                prompt=_prompt_text(prompt, i),
-                fields=_fields_of(None if fields is None else fields[i], i),
+                prompt=text,
+                fields=row,
                 reference=None if reference is None else reference[i],
             )
-            verdict = verifier(example, _completion_text(completion))
+            verdict = verifier(example, _completion_text(completion, i))
             out.append((float(verdict.score), list(verdict.spans)) if spans
                        else float(verdict.score))  # fmt: skip
         return out
@@ -379,13 +391,38 @@ def _prompt_text(prompt, i: int) -> str:
     )
 
 
-def _completion_text(completion) -> str:
+def _completion_text(completion, i: int = 0) -> str:
+    """A completion's text: a string, or the content of the last message of a chat message
+    list; a content given as message parts (``[{"type": "text", "text": ...}, ...]`` or
+    strings) is its text parts joined; a part of another type is an error naming the
+    sample."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content") or "")
-    raise ValueError(f"completions: expected a string or a chat message list, got "
-                     f"{type(completion).__name__}")  # fmt: skip
+    if not (isinstance(completion, (list, tuple)) and completion
+            and isinstance(completion[-1], dict)):  # fmt: skip
+        raise ValueError(f"completions: sample {i}: expected a string or a chat message "
+                         f"list, got {type(completion).__name__}")  # fmt: skip
+    content = completion[-1].get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"completions: sample {i}: the message content is "
+                         f"{type(content).__name__}, expected a string or a list of "
+                         "message parts")  # fmt: skip
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" \
+                and isinstance(part.get("text"), str):  # fmt: skip
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"completions: sample {i}: content part {j} is {kind!r}, not text (a "
+                "verifier judges the completion's text: give text parts)"
+            )
+    return "".join(texts)
 
 
 def _fields_of(value, i: int) -> dict:

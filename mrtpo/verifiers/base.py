@@ -128,6 +128,47 @@ class Verifier(Protocol):
     def __call__(self, example: Example, response: str) -> Verdict: ...
 
 
+# What a verifier's optional ``fields_needed`` ({key: kind}) may say of an Example field.
+FIELD_KINDS = {
+    "text": ("a string", lambda v: isinstance(v, str)),
+    "mapping": ("a dict (a JSON object)", lambda v: isinstance(v, dict)),
+    "list": ("a list", lambda v: isinstance(v, (list, tuple))),
+    "records": (
+        "a list of dicts (JSON objects)",
+        lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, dict) for x in v),
+    ),
+    "span": (
+        "a span [start, end] of two ints",
+        lambda v: (
+            isinstance(v, (list, tuple))
+            and len(v) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        ),
+    ),
+}
+
+
+def check_fields(verifier, fields, *, where: str = "fields") -> None:
+    """Raise a ValueError (naming ``where``, the key and the verifier) when ``fields`` lacks
+    a key that ``verifier.fields_needed`` declares, or holds it in another form. A verifier
+    that reads a missing field judges nothing real: the slot constraint verifiers pay 1 to
+    any response (nothing was asked), the others 0 to the gold answer. A verifier without
+    ``fields_needed`` is not checked."""
+    needed = getattr(verifier, "fields_needed", None) or {}
+    name = getattr(verifier, "name", type(verifier).__name__)
+    if needed and not isinstance(fields, dict):
+        raise ValueError(f"{where}: expected a dict, got {type(fields).__name__}")
+    for key, kind in needed.items():
+        what, ok = FIELD_KINDS[kind]
+        if key not in fields or fields[key] is None:
+            raise ValueError(f"{where}: no {key!r}, which verifier {name!r} reads")
+        if not ok(fields[key]):
+            raise ValueError(
+                f"{where}: {key!r} is {type(fields[key]).__name__} {fields[key]!r:.60}, "
+                f"expected {what} (verifier {name!r})"
+            )
+
+
 @dataclass
 class Task:
     """A named list of verifiers and the examples they judge."""

@@ -440,7 +440,8 @@ KINDS = tuple(CONSTRAINTS)
 
 
 class ConstraintVerifier:
-    """The reward of one constraint of an example.
+    """The reward of one constraint of an example (``fields_needed``: the fields it reads,
+    checked by `base.check_fields` where examples come from outside, e.g. TRL's rows).
 
     Args:
         kind: judge the example's constraint of this kind (the fixed-K tasks).
@@ -449,6 +450,8 @@ class ConstraintVerifier:
             nothing was asked, so nothing can fail.
         name: the reward's name; defaults to ``kind`` or ``constraint_{slot + 1}``.
     """
+
+    fields_needed = {"constraints": "records"}
 
     def __init__(
         self, kind: str | None = None, *, slot: int | None = None, name: str | None = None

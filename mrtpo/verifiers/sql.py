@@ -265,6 +265,13 @@ class ExecutionMatch(_SQLVerifier):
     """Score 1 when the query's result equals the gold query's."""
 
     name = "sql_match"
+    fields_needed = {
+        "db_path": "text",
+        "gold": "text",
+        "gold_tables": "list",
+        "schema_spans": "mapping",
+        "question_span": "span",
+    }
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         return _spans(example.fields, example.fields.get("gold_tables", ()), question=True)
@@ -304,6 +311,12 @@ class QueryRuns(_SQLVerifier):
     """Score 1 when the query runs to completion in the sandbox and reads a schema table."""
 
     name = "sql_runs"
+    fields_needed = {
+        "db_path": "text",
+        "schema": "mapping",
+        "gold_tables": "list",
+        "schema_spans": "mapping",
+    }
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         return _spans(example.fields, example.fields.get("gold_tables", ()), question=False)
@@ -321,6 +334,7 @@ class SchemaOnly(_SQLVerifier):
     """Score 1 when the query compiles and reads only tables and columns shown in the prompt."""
 
     name = "sql_schema"
+    fields_needed = {"db_path": "text", "schema": "mapping", "schema_spans": "mapping"}
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         return _spans(example.fields, (example.fields.get("schema") or {}).keys(), question=False)

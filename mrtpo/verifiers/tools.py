@@ -415,6 +415,7 @@ class CallFormat(_ToolVerifier):
     """Score 1 when the response parses as a function call."""
 
     name = "tool_format"
+    fields_needed: dict = {}
 
     def _spans(self, example, called):
         return ()
@@ -427,6 +428,7 @@ class CallName(_ToolVerifier):
     """Score 1 when the called function is the gold one."""
 
     name = "tool_name"
+    fields_needed = {"gold": "mapping", "signature_spans": "mapping"}
 
     def _spans(self, example, called):
         return tuple(_span(example.fields, "signature_spans", example.fields["gold"]["name"]))
@@ -442,6 +444,7 @@ class ArgumentsValid(_ToolVerifier):
     """Score 1 when the arguments validate against the called tool's JSON schema."""
 
     name = "tool_schema"
+    fields_needed = {"tools": "mapping", "gold": "mapping", "signature_spans": "mapping"}
 
     def _spans(self, example, called):
         sig = example.fields.get("signature_spans") or {}
@@ -463,6 +466,7 @@ class ArgumentsMatch(_ToolVerifier):
     are each one of the listed values, the optional ones possibly left out)."""
 
     name = "tool_args"
+    fields_needed = {"gold": "mapping", "signature_spans": "mapping", "request_span": "span"}
 
     def _spans(self, example, called):
         f = example.fields
