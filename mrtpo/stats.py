@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 
 CLAIM_RATIO = 0.75
@@ -248,10 +249,47 @@ def steps_or_budget(rs, budget):
     return [r["steps_to_target"] or budget for r in rs]
 
 
-def _paired(g_runs, m_runs):
-    """The (GDPO, MRTPO) summaries of the seeds both arms ran, by seed."""
-    g = {r["seed"]: r for r in g_runs}
-    return [(g[r["seed"]], r) for r in sorted(m_runs, key=lambda r: r["seed"]) if r["seed"] in g]
+def _by_seed(runs, algo: str) -> dict:
+    """``runs`` by seed; a seed listed twice is a ValueError naming it (a repeated seed is
+    the same pair again, not another one: counted twice it shrinks the p-value and gets
+    round ``MIN_SEEDS``)."""
+    out = {}
+    for r in runs:
+        seed = r["seed"]
+        if seed in out:
+            raise ValueError(
+                f"runs: {algo} lists seed {seed!r} twice; pairs are by distinct seed (a "
+                "repeated seed is not another pair): keep one run per seed"
+            )
+        out[seed] = r
+    return out
+
+
+def _paired(g_runs, m_runs, algo: str = "mrtpo"):
+    """The (GDPO, MRTPO) summaries of the seeds both arms ran, by distinct seed."""
+    g, m = _by_seed(g_runs, "gdpo"), _by_seed(m_runs, algo)
+    return [(g[s], m[s]) for s in sorted(m) if s in g]
+
+
+RUN_FOLDER = re.compile(r"(.+)-seed(\d+)")
+
+
+def run_folder(name: str) -> tuple[str, int] | None:
+    """(algo, seed) of a comparison's run folder ``<algo>-seed<s>``, or None for another
+    name. The seed is written as compare writes it, in decimal without leading zeros: a
+    folder such as ``mrtpo-seed01`` is a ValueError naming it (read as seed 1 it would be
+    merged with ``mrtpo-seed1``; read as another seed it would pair with nothing)."""
+    m = RUN_FOLDER.fullmatch(name)
+    if m is None:
+        return None
+    digits = m.group(2)
+    if digits != str(int(digits)):
+        raise ValueError(
+            f"runs: folder {name!r} writes its seed with a leading zero; run folders are "
+            f"<algo>-seed<s> with s as compare writes it ({m.group(1)}-seed{int(digits)}): "
+            "rename it"
+        )
+    return m.group(1), int(digits)
 
 
 def _measures(pairs, steps_of, auc_of, budget) -> dict:
@@ -326,7 +364,7 @@ def compare_to_gdpo(summary, steps: int) -> dict[str, dict]:
     for algo, rs in runs.items():
         if not algo.startswith("mrtpo"):
             continue
-        pairs = _paired(runs["gdpo"], rs)
+        pairs = _paired(runs["gdpo"], rs, algo)
         if not pairs:
             continue
         training = _measures(pairs, lambda r: r["steps_to_target"], lambda r: r["auc"], steps)

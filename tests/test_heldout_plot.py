@@ -46,3 +46,14 @@ def test_heldout_plot_needs_a_shared_seed(tmp_path):
     _run(tmp_path / "runs" / "mrtpo-seed1", [0.0, 0.2])
     with pytest.raises(ValueError, match="no seed"):
         mod.plot(mod.curves(tmp_path / "runs"), tmp_path / "p.png", None, "t")
+
+
+def test_heldout_plot_reads_seeds_as_written_and_refuses_seed01(tmp_path):
+    """Issue 41, item 9: seed1 and seed01 were read as one seed (the last one read won)."""
+    mod = _module()
+    _run(tmp_path / "runs" / "mrtpo-seed1", [0.0, 0.2])
+    _run(tmp_path / "runs" / "mrtpo-seed10", [0.0, 0.3])
+    assert set(mod.curves(tmp_path / "runs")["mrtpo"]) == {1, 10}
+    _run(tmp_path / "runs" / "mrtpo-seed01", [0.0, 0.9])
+    with pytest.raises(ValueError, match="'mrtpo-seed01' writes its seed with a leading zero"):
+        mod.curves(tmp_path / "runs")

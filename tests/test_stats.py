@@ -15,6 +15,7 @@ from mrtpo.stats import (
     curve_auc,
     heldout_summary,
     paired_bootstrap,
+    run_folder,
     sign_flip_p,
     summarize_run,
 )
@@ -150,6 +151,35 @@ def test_pairs_by_seed_and_falls_back_to_the_training_curve():
     s["runs"]["mrtpo"] = s["runs"]["mrtpo"][:2]  # seed 2 of MRTPO missing: two pairs
     c = compare_to_gdpo(s, 4)["mrtpo"]
     assert c["curve"] == "training" and c["n"] == 2 and c["wallclock"] is None
+
+
+def test_a_repeated_seed_is_not_another_pair():
+    """Issue 41, item 9: three seeds listed twice gave n = 6, p = 0.031 and "holds"."""
+    ahead = ((0.1, 0.3, 0.45), (0.1, 0.55, 0.9))
+    s = _summary([ahead] * 3)
+    assert compare_to_gdpo(s, 4)["mrtpo"]["n"] == 3
+    for arm in ("mrtpo", "gdpo"):
+        twice = _summary([ahead] * 3)
+        twice["runs"][arm] = twice["runs"][arm] * 2
+        with pytest.raises(ValueError, match=f"runs: {arm} lists seed 0 twice"):
+            compare_to_gdpo(twice, 4)
+        with pytest.raises(ValueError, match="distinct seed"):
+            claim_verdict(twice, 4)
+    both = _summary([ahead] * 3)
+    both["runs"] = {a: rs * 2 for a, rs in both["runs"].items()}
+    with pytest.raises(ValueError, match="seed 0 twice"):
+        compare_to_gdpo(both, 4)
+
+
+def test_run_folder_names_are_read_by_distinct_seed():
+    assert run_folder("mrtpo-seed1") == ("mrtpo", 1)
+    assert run_folder("mrtpo:specific:gamma=2-seed10") == ("mrtpo:specific:gamma=2", 10)
+    assert run_folder("gdpo-seed0") == ("gdpo", 0)
+    for other in ("mrtpo", "mrtpo-seed", "mrtpo-seedx", "mrtpo-seed-1", "seed1", "notes.md"):
+        assert run_folder(other) is None
+    for padded in ("mrtpo-seed01", "gdpo-seed00", "mrtpo-seed007"):
+        with pytest.raises(ValueError, match=f"folder '{padded}' writes its seed with a leading"):
+            run_folder(padded)
 
 
 def test_equal_wall_clock():

@@ -10,16 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from pathlib import Path
+
+from mrtpo.stats import run_folder
 
 
 def curves(runs: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """{algo: {seed: [(step, held-out all-pass), ...]}} from each run's "eval" entries."""
     out: dict[str, dict[int, list]] = {}
     for d in sorted(runs.iterdir()):
-        m = re.fullmatch(r"(.+)-seed(\d+)", d.name)
-        if not m or not (d / "metrics.jsonl").is_file():
+        found = run_folder(d.name)  # seed01 is refused, naming it (else one seed with seed1)
+        if found is None or not (d / "metrics.jsonl").is_file():
             continue
         pts = []
         for line in (d / "metrics.jsonl").read_text().splitlines():
@@ -29,7 +30,7 @@ def curves(runs: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:
                 break
             pts += [(e["step"], e["all_pass"]) for e in row.get("eval") or []]
         if pts:
-            out.setdefault(m.group(1), {})[int(m.group(2))] = pts
+            out.setdefault(found[0], {})[found[1]] = pts
     return out
 
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from mrtpo.report import claim_verdict, fmt
-from mrtpo.stats import summarize_run
+from mrtpo.stats import run_folder, summarize_run
 
 
 def load(runs: Path, target: float, window: int, steps: int) -> dict:
     out: dict[str, list] = {}
     names = None
     for d in sorted(runs.iterdir()):
-        m = re.fullmatch(r"(.+)-seed(\d+)", d.name)
-        if not m or not (d / "metrics.jsonl").is_file():
+        found = run_folder(d.name)  # seed01 is refused, naming it (else one seed with seed1)
+        if found is None or not (d / "metrics.jsonl").is_file():
             continue
+        algo, seed = found
         rows = []
         for line in (d / "metrics.jsonl").read_text().splitlines():
             try:
@@ -35,9 +35,9 @@ def load(runs: Path, target: float, window: int, steps: int) -> dict:
             continue
         names = [k[len("pass/") :] for k in rows[0] if k.startswith("pass/")]
         s = summarize_run(rows[:steps], names, target, window)
-        s["seed"] = int(m.group(2))
+        s["seed"] = seed
         s["wall_s"] = sum(sum(v for k, v in r["time"].items() if k != "replays") for r in rows)
-        out.setdefault(m.group(1), []).append(s)
+        out.setdefault(algo, []).append(s)
     return {"runs": out, "reward_names": names, "settings": {"baseline_replay": False}}
 
 
@@ -48,7 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--window", type=int, default=5)
     args = ap.parse_args(argv)
-    summary = load(args.runs, args.target, args.window, args.steps)
+    try:
+        summary = load(args.runs, args.target, args.window, args.steps)
+    except ValueError as err:  # a run folder that is refused (seed01): one line, status 2
+        ap.error(str(err))
     print(
         "| run | held-out steps to target | held-out AUC | held-out start -> final all-pass "
         "| training steps to target | training AUC | training s |"
