@@ -245,6 +245,8 @@ def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
         held = ""
         if h is not None:
             h_reached = h["steps_to_target"]
+            if h_reached == 0:
+                h_reached = "0 (the start already meets the target)"
             held = (
                 f"held-out: steps to target {f'>{cfg.steps}' if h_reached is None else h_reached}"
                 f", AUC {fmt(h['auc'])}, final all-pass {fmt(h['final_all_pass'])}; training: "

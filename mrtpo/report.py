@@ -191,6 +191,11 @@ def _ci(c, key, fmt_):
 
 
 def _verdict_text(c) -> str:
+    if c["verdict"] is None and c["n"] >= MIN_SEEDS:  # starts that already met the target
+        return (
+            f"**no verdict**: {c['steps_n']} of {c['n']} paired seeds left to measure the "
+            f"steps to target, a verdict needs at least {MIN_SEEDS}"
+        )
     if c["verdict"] is None:
         return (
             f"**no verdict**: {c['n']} paired seed(s), a verdict needs at least {MIN_SEEDS} "
@@ -200,6 +205,24 @@ def _verdict_text(c) -> str:
         f"claim (steps ratio <= {CLAIM_RATIO} with its interval below 1, AUC difference's "
         f"interval above 0) **{c['verdict']}**"
     )
+
+
+def _steps_text(m, r2) -> str:
+    """The steps ratio of a paired comparison, saying which seeds' start already met the
+    target (steps to target 0: left out of the ratio, `mrtpo.stats._measures`)."""
+    met = ", ".join(str(s) for s in m.get("start_met") or ())
+    if m["ratio"] is None:
+        return (
+            "steps to target: not compared, the start already meets the target on every "
+            f"seed ({met}: held-out steps to target 0)"
+        )
+    text = f"steps to target **{m['ratio']:.2f}x** ({_ci(m, 'ci', r2)}, sign-flip p = {m['p']:.3f})"
+    if met:
+        text += (
+            f" over {m['steps_n']} paired seeds (seed(s) {met} left out: the start already "
+            "meets the target)"
+        )
+    return text
 
 
 def claim_verdict(summary, steps: int) -> list[str]:
@@ -215,8 +238,8 @@ def claim_verdict(summary, steps: int) -> list[str]:
             parts.append(("training", c["training"]))
         for name, m in parts:
             lines.append(
-                f"- {algo} / GDPO on the {name} curve ({m['n']} paired seeds): steps to target "
-                f"**{m['ratio']:.2f}x** ({_ci(m, 'ci', r2)}, sign-flip p = {m['p']:.3f}); AUC "
+                f"- {algo} / GDPO on the {name} curve ({m['n']} paired seeds): "
+                f"{_steps_text(m, r2)}; AUC "
                 f"difference **{m['auc_diff']:+.3f}** ({_ci(m, 'auc_ci', d3)}, p = "
                 f"{m['auc_p']:.3f})"
                 + (" (a run that never reached the target counts the step budget)"
@@ -229,7 +252,9 @@ def claim_verdict(summary, steps: int) -> list[str]:
                 f"- {algo} / GDPO at equal wall-clock (held-out curve against training "
                 f"seconds, up to the shorter run's time): AUC difference {w['auc_diff']:+.3f} "
                 f"({_ci(w, 'auc_ci', d3)}, p = {w['auc_p']:.3f}); seconds to target "
-                f"{w['time_ratio']:.2f}x ({_ci(w, 'time_ci', r2)})"
+                + ("not compared (the start already meets the target)"
+                   if w["time_ratio"] is None else f"{w['time_ratio']:.2f}x"
+                   + ("" if w["time_ci"] is None else f" ({_ci(w, 'time_ci', r2)})"))
                 + ("" if summary["settings"].get("baseline_replay") is False else
                    " (GDPO's runs replayed for their relevance metrics: their seconds include "
                    "a replay that GDPO does not need; --no-baseline-replay removes it)")
@@ -396,7 +421,8 @@ def _heldout_table(runs, names, args) -> list[str]:
     for algo, rs in runs.items():
         hs = [r["heldout"] for r in rs]
         reached = [h["steps_to_target"] for h in hs]
-        per_seed = ", ".join(str(x) if x is not None else f">{args.steps}" for x in reached)
+        shown = {None: f">{args.steps}", 0: "0 (the start meets the target)"}
+        per_seed = ", ".join(shown.get(x, str(x)) for x in reached)
         mean_steps = statistics.fmean(args.steps if x is None else x for x in reached)
         cells = [algo, f"{mean_steps:.1f} ({per_seed})"]
         for key in ("auc", "start_all_pass", "final_all_pass"):

@@ -18,7 +18,9 @@ Per algorithm, over seeds:
   of eval prompts, evaluated before the first step, every ``eval_every`` steps and after the
   last). Its AUC is the area under the curve over the policy's steps (trapezoids) divided by
   the steps; its steps to target, the first evaluated step whose held-out all-pass reaches
-  the target. The training curve's measures are kept beside it, second.
+  the target (0 where the start already meets it: such a pair is reported as such and left
+  out of the steps and time ratios, which are undefined on it). The training curve's
+  measures are kept beside it, second.
 - wall-clock: each step's training seconds (rollout + replay + update; evaluations excluded)
   summed give the clock a run's curve is read against, for the comparison at equal
   wall-clock.
@@ -293,17 +295,27 @@ def run_folder(name: str) -> tuple[str, int] | None:
 
 
 def _measures(pairs, steps_of, auc_of, budget) -> dict:
-    """Steps ratio and AUC difference over paired seeds, with paired intervals and p-values."""
+    """Steps ratio and AUC difference over paired seeds, with paired intervals and p-values.
+
+    A pair whose start already meets the target (steps to target 0: the held-out evaluation
+    before the first step reached it, in either arm) says nothing about how fast training
+    gets there: its seed is listed under ``start_met`` and left out of the steps ratio, its
+    interval and p-value (over ``steps_n`` pairs; None where no pair is left: a ratio of
+    zero steps is not defined). The AUC difference keeps every pair."""
     g_steps = [budget if steps_of(g) is None else steps_of(g) for g, _ in pairs]
     m_steps = [budget if steps_of(m) is None else steps_of(m) for _, m in pairs]
     g_auc = [auc_of(g) for g, _ in pairs]
     m_auc = [auc_of(m) for _, m in pairs]
     d_auc = [m - g for m, g in zip(m_auc, g_auc)]
+    moved = [i for i, (g, m) in enumerate(zip(g_steps, m_steps)) if g > 0 and m > 0]
+    gs, ms = [g_steps[i] for i in moved], [m_steps[i] for i in moved]
     return {
         "n": len(pairs),
-        "ratio": statistics.fmean(m_steps) / statistics.fmean(g_steps),
-        "ci": paired_bootstrap(m_steps, g_steps),
-        "p": sign_flip_p([m - g for m, g in zip(m_steps, g_steps)]),
+        "steps_n": len(moved),
+        "start_met": [m["seed"] for i, (_, m) in enumerate(pairs) if i not in moved],
+        "ratio": statistics.fmean(ms) / statistics.fmean(gs) if moved else None,
+        "ci": paired_bootstrap(ms, gs) if moved else None,
+        "p": sign_flip_p([m - g for m, g in zip(ms, gs)]) if moved else None,
         "auc_diff": statistics.fmean(d_auc),
         "auc_ci": paired_bootstrap(m_auc, g_auc, diff=True),
         "auc_p": sign_flip_p(d_auc),
@@ -316,7 +328,9 @@ def _measures(pairs, steps_of, auc_of, budget) -> dict:
 
 
 def _verdict(c: dict) -> str | None:
-    if c["n"] < MIN_SEEDS:
+    """None below ``MIN_SEEDS`` pairs, or below ``MIN_SEEDS`` pairs whose start did not
+    already meet the target (no steps ratio to test on the others)."""
+    if c["n"] < MIN_SEEDS or c["steps_n"] < MIN_SEEDS:
         return None
     ok = c["ratio"] <= CLAIM_RATIO and c["ci"][1] < 1.0 and c["auc_ci"][0] > 0.0
     return "holds" if ok else "does not hold"
@@ -325,7 +339,9 @@ def _verdict(c: dict) -> str | None:
 def _wallclock(pairs) -> dict | None:
     """The held-out comparison at equal wall-clock: per pair, the area under each held-out
     curve drawn against training seconds, up to the shorter run's training time, and the
-    training seconds to the target (a run that never reached it counts its whole time)."""
+    training seconds to the target (a run that never reached it counts its whole time; a
+    pair whose start already met the target, 0 s, is left out of the time ratio, as of the
+    steps ratio: None where none is left)."""
     if not all(g["heldout"] and m["heldout"] for g, m in pairs):
         return None
     d_auc, g_t, m_t = [], [], []
@@ -339,15 +355,19 @@ def _wallclock(pairs) -> dict | None:
         if None in aucs:
             return None
         d_auc.append(aucs[1] - aucs[0])
+        if gh["steps_to_target"] == 0 or mh["steps_to_target"] == 0:
+            continue  # the start already met the target: no time to it
         for h, out in ((gh, g_t), (mh, m_t)):
             t = h["seconds_to_target"]
             out.append(h["train_s"] if t is None else t)
+    timed = bool(g_t) and statistics.fmean(g_t) > 0
     return {
         "auc_diff": statistics.fmean(d_auc),
         "auc_ci": paired_bootstrap(d_auc, [0.0] * len(d_auc), diff=True),
         "auc_p": sign_flip_p(d_auc),
-        "time_ratio": statistics.fmean(m_t) / statistics.fmean(g_t),
-        "time_ci": paired_bootstrap(m_t, g_t),
+        "time_n": len(g_t),
+        "time_ratio": statistics.fmean(m_t) / statistics.fmean(g_t) if timed else None,
+        "time_ci": paired_bootstrap(m_t, g_t) if timed and min(g_t) > 0 else None,
     }
 
 

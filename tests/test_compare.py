@@ -278,6 +278,33 @@ def test_more_steps_resume_the_shorter_runs_instead_of_reusing_them(tmp_path):
     )
 
 
+def test_a_start_that_already_meets_the_target_is_reported_and_the_table_written(
+    tmp_path, monkeypatch
+):
+    """Issue 41, item 1: with the start's held-out all-pass already at the target (held-out
+    steps to target 0), the comparison ended in a ZeroDivisionError after all the training,
+    and neither the table nor the plot was written."""
+    import mrtpo.trainer as trainer_module
+
+    def meets(model, prompter, task, cfg, device, *, step, amp=None):
+        names = [v.name for v in task.verifiers]
+        return {"step": step, "all_pass": 1.0, "pass": dict.fromkeys(names, 1.0), "answers": 4,
+                "truncated": 0.0, "seconds": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(trainer_module, "evaluate_heldout", meets)
+    cfg = replace(_cfg(tmp_path, seeds=2), target=0.5)
+    logs = []
+    summary = run_compare(cfg, task=standin_task(), log=logs.append)
+    assert all(r["heldout"]["steps_to_target"] == 0 for rs in summary["runs"].values() for r in rs)
+    res = tmp_path / "res" / "constraints"
+    md = (res / "compare.md").read_text()
+    assert "not compared, the start already meets the target on every seed (0, 1" in md
+    assert "0 (the start meets the target), 0 (the start meets the target)" in md
+    assert "## Results on the training curve" in md
+    assert (res / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert sum("steps to target 0 (the start already meets the target)" in m for m in logs) == 4
+
+
 def test_every_variant_is_checked_before_any_run_trains(tmp_path):
     for bad, needle in (
         ("mrtpo:alpha=2", "alpha in 'mrtpo:alpha=2'"),

@@ -153,6 +153,35 @@ def test_pairs_by_seed_and_falls_back_to_the_training_curve():
     assert c["curve"] == "training" and c["n"] == 2 and c["wallclock"] is None
 
 
+def test_a_start_that_already_meets_the_target_is_reported_as_such():
+    """Issue 41, item 1: held-out steps to target 0 (the evaluation before the first step
+    already meets the target) in GDPO's runs ended in a ZeroDivisionError (a steps ratio
+    over zero steps), after all the training, and no table was written."""
+    met = ((0.6, 0.7, 0.8), (0.6, 0.8, 0.9))  # held-out all-pass at step 0 >= 0.5
+    s = _summary([met] * MIN_SEEDS)
+    c = compare_to_gdpo(s, 4)["mrtpo"]
+    assert c["curve"] == "held-out" and c["n"] == MIN_SEEDS and c["steps_n"] == 0
+    assert c["start_met"] == list(range(MIN_SEEDS))
+    assert c["ratio"] is None and c["ci"] is None and c["p"] is None
+    assert c["auc_diff"] > 0 and c["auc_ci"][0] > 0  # the AUC keeps every pair
+    assert c["verdict"] is None and not c["holds"]
+    assert c["wallclock"]["time_ratio"] is None and c["wallclock"]["auc_diff"] > 0
+    text = "\n".join(claim_verdict(s, 4))
+    assert "the start already meets the target on every seed (0, 1, 2, 3, 4, 5" in text
+    assert "0 of 6 paired seeds left to measure the steps to target" in text
+    # some seeds' start meets the target: they are left out of the steps ratio, by name
+    ahead = ((0.1, 0.3, 0.45), (0.1, 0.55, 0.9))
+    s = _summary([met, ahead, ahead])
+    c = compare_to_gdpo(s, 4)["mrtpo"]
+    assert c["start_met"] == [0] and c["steps_n"] == 2 and c["n"] == 3
+    assert c["ratio"] == pytest.approx(2 / 4) and c["ci"] == pytest.approx((0.5, 0.5))
+    assert c["p"] == pytest.approx(2 / 4)  # over the two seeds left
+    assert c["wallclock"]["time_n"] == 2 and c["wallclock"]["time_ratio"] == pytest.approx(0.5)
+    assert "over 2 paired seeds (seed(s) 0 left out: the start already meets" in "\n".join(
+        claim_verdict(s, 4)
+    )
+
+
 def test_a_repeated_seed_is_not_another_pair():
     """Issue 41, item 9: three seeds listed twice gave n = 6, p = 0.031 and "holds"."""
     ahead = ((0.1, 0.3, 0.45), (0.1, 0.55, 0.9))
