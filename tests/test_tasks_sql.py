@@ -14,6 +14,7 @@ from mrtpo.config import check_task
 from mrtpo.data import sql_real
 from mrtpo.tasks import WARM_STEPS, default_warm_steps, load_task
 from mrtpo.verifiers import Example
+from mrtpo.verifiers.base import check_fields
 from mrtpo.verifiers.sql import (
     ExecutionMatch,
     NamedColumns,
@@ -73,6 +74,10 @@ def test_task_shape_and_registration(task):
     assert {e.fields["db"] for e in task.eval[:32]} == set(sql_real.DATABASES)
     ids = [e.id for e in task.train + task.eval]
     assert len(set(ids)) == len(ids)
+    for v in task.verifiers:  # every field a reward reads is there, in its form
+        assert v.fields_needed
+        for ex in task.train + task.eval:
+            check_fields(v, ex.fields)
 
 
 def test_deterministic_for_a_seed():

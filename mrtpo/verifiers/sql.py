@@ -434,6 +434,7 @@ class OutputForm:
     the form only. Span: the prompt's sentence that asks for the form (``form_span``)."""
 
     name = "sql_form"
+    fields_needed = {"form_span": "span"}
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         s, e = example.fields["form_span"]
@@ -489,6 +490,7 @@ class NamedColumns(_SQLVerifier):
     question names (``uses``). Spans: those tables' schema lines."""
 
     name = "sql_columns"
+    fields_needed = {"db_path": "text", "uses": "mapping", "schema_spans": "mapping"}
 
     def spans(self, example: Example) -> tuple[Span, ...]:
         return _spans(example.fields, (example.fields.get("uses") or {}).keys(), question=False)
