@@ -24,6 +24,7 @@ from .builtin_models import is_builtin
 from .checkpoint import write_atomic
 from .cli_args import command_line
 from .config import CompareConfig, task_slug
+from .heldout import check_eval_split
 from .initial_model import initial_folder
 from .model import default_model
 from .pretrained import stored_dtype
@@ -184,15 +185,26 @@ def _train_one(cfg: CompareConfig, algo: str, seed: int, task=None) -> dict:
     return done
 
 
-def _prepare_models(cfg: CompareConfig, task, log):
+def _tasks(cfg: CompareConfig, task) -> dict:
+    """The task of each seed the runs load it with (``task`` for all, where given), each
+    checked as a run will check it (`check_eval_split`): a task the runs cannot use is
+    refused before any model is built or run folder written."""
+    seeds = {cfg.init_seed} if cfg.init_seed is not None else set(range(cfg.seeds))
+    tasks = {s: task if task is not None else load_task(cfg.task, seed=s) for s in sorted(seeds)}
+    for t in tasks.values():
+        if not t.verifiers:
+            raise ValueError("task: it has no verifiers (no rewards)")
+        check_eval_split(t, cfg.train)
+    return tasks
+
+
+def _prepare_models(cfg: CompareConfig, tasks: dict, log):
     """Warm-start (or find in the cache) every initial model before any run starts, so
     parallel runs never build the same cache entry at once."""
     builtin = is_builtin(cfg.train.model)
     if cfg.train.model is not None and not builtin:
         return
-    seeds = {cfg.init_seed} if cfg.init_seed is not None else set(range(cfg.seeds))
-    for s in sorted(seeds):
-        t = task if task is not None else load_task(cfg.task, seed=s)
+    for s, t in tasks.items():
         if builtin:
             initial_folder(
                 cfg.train.model,
@@ -222,7 +234,7 @@ def run_compare(cfg: CompareConfig, *, task=None, log=print) -> dict:
     runs: dict[str, list[dict]] = {a: [] for a in cfg.algos}
     names = None
     t_start = time.perf_counter()
-    _prepare_models(cfg, task, log)
+    _prepare_models(cfg, _tasks(cfg, task), log)
     todo = [(a, s) for s in range(cfg.seeds) for a in cfg.algos]
     if cfg.jobs > 1 and len(todo) > 1:
         import multiprocessing as mp

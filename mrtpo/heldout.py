@@ -35,6 +35,18 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
+def check_eval_split(task, cfg) -> None:
+    """A run that evaluates (``cfg.eval_every`` > 0) needs eval prompts: a task whose eval
+    split is empty is a ValueError naming it, asked before the run writes anything or builds
+    a model (not at step 0's evaluation, after both)."""
+    if cfg.eval_every > 0 and not len(task.eval):
+        raise ValueError(
+            f"task: {task.name!r} has no eval prompts (its eval split is empty), and the run "
+            f"evaluates on them every {cfg.eval_every} steps (--eval-every); give a task with "
+            "an eval split, or --eval-every 0 for no held-out evaluation"
+        )
+
+
 @torch.no_grad()
 def evaluate_heldout(model, prompter, task, cfg, device, *, step: int, amp=None) -> dict:
     """One held-out evaluation of ``model`` after ``step`` updates (see the module doc)."""

@@ -43,7 +43,7 @@ from mrtpo_kernels import (
 from .builtin_models import is_builtin
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
-from .heldout import eval_due, evaluate_heldout
+from .heldout import check_eval_split, eval_due, evaluate_heldout
 from .initial_model import initial_folder
 from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
 from .model import default_model, gradient_checkpointing, lm_head, load_model, save_model
@@ -176,8 +176,9 @@ def _refuse_other_config(saved: dict, cfg: TrainConfig, where: Path) -> None:
 
 
 class Trainer:
-    """One training run: prepares ``cfg.out`` (before any model is built), then loads or
-    builds the model and, with ``cfg.resume``, the checkpoint."""
+    """One training run: loads the task (refusing one it cannot use before ``cfg.out`` is
+    touched), prepares ``cfg.out`` (before any model is built), then loads or builds the
+    model and, with ``cfg.resume``, the checkpoint."""
 
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
         try:
@@ -193,13 +194,16 @@ class Trainer:
         self.out = Path(cfg.out)
         self.run_dir = RunDir(self.out)
         self.ckpt_dir = self.run_dir.checkpoint
-        meta = self._prepare_out()
         if task is None:
             task = load_task(cfg.task, seed=cfg.seed if cfg.init_seed is None else cfg.init_seed)
         self.task = task
         self.k = len(task.verifiers)
+        # a task the run cannot use is refused before --out is touched: a refusal after
+        # config.json and metrics.jsonl were written made the same command "already holds a run"
         if self.k == 0:
             raise ValueError("task: it has no verifiers (no rewards)")
+        check_eval_split(task, cfg)
+        meta = self._prepare_out()
         self.reward_names = [v.name for v in task.verifiers]
         self.device = resolve_device(cfg.device)
         dtype = getattr(torch, cfg.dtype)

@@ -305,6 +305,17 @@ def test_a_start_that_already_meets_the_target_is_reported_and_the_table_written
     assert sum("steps to target 0 (the start already meets the target)" in m for m in logs) == 4
 
 
+def test_a_task_without_eval_prompts_is_refused_before_any_model_or_run(tmp_path):
+    """Issue 41, item 12: through compare too, refused before the models are warm-started
+    and any run folder written."""
+    task = standin_task()
+    task.eval.clear()
+    cfg = _cfg(tmp_path, algos=("gdpo",))
+    with pytest.raises(ValueError, match="task: 'standin' has no eval prompts"):
+        run_compare(cfg, task=task, log=lambda _: None)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
 def test_every_variant_is_checked_before_any_run_trains(tmp_path):
     for bad, needle in (
         ("mrtpo:alpha=2", "alpha in 'mrtpo:alpha=2'"),

@@ -440,6 +440,26 @@ def test_heldout_evaluations_survive_resume(tmp_path):
     assert _comparable(resumed.metrics) == _comparable(full.metrics)
 
 
+def test_a_task_without_eval_prompts_is_refused_before_anything_is_written(tmp_path):
+    """Issue 41, item 12: refused only at step 0's evaluation, after the model was built and
+    warm-started, leaving config.json and metrics.jsonl: the same command was then refused as
+    "already holds a run"."""
+    task = standin_task()
+    task.eval.clear()
+    cfg = tiny_config(tmp_path, steps=1, eval_every=1)
+    with pytest.raises(ValueError, match="task: 'standin' has no eval prompts .*--eval-every 0"):
+        Trainer(cfg, task=task)
+    assert not Path(cfg.out).exists() and not Path(cfg.cache_dir).exists()
+    with pytest.raises(ValueError, match="no eval prompts"):
+        Trainer(replace(cfg, resume=True), task=task)
+    assert not Path(cfg.out).exists()
+    # without evaluations the task is usable; with its eval split back, the same command runs
+    res = train(replace(cfg, eval_every=0), task=task, progress=False)
+    assert "eval" not in res.metrics[0]
+    res = train(replace(cfg, out=str(tmp_path / "b")), task=standin_task(), progress=False)
+    assert [e["step"] for e in res.metrics[0]["eval"]] == [0, 1]
+
+
 # --- Issue 32, items 6 and 11 --------------------------------------------------------------
 
 
