@@ -53,6 +53,9 @@ class AdvantageSettings:
     gamma: sharpening exponent on the relevance d, > 0.
     eps: added to each group's reward std (eps_group); eps_batch: to the batch std of S
         (None: eps).
+    scale_rewards: what each reward's group-centred value is divided by before the sum:
+        "group" (its group's std + eps, GDPO), "batch" (the batch std of that reward +
+        eps) or "none" (nothing; the rewards' own units).
     batch_norm: "sequence" (one entry per response) or "token" (T_i entries).
     delta: a mean d^gamma below it keeps uniform weights.
     clip: optional (w_min, w_max) for the normalized weights.
@@ -63,6 +66,7 @@ class AdvantageSettings:
     gamma: float = 1.0
     eps: float = 1e-6
     eps_batch: float | None = None
+    scale_rewards: str = "group"
     batch_norm: str = "sequence"
     delta: float = 1e-8
     clip: tuple[float, float] | None = None

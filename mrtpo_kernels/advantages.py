@@ -2,7 +2,9 @@
 
 GDPO: each reward is normalized inside its group, A_k = (r_k - mean_g) / (std_g + eps)
 (unbiased std; 0 for a group of one or a reward with zero variance in the group), summed
-with weights lambda_k to S, then S is normalized over the batch.
+with weights lambda_k to S, then S is normalized over the batch. ``scale_rewards`` (TRL's
+option, per reward): "group" is that; "batch" divides r_k - mean_g by reward k's std over
+the whole batch + eps instead, "none" by nothing.
 
 MRTPO: reward k's advantage is spread over response i's tokens by allocation weights
 w_k[t] = (1 - alpha) + alpha d_k[t]^gamma / mean_t d_k^gamma (uniform where reward k has no
@@ -17,6 +19,7 @@ op over the backends' reallocation kernels, and its fake) follows them.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +30,7 @@ from ._types import ADVANTAGE_DEFAULTS, GDPOAdvantages, TokenAdvantages, acc_dty
 
 BATCH_NORMS = ("sequence", "token")
 NAN_POLICIES = ("error", "zero")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def _check_rewards(rewards, group_ids, weights, nan):
@@ -97,11 +101,29 @@ def _stat_dtype(rewards: torch.Tensor) -> torch.dtype:
     return torch.float32 if rewards.device.type == "mps" else torch.float64
 
 
-def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
+class _Units(NamedTuple):
+    """GDPO's parts in the unit the token advantages are computed in: per_reward = a * unit,
+    S = s * unit, mean = mu * unit, std = sd * unit, and the redistribution's divisor is
+    D = (scale + eps) * unit, eps = eps_batch / unit. The unit is 1 (and eps the Python
+    float eps_batch) except for scale_rewards="none", whose A_k keep the rewards' own
+    units: there it is a power of two near the batch's largest |r| (a tensor, as is eps,
+    so that no value is read back to the host), and no sum of the A_k overflows whatever
+    the rewards' magnitude."""
+
+    a: torch.Tensor
+    s: torch.Tensor
+    mu: torch.Tensor
+    sd: torch.Tensor
+    scale: torch.Tensor
+    eps: float | torch.Tensor
+
+
+def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths,
+          scale_rewards=ADVANTAGE_DEFAULTS.scale_rewards):  # fmt: skip
     """Returns ((per_reward, sequence, mean, std) in the rewards' accumulation dtype, lam,
-    extra) with extra = (S, scale): the redistribution's divisor D of METHOD.md section 5 is
-    scale + eps_batch, scale = max(std, CANCEL_FLOOR * u) (std itself where the floor is
-    inactive)."""
+    units): ``_Units`` (see there) in that dtype; the redistribution's divisor D of
+    METHOD.md section 5 is (scale + eps) in units of the unit, scale = max(sd,
+    CANCEL_FLOOR * u) (sd itself where the floor is inactive)."""
     out = acc_dtype(rewards)
     r = rewards.to(_stat_dtype(rewards))
     n, k = r.shape
@@ -123,18 +145,38 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths):
     total = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, x)
     mean = total / cnt.clamp(min=1.0)[:, None]
     dev = x - mean[inv]
-    ss = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, dev * dev)
-    std = torch.sqrt(ss / (cnt - 1.0).clamp(min=1.0)[:, None])
-    denom = (std + eps / c)[inv]
+    unit = None
+    if scale_rewards == "group":
+        ss = torch.zeros((g, k), dtype=r.dtype, device=r.device).index_add_(0, inv, dev * dev)
+        std = torch.sqrt(ss / (cnt - 1.0).clamp(min=1.0)[:, None])
+        denom = (std + eps / c)[inv]
+    elif scale_rewards == "batch":
+        # reward k's unbiased std over the whole batch (every response once; the rewards
+        # themselves, not group-centred), on r / cb, cb a power of two near max_i |r_k|:
+        # (x - mean) c / (sb cb + eps) = (x - mean) / ((sb + eps / cb) cb / c), c <= cb
+        cb = _pow2_scale(r.abs().amax(0))
+        xb = r / cb
+        sb = torch.sqrt(((xb - xb.mean(0)) ** 2).sum(0) / max(n - 1, 1))
+        denom = ((sb + eps / cb) * cb / c)[inv]
+    else:  # "none": A_k = r_k - mean_g, in units of the largest c (a power of two)
+        unit = _pow2_scale(torch.where(moves, c, 0.0).amax())
+        denom = (unit / c)[inv]
     a = torch.where(moves[inv] & (denom > 0), dev / denom, torch.zeros_like(r))
     lam = torch.ones(k, dtype=r.dtype, device=r.device) if weights is None else weights.to(r.dtype)
     s = a @ lam
     mag = (a.abs() @ lam.abs()).amax()  # the largest |terms| summed into one S
     w = torch.ones_like(s) if batch_norm == "sequence" else lengths.to(r.dtype)
-    parts = (a, *_batch_stats(s, w, eps_batch, mag))
-    scale = torch.maximum(parts[3], CANCEL_FLOOR * _uncorrelated_std(a * lam, w))
-    extra = (s.to(out), scale.to(out))
-    return tuple(t.to(out) for t in parts), lam.to(out), extra
+    # eps_batch / unit, at most the float maximum (a subnormal unit would make it inf)
+    eps_u = eps_batch if unit is None else (eps_batch / unit).clamp(max=_FLOAT64_MAX)
+    seq, mu, sd = _batch_stats(s, w, eps_u, mag)
+    scale = torch.maximum(sd, CANCEL_FLOOR * _uncorrelated_std(a * lam, w))
+    parts = (a, seq, mu, sd) if unit is None else (a * unit, seq, mu * unit, sd * unit)
+    units = _Units(*(t.to(out) for t in (a, s, mu, sd, scale)),
+                   eps_u if unit is None else eps_u.to(out))  # fmt: skip
+    return tuple(t.to(out) for t in parts), lam.to(out), units
+
+
+_FLOAT64_MAX = torch.finfo(torch.float64).max
 
 
 def _weighted_stats(x, w):
@@ -181,6 +223,7 @@ def gdpo_advantages(
     batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
     lengths: torch.Tensor | None = None,
     nan: str = ADVANTAGE_DEFAULTS.nan,
+    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
 ) -> GDPOAdvantages:
     """GDPO advantages.
 
@@ -193,6 +236,10 @@ def gdpo_advantages(
         batch_norm: "sequence" (one entry per response) or "token" (each response counted
             ``lengths[i]`` times; then ``lengths`` (n,) is required).
         nan: "error" (non-finite rewards raise) or "zero" (count them as 0).
+        scale_rewards: what each reward's r_k - mean_g is divided by (METHOD.md section
+            1): "group" (its group's std + eps: GDPO), "batch" (reward k's unbiased std over
+            every response of the batch + eps) or "none" (nothing: A_k in the rewards'
+            units). The sum S and its batch normalization are the same for all three.
 
     Zero variance gives advantage 0 whatever eps: a group's reward all equal (tested
     exactly), or the batch's S all equal (spread <= FLAT_REL times the largest
@@ -204,6 +251,7 @@ def gdpo_advantages(
     """
     rewards = _check_rewards(rewards, group_ids, weights, nan)
     check.choice("batch_norm", batch_norm, BATCH_NORMS)
+    check.choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     eps = check.non_negative("eps", eps)
     eps_batch = eps if eps_batch is None else check.non_negative("eps_batch", eps_batch)
     if batch_norm == "token":
@@ -212,7 +260,7 @@ def gdpo_advantages(
         check.counts("lengths", lengths, rewards.shape[0])
         check.same_device(rewards=rewards, lengths=lengths)
     return GDPOAdvantages(
-        *_gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths)[0]
+        *_gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths, scale_rewards)[0]
     )
 
 
@@ -233,6 +281,7 @@ def mrtpo_token_advantages(
     delta: float = ADVANTAGE_DEFAULTS.delta,
     clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
     nan: str = ADVANTAGE_DEFAULTS.nan,
+    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
     backend: str | None = None,
 ) -> TokenAdvantages:
     """MRTPO token advantages: GDPO per-reward advantages, each reallocated to the tokens
@@ -251,7 +300,8 @@ def mrtpo_token_advantages(
             so does a mean below MEAN_FLOOR (2^-126; an all-zero relevance included)
             whatever delta, 0 included.
         clip: optional (w_min, w_max) for the normalized weights, then renormalized.
-        eps, eps_batch, batch_norm, nan: as in ``gdpo_advantages``.
+        eps, eps_batch, batch_norm, nan, scale_rewards: as in ``gdpo_advantages`` (the
+            reallocation starts from its A_k, whichever the scaling).
 
     Returns:
         TokenAdvantages(token, allocation, per_reward, sequence, mean, std): token has the
@@ -261,6 +311,7 @@ def mrtpo_token_advantages(
     n, k = rewards.shape
     check.float_tensor("relevance", relevance, ndim=(2, 3))
     check.choice("batch_norm", batch_norm, BATCH_NORMS)
+    check.choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     eps = check.non_negative("eps", eps)
     eps_batch = eps if eps_batch is None else check.non_negative("eps_batch", eps_batch)
     alpha = check.unit_interval("alpha", alpha)
@@ -317,23 +368,26 @@ def mrtpo_token_advantages(
             raise ValueError(
                 f"response_mask/cu_seqlens: response {int(empty[0])} has no valid token"
             )
-    parts, lam, (s_seq, scale) = _gdpo(
-        rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths
+    parts, lam, u = _gdpo(
+        rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths, scale_rewards
     )
     g = GDPOAdvantages(*parts)
     acc = acc_dtype(rel_packed)
     be = _dispatch.resolve("mrtpo_token_advantages", rel_packed.device, acc, backend)
+    # the kernels divide by std + eps_batch, D; in units of u's unit (1 but for "none",
+    # where D = scale + eps is handed over whole, with eps_batch 0)
+    floating_unit = isinstance(u.eps, torch.Tensor)
     token, alloc = mrtpo_token_advantages_op(
-        per_reward=g.per_reward.to(acc).contiguous(),
+        per_reward=u.a.to(acc).contiguous(),
         lam=lam.to(acc).contiguous(),
         has_info=has_info.bool().contiguous(),
         relevance=rel_packed.to(acc).contiguous(),
         cu_seqlens=cu,
-        mean=g.mean.to(acc),
-        std=scale.to(acc),  # the kernels divide by std + eps_batch: D
+        mean=u.mu.to(acc),
+        std=(u.scale + u.eps).to(acc) if floating_unit else u.scale.to(acc),
         alpha=alpha,
         gamma=gamma,
-        eps_batch=eps_batch,
+        eps_batch=0.0 if floating_unit else eps_batch,
         delta=max(delta, MEAN_FLOOR),
         clip_min=clip_min,
         clip_max=clip_max,
@@ -352,11 +406,11 @@ def mrtpo_token_advantages(
     # Where the floor acts (D > std + eps_batch) the kernels' (N - mean) / D holds
     # (S - mean) / D of GDPO's part; it is swapped for GDPO's (S - mean) / (std + eps_batch),
     # so that the mass invariant stays exact: sum_t A = T_i * sequence.
-    divisor = scale + eps_batch
-    floored = divisor > g.std + eps_batch
-    fix = torch.where(floored, g.sequence - (s_seq - g.mean) / divisor, torch.zeros_like(s_seq))
+    divisor = u.scale + u.eps
+    floored = divisor > u.sd + u.eps
+    fix = torch.where(floored, g.sequence - (u.s - u.mu) / divisor, torch.zeros_like(u.s))
     token = torch.where(floored, token + fix.to(token.dtype)[seg], token)
-    still = (g.per_reward == 0) | (lam == 0)[None, :]  # (n, K): moves nothing
+    still = (u.a == 0) | (lam == 0)[None, :]  # (n, K): moves nothing
     untouched = ((alloc == 1) | still.t().to(alloc.device)[:, seg]).all(0)  # K = 0: every token
     token = torch.where(untouched, g.sequence.to(token.dtype)[seg], token)
     # D = 0 (every lambda_k A_k equal across the batch, eps_batch = 0): nothing to move

@@ -309,6 +309,20 @@ def linear_policy_loss_ref(
 # --------------------------------------------------------------------------- advantages
 
 
+def _centred(x: torch.Tensor) -> torch.Tensor:
+    """x - mean(x), computed on x / max|x| (the same value) so that no sum overflows for
+    values up to the float maximum."""
+    c = x.abs().max()
+    xs = x / c
+    return (xs - xs.mean()) * c
+
+
+def _std(x: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of x, computed on x / max|x| (0 for all-zero x or a single value)."""
+    c = x.abs().max()
+    return (x / c).std() * c if c > 0 and x.numel() > 1 else torch.zeros((), dtype=x.dtype)
+
+
 def _standardize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / (std + eps), computed on x / max|x| (the same value) so that no sum or
     square overflows for values up to the float maximum."""
@@ -321,6 +335,61 @@ FLAT_REL = 2.0**-40  # the batch's S count as all equal within FLAT_REL * max su
 MEAN_FLOOR = 2.0**-126  # a mean d^gamma below it counts as zero (uniform), whatever delta
 
 
+def _per_reward_ref(r, group_ids, eps, scale_rewards):
+    """A_k (METHOD.md section 1): per group and reward, r - mean divided by the group's
+    std + eps ("group"), reward k's std over the whole batch + eps ("batch"), or nothing
+    ("none"); 0 for a group of one or a reward with zero variance in the group."""
+    n, k = r.shape
+    a = torch.zeros_like(r)
+    batch_std = [_std(r[:, j]) for j in range(k)]
+    for g in torch.unique(group_ids).tolist():
+        idx = (group_ids == g).nonzero().squeeze(-1)
+        if idx.numel() < 2:
+            continue
+        for j in range(k):
+            x = r[idx, j]
+            if x.max() == x.min():  # zero variance, tested exactly (no rounding residue)
+                continue
+            if scale_rewards == "group":
+                a[idx, j] = _standardize(x, eps)
+            elif scale_rewards == "batch":
+                a[idx, j] = _centred(x) / (batch_std[j] + eps)
+            elif scale_rewards == "none":
+                a[idx, j] = _centred(x)
+            else:
+                raise ValueError(f"scale_rewards: unknown {scale_rewards!r}")
+    return a
+
+
+def _gdpo_ref(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths, scale_rewards):
+    """(A (n, K), lam, S / m, sequence, mu / m, sigma / m, m): the batch statistics of S in
+    units of m = max |lambda_k A_k| (1 where every A_k is 0), so that no sum of the A_k
+    overflows ("none" keeps the rewards' units)."""
+    eps_batch = eps if eps_batch is None else eps_batch
+    n, k = rewards.shape
+    a = _per_reward_ref(rewards, group_ids, eps, scale_rewards)
+    lam = torch.ones(k, dtype=rewards.dtype) if weights is None else weights.to(rewards.dtype)
+    m = (a * lam).abs().max()
+    m = m if m > 0 else torch.ones((), dtype=rewards.dtype)
+    s = (a / m * lam).sum(-1)
+    if batch_norm == "sequence":
+        w = torch.ones_like(s)
+    elif batch_norm == "token":
+        w = lengths.to(rewards.dtype)
+    else:
+        raise ValueError(f"batch_norm: unknown {batch_norm!r}")
+    mag = (a.abs() / m * lam.abs()).sum(-1).max()  # the largest |terms| summed into one S
+    zero = torch.zeros((), dtype=rewards.dtype)
+    if s.max() - s.min() <= FLAT_REL * mag:  # every S equal (or n = 1): no spread
+        return a, lam, s, torch.zeros_like(s), s[0], zero, m
+    c = s.abs().max()  # scaled as in _standardize
+    xs = s / c
+    tot = w.sum()
+    mu = (w * xs).sum() / tot
+    sd = ((w * (xs - mu) ** 2).sum() / (tot - 1)).sqrt()
+    return a, lam, s, (xs - mu) / (sd + eps_batch / (c * m)), mu * c, sd * c, m
+
+
 def gdpo_advantages_ref(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -330,6 +399,7 @@ def gdpo_advantages_ref(
     eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
     batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
     lengths: torch.Tensor | None = None,
+    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
 ) -> GDPOAdvantages:
     """GDPO (METHOD.md section 1), written as loops over groups for readability.
 
@@ -338,38 +408,13 @@ def gdpo_advantages_ref(
     variance (tested exactly on the rewards) gets advantage 0, whatever eps; so does every
     response when the batch's S are all equal: their spread is at most FLAT_REL (2^-40) times
     the largest sum_k |lambda_k A_k| (S equal up to rounding count as equal, as in the op).
+    scale_rewards: "group" (GDPO: r_k - mean over the group's std + eps), "batch" (over
+    reward k's unbiased std across the whole batch + eps) or "none" (r_k - mean itself).
     """
-    eps_batch = eps if eps_batch is None else eps_batch
-    n, k = rewards.shape
-    r = rewards
-    a = torch.zeros_like(r)
-    for g in torch.unique(group_ids).tolist():
-        idx = (group_ids == g).nonzero().squeeze(-1)
-        if idx.numel() < 2:
-            continue
-        for j in range(k):
-            x = r[idx, j]
-            if x.max() == x.min():  # zero variance, tested exactly (no rounding residue)
-                continue
-            a[idx, j] = _standardize(x, eps)
-    lam = torch.ones(k, dtype=r.dtype) if weights is None else weights.to(r.dtype)
-    s = (a * lam).sum(-1)
-    if batch_norm == "sequence":
-        w = torch.ones_like(s)
-    elif batch_norm == "token":
-        w = lengths.to(r.dtype)
-    else:
-        raise ValueError(f"batch_norm: unknown {batch_norm!r}")
-    mag = (a.abs() * lam.abs()).sum(-1).max()  # the largest |terms| summed into one S
-    if s.max() - s.min() <= FLAT_REL * mag:  # every S equal (or n = 1): no spread
-        zero = torch.zeros((), dtype=r.dtype)
-        return GDPOAdvantages(a, torch.zeros_like(s), s[0], zero)
-    c = s.abs().max()  # scaled as in _standardize
-    xs = s / c
-    tot = w.sum()
-    mu = (w * xs).sum() / tot
-    sd = ((w * (xs - mu) ** 2).sum() / (tot - 1)).sqrt()
-    return GDPOAdvantages(a, (xs - mu) / (sd + eps_batch / c), mu * c, sd * c)
+    a, _, _, seq, mu, sd, m = _gdpo_ref(
+        rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths, scale_rewards
+    )
+    return GDPOAdvantages(a, seq, mu * m, sd * m)
 
 
 def mrtpo_token_advantages_ref(
@@ -386,6 +431,7 @@ def mrtpo_token_advantages_ref(
     batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
     delta: float = ADVANTAGE_DEFAULTS.delta,
     clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
+    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
 ):
     """MRTPO token advantages (METHOD.md sections 4-5), one response at a time.
 
@@ -395,32 +441,25 @@ def mrtpo_token_advantages_ref(
     Returns (token advantages as a list of (T_i,) tensors, GDPOAdvantages).
     """
     lengths = torch.tensor([rel.shape[-1] for rel in relevance])
-    g = gdpo_advantages_ref(
-        rewards,
-        group_ids,
-        weights=weights,
-        eps=eps,
-        eps_batch=eps_batch,
-        batch_norm=batch_norm,
-        lengths=lengths,
+    a, lam, _, seq, mu, sd, m = _gdpo_ref(
+        rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths, scale_rewards
     )
+    g = GDPOAdvantages(a, seq, mu * m, sd * m)
     eps_batch = eps if eps_batch is None else eps_batch
     k = rewards.shape[1]
-    lam = torch.ones(k, dtype=rewards.dtype) if weights is None else weights.to(rewards.dtype)
+    # everything below in units of m = max |lambda_k A_k|: x_k = lambda_k A_k / m
     # the redistribution's divisor D = max(std, 1/2 * u) + eps_batch, u the std S would have
     # if its K terms were uncorrelated (same weighting as the batch std)
     v = torch.ones(len(relevance), dtype=rewards.dtype)
     if batch_norm == "token":
         v = lengths.to(rewards.dtype)
     u2 = torch.zeros((), dtype=rewards.dtype)
-    c = (lam * g.per_reward).abs().max() if g.per_reward.numel() else 0.0
-    c = c if c > 0 else 1.0  # scaled by the largest |lambda_k A_k|: no square overflows
     if v.sum() > 1:
         for j in range(k):
-            x = lam[j] * g.per_reward[:, j] / c
-            m = (v * x).sum() / v.sum()
-            u2 = u2 + (v * (x - m) ** 2).sum() / (v.sum() - 1)
-    divisor = torch.maximum(g.std, 0.5 * u2.sqrt() * c) + eps_batch
+            x = lam[j] * a[:, j] / m
+            mean = (v * x).sum() / v.sum()
+            u2 = u2 + (v * (x - mean) ** 2).sum() / (v.sum() - 1)
+    divisor = torch.maximum(sd, 0.5 * u2.sqrt()) + eps_batch / m
     out = []
     for i, rel in enumerate(relevance):
         t = rel.shape[-1]
@@ -436,8 +475,8 @@ def mrtpo_token_advantages_ref(
                         w_hat = w_hat.clamp(clip[0], clip[1])
                         w_hat = w_hat / w_hat.mean()
                     w = (1 - alpha) + alpha * w_hat
-            total = total + lam[j] * g.per_reward[i, j] * w
-        s_i = (lam * g.per_reward[i]).sum()
+            total = total + lam[j] * a[i, j] / m * w
+        s_i = (lam * a[i] / m).sum()
         # GDPO's value (0 where every S is equal) plus the zero-mean redistribution / D
         moved = (total - s_i) / divisor if divisor > 0 else torch.zeros_like(total)
         out.append(g.sequence[i] + moved)

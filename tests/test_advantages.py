@@ -104,6 +104,99 @@ def test_gdpo_group_of_one_and_zero_variance_give_zero():
     assert torch.equal(out.per_reward, torch.zeros(4, 1, dtype=torch.float64))
 
 
+# --------------------------------------------------------------------------- scale_rewards
+
+SCALES = ["group", "batch", "none"]
+
+
+def test_scale_rewards_hand_computed_example():
+    """METHOD.md section 1's three scalings written out on two groups of 3, one reward:
+    r - group mean over the group std + eps ("group"), over the batch std of r + eps
+    ("batch"), or alone ("none"); then S = A (K = 1) normalized over the batch."""
+    r = torch.tensor([[1.0], [0.0], [0.0], [3.0], [1.0], [2.0]], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 0, 1, 1, 1])
+    centred = torch.tensor([2 / 3, -1 / 3, -1 / 3, 1.0, -1.0, 0.0], dtype=torch.float64)
+    group_std = torch.tensor([math.sqrt(1 / 3)] * 3 + [1.0] * 3, dtype=torch.float64)
+    eps = 1e-4
+    want = {
+        "group": centred / (group_std + eps),
+        "batch": centred / (r[:, 0].std() + eps),  # unbiased std of all six rewards
+        "none": centred,
+    }
+    for scale, a in want.items():
+        out = mk.gdpo_advantages(r, gid, eps=eps, eps_batch=0.0, scale_rewards=scale)
+        torch.testing.assert_close(out.per_reward[:, 0], a, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.sequence, (a - a.mean()) / a.std(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.mean, a.mean(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.std, a.std(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_norm", ["sequence", "token"])
+@pytest.mark.parametrize("scale_rewards", SCALES)
+def test_scale_rewards_match_reference(scale_rewards, batch_norm):
+    rewards, gid, rel, cu, has_info = _batch(seed=21)
+    rewards[:, 1] *= 7.0  # rewards of different scales: the three variants differ
+    lengths = cu[1:] - cu[:-1]
+    w = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    kw = dict(weights=w, batch_norm=batch_norm, scale_rewards=scale_rewards)
+    out = mk.gdpo_advantages(rewards, gid, lengths=lengths, **kw)
+    ref = R.gdpo_advantages_ref(rewards, gid, lengths=lengths, **kw)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for backend in ("torch", None):  # None: the default backend for the device
+        tok = mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu,
+                                        alpha=0.7, gamma=1.5, backend=backend, **kw)  # fmt: skip
+        ref_tok, ref_g = mrtpo_token_advantages_ref(
+            rewards, gid, _split(rel, cu), has_info=has_info, alpha=0.7, gamma=1.5, **kw
+        )
+        torch.testing.assert_close(tok.token, torch.cat(ref_tok), rtol=0, atol=1e-12)
+        torch.testing.assert_close(tok.sequence, ref_g.sequence, rtol=0, atol=1e-12)
+        # mass: sum_t A[i, t] = T_i x GDPO's sequence advantage, whichever the scaling
+        sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(lengths)), lengths), tok.token
+        )
+        torch.testing.assert_close(sums, lengths * tok.sequence, rtol=0, atol=1e-10)
+    others = [mk.gdpo_advantages(rewards, gid, lengths=lengths, **dict(kw, scale_rewards=o))
+              for o in SCALES if o != scale_rewards]  # fmt: skip
+    assert all((o.sequence - out.sequence).abs().max() > 1e-3 for o in others)
+
+
+def test_scale_rewards_batch_is_group_for_one_group_and_none_is_unit_free():
+    """One group in the batch: its std is the batch std, "batch" is "group". "none" keeps
+    the rewards' units, so scaling every reward by a power of two scales its A_k and
+    leaves the sequence and token advantages unchanged bit for bit (eps_batch = 0)."""
+    rewards, gid, rel, cu, has_info = _batch(seed=22)
+    one = torch.zeros_like(gid)
+    g = mk.gdpo_advantages(rewards, one, scale_rewards="group")
+    b = mk.gdpo_advantages(rewards, one, scale_rewards="batch")
+    for x, y in zip(g, b):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    kw = dict(has_info=has_info, cu_seqlens=cu, eps_batch=0.0, scale_rewards="none")
+    base = mk.mrtpo_token_advantages(rewards, gid, rel, **kw)
+    for p in (-1000, -60, 60, 1000):  # float64: down to subnormal units, up to ~1e301
+        scaled = mk.mrtpo_token_advantages(rewards * 2.0**p, gid, rel, **kw)
+        assert torch.equal(scaled.token, base.token), p
+        assert torch.equal(scaled.sequence, base.sequence), p
+        assert torch.equal(scaled.per_reward, base.per_reward * 2.0**p), p
+    # near the float maximum: S's sums would overflow in the rewards' units, not here
+    big = rewards * (0.25 * torch.finfo(torch.float64).max)
+    kw = dict(has_info=has_info, scale_rewards="none", weights=torch.full((3,), 1.5).double())
+    out = mk.mrtpo_token_advantages(big, gid, rel, cu_seqlens=cu, **kw)
+    assert bool(torch.isfinite(out.token).all()) and bool(torch.isfinite(out.sequence).all())
+    ref_tok, _ = mrtpo_token_advantages_ref(big, gid, _split(rel, cu), **kw)
+    torch.testing.assert_close(out.token, torch.cat(ref_tok), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("bad", [True, False, "Group", "std", None])
+def test_scale_rewards_takes_the_three_names_only(bad):
+    rewards, gid, rel, cu, has_info = _batch(seed=23)
+    with pytest.raises(ValueError, match="^scale_rewards: "):
+        mk.gdpo_advantages(rewards, gid, scale_rewards=bad)
+    with pytest.raises(ValueError, match="^scale_rewards: "):
+        mk.mrtpo_token_advantages(rewards, gid, rel, has_info=has_info, cu_seqlens=cu,
+                                  scale_rewards=bad)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_batch_flat_s_is_precision_consistent(dtype):
     # rewards whose two per-reward advantages cancel exactly in exact arithmetic: every S
@@ -430,6 +523,7 @@ def test_hyper_parameter_defaults_are_defined_once():
         None,
         "error",
     )  # METHOD.md's defaults
+    assert d.scale_rewards == "group"  # GDPO's per-group normalization
 
 
 # --------------------------------------------------------------------------- fuzz
@@ -496,9 +590,10 @@ def _gdpo_body(data):
     if bad_len:
         lengths = lengths.clone()
         lengths[0] = draw(st.sampled_from([0, -3]))
+    scale_rewards = draw(st.sampled_from(["group", "batch", "none"]))
     fn = mk.gdpo_advantages
     kw = dict(weights=weights, eps=eps, eps_batch=eps_batch, batch_norm=batch_norm,
-              lengths=lengths)  # fmt: skip
+              lengths=lengths, scale_rewards=scale_rewards)  # fmt: skip
     try:
         out = fn(rewards, gid, nan=nan, **kw)
     except ValueError as e:
@@ -511,8 +606,10 @@ def _gdpo_body(data):
     tol = _adv_tol(rewards)
     for name, a, b in zip(ref._fields, out, ref):
         assert not bool(a.isnan().any()), f"gdpo {name}: NaN for finite input"
-        if name in ("mean", "std"):  # in reward units: relative
-            _assert_matches(a, b, b, f"gdpo {name}", atol=tol, rtol=tol)
+        if name in ("mean", "std") or (name == "per_reward" and scale_rewards == "none"):
+            # relative; "none" keeps the rewards' units: to the largest reward
+            big = float(r.abs().max()) if scale_rewards == "none" else 1.0
+            _assert_matches(a, b, b, f"gdpo {name}", atol=tol * big, rtol=tol)
         else:
             _assert_matches(a, b, b, f"gdpo {name}", atol=tol, rtol=0)
 
@@ -543,8 +640,9 @@ def _token_adv_body(data):
     gamma = draw(st.sampled_from([1.0, 2.0, 0.5]))
     clip = draw(st.sampled_from([None, (0.5, 2.0), (0.5,), (1.5, 2.0)]))
     batch_norm = draw(st.sampled_from(["sequence", "token"]))
+    scale_rewards = draw(st.sampled_from(["group", "batch", "none"]))
     kw = dict(weights=weights, eps=eps, eps_batch=eps_batch, alpha=alpha, gamma=gamma,
-              clip=clip, batch_norm=batch_norm)  # fmt: skip
+              clip=clip, batch_norm=batch_norm, scale_rewards=scale_rewards)  # fmt: skip
     fn = mk.mrtpo_token_advantages
     lengths = cu[1:] - cu[:-1]
     if padded:
@@ -729,6 +827,10 @@ def group_packed():
         rewards[:4, 0] = 1.0  # zero variance in group 0 for reward 0: moves nothing
 
     _realloc_case(lengths, 3, seed=6, edit=zero_spans, alpha=0.8, tag=" edge cases")
+    # scale_rewards: "batch" and "none" (the kernels get D whole and eps_batch 0)
+    _realloc_case(lengths, 3, seed=11, alpha=0.6, scale_rewards="batch")
+    _realloc_case(lengths, 3, seed=12, alpha=0.6, gamma=1.5, scale_rewards="none")
+    _realloc_case(lengths, 3, seed=13, dtype=torch.float64, scale_rewards="none")
     # relevance is a distance: a negative value is a ValueError naming it (both backends)
     rewards, gid, rel, has_info, cu = _packed_batch(lengths, 3, 6)
     rel[2, cu[5]] = -1e-3

@@ -483,9 +483,10 @@ def test_gpu_no_int32_overflow_beyond_2_to_31_elements(strict):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 @pytest.mark.parametrize("clip", [None, (0.5, 2.0)])
 @pytest.mark.parametrize("gamma", [1.0, 2.0])
-def test_gpu_mrtpo_token_advantages(gamma, clip, strict):
+def test_gpu_mrtpo_token_advantages(gamma, clip, scale_rewards, strict):
     _cuda_or_skip()
     import mrtpo_kernels as mk
     from mrtpo_kernels import reference as R
@@ -504,10 +505,11 @@ def test_gpu_mrtpo_token_advantages(gamma, clip, strict):
     out = mk.mrtpo_token_advantages(
         rewards.float().cuda(), group_ids.cuda(), rel.float().cuda(), has_info=has_info.cuda(),
         cu_seqlens=cu.cuda(), alpha=0.8, gamma=gamma, clip=clip, backend="cuda",
+        scale_rewards=scale_rewards,
     )  # fmt: skip
     ref_tokens, _ = R.mrtpo_token_advantages_ref(
         rewards, group_ids, [rel[:, cu[i] : cu[i + 1]] for i in range(n)], has_info=has_info,
-        alpha=0.8, gamma=gamma, clip=clip,
+        alpha=0.8, gamma=gamma, clip=clip, scale_rewards=scale_rewards,
     )  # fmt: skip
     ref = torch.cat(ref_tokens)
     assert torch.allclose(out.token.double().cpu(), ref, atol=2e-5, rtol=2e-5)
