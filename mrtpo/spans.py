@@ -19,9 +19,11 @@ deleting tokens: a tokenizer that merges characters across the cut (byte-level B
 space with the next word, or a word split by the span's edge) gives the tokens the shorter
 prompt really has, not a sequence the model never sees.
 
-How a reward names its spans (``spans_of_output``): a reward function may return, per
+How a reward names its spans (``score_and_spans``): a reward function may return, per
 sample, a bare score (no spans), a ``(score, spans)`` pair, or any object with ``score`` and
-``spans`` attributes (the project's ``mrtpo.verifiers.Verdict`` works as is).
+``spans`` attributes (the project's ``mrtpo.verifiers.Verdict`` works as is). Spans may be
+a list or tuple of spans, or an integer numpy array or tensor with one span per row
+(``span_list``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "normalize_spans",
     "prompt_without_spans",
     "score_and_spans",
+    "span_list",
 ]
 
 
@@ -73,8 +76,9 @@ def normalize_spans(prompt, spans, *, where: str = "spans") -> dict[int | None, 
     chat = is_chat_prompt(prompt)
     if spans is None:
         return {}
-    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+    if isinstance(spans, (str, bytes)) or not (isinstance(spans, Sequence) or _is_array(spans)):
         raise ValueError(f"{where}: expected a list of spans, got {type(spans).__name__}")
+    spans = span_list(spans, where=where)
     by_msg: dict[int | None, list] = {}
     for span in spans:
         if isinstance(span, (str, bytes)) or not isinstance(span, Sequence):
@@ -158,14 +162,71 @@ def score_and_spans(value, *, where: str = "reward"):
             f"{where}: expected a score (a real number or None), a (score, spans) pair or an "
             f"object with score and spans, got a score of type {type(score).__name__}"
         )
+    return score, span_list(spans, where=where)
+
+
+def span_list(spans, *, where: str = "spans"):
+    """None, or ``spans`` as a list: a list or tuple of spans, or an integer numpy array or
+    tensor of shape (n, 2) or (n, 3) (one span per row; (0,) and (0, 2) are no spans), whose
+    rows may also be such 1-D arrays; array rows become tuples of ints. Anything else (a
+    string, a float array, a bare number) is a ValueError naming ``where``."""
     if spans is None:
-        return score, None
+        return None
+    if _is_array(spans):
+        if _array_size(spans) == 0:
+            return []
+        if len(spans.shape) != 2 or spans.shape[1] not in (2, 3) or not _int_array(spans):
+            raise ValueError(
+                f"{where}: spans given as an array must be integers of shape (n, 2) or (n, 3), "
+                f"got {type(spans).__name__} of shape {tuple(spans.shape)} and dtype "
+                f"{spans.dtype}"
+            )
+        return [tuple(int(x) for x in row) for row in spans.tolist()]
     if not isinstance(spans, (list, tuple)):
         raise ValueError(
             f"{where}: spans must be a list of (start, end) or (message, start, end) spans, "
             f"or None for none; got {type(spans).__name__} {spans!r:.60}"
         )
-    return score, list(spans)
+    out = []
+    for span in spans:
+        if _is_array(span):
+            if len(span.shape) != 1 or not _int_array(span):
+                raise ValueError(
+                    f"{where}: a span given as an array must be 1-D integers, got shape "
+                    f"{tuple(span.shape)} and dtype {span.dtype}"
+                )
+            span = tuple(int(x) for x in span.tolist())
+        out.append(span)
+    return out
+
+
+def _is_array(x) -> bool:
+    """A numpy array or a torch tensor (imported only if the caller's value could be one)."""
+    mod = type(x).__module__
+    if mod.startswith("numpy"):
+        import numpy as np
+
+        return isinstance(x, np.ndarray)
+    if mod.startswith("torch"):
+        import torch
+
+        return isinstance(x, torch.Tensor)
+    return False
+
+
+def _array_size(x) -> int:
+    return int(x.numel()) if hasattr(x, "numel") else int(x.size)
+
+
+def _int_array(x) -> bool:
+    dtype = x.dtype
+    if hasattr(dtype, "is_floating_point"):  # torch
+        import torch
+
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    import numpy as np
+
+    return bool(np.issubdtype(dtype, np.integer))
 
 
 def _is_real_score(x) -> bool:
@@ -173,6 +234,15 @@ def _is_real_score(x) -> bool:
 
     if isinstance(x, numbers.Real):
         return True
+    mod = type(x).__module__
+    if mod.startswith("numpy"):  # np.bool_, or a 0-d array of a real dtype
+        import numpy as np
+
+        if isinstance(x, np.bool_):
+            return True
+        return (isinstance(x, np.ndarray) and x.ndim == 0
+                and (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_)
+                and not np.issubdtype(x.dtype, np.complexfloating))  # fmt: skip
     import torch
 
     return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_complex

@@ -43,7 +43,7 @@ from mrtpo_kernels import (
 from .builtin_models import is_builtin
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
-from .heldout import check_eval_split, eval_due, evaluate_heldout
+from .heldout import check_eval_split, eval_due, evaluate_heldout, match_schedule
 from .initial_model import initial_folder
 from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
 from .model import default_model, gradient_checkpointing, lm_head, load_model, save_model
@@ -52,7 +52,7 @@ from .pretrained import stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
 from .replay import contrastive_replay, replay_mask_from_rewards
-from .report import plot_curves, write_tokens_html
+from .report import pair_status, plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
 from .tasks import load_task
 from .teacher_forcing import forward_responses, response_hidden, teacher_batch
@@ -400,7 +400,10 @@ class Trainer:
             "update": t3 - t2,
             "replays": rep.replayed,
         }
-        self._keep_samples(ro, relevance, alloc, lengths, have_rel)
+        # judged: the pairs the replay ran (tokens.html labels the others and says why)
+        self._keep_samples(
+            ro, relevance, alloc, lengths, have_rel, has_info, judged if have_rel else None
+        )
         return row
 
     def _update(self, ro, old_logp, adv, ref_logp, lengths):
@@ -496,11 +499,12 @@ class Trainer:
             f"without saving them: {kept} (lower --lr or --max-grad-norm)"
         )
 
-    def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance):
+    def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance, has_info, replayed):
         starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
         starts[1:] = torch.cumsum(lengths, 0)
         picks = list(range(0, len(ro.responses), self.cfg.group_size))
         picks += [i for i in range(len(ro.responses)) if i not in picks]
+        status = pair_status(ro.rewards, ro.group_ids, has_info, replayed)
         samples = []
         for i in picks[: self.cfg.html_samples]:
             a, b = int(starts[i]), int(starts[i + 1])
@@ -516,6 +520,7 @@ class Trainer:
                     "spans": [list(map(list, s)) for s in ro.spans[i]],
                     "allocation": alloc[:, a:b].tolist(),
                     "relevance": relevance[:, a:b].tolist() if have_relevance else None,
+                    "replay": status[i],  # "replayed" or why not (report.NOT_REPLAYED)
                 }
             )
         self.samples = samples
@@ -526,6 +531,25 @@ class Trainer:
             self.model, self.prompter, self.task, self.cfg, self.device, step=self.step,
             amp=self._amp(),
         )  # fmt: skip
+
+    def _match_eval_schedule(self) -> None:
+        """A resumed run's evaluations on the schedule of the run it now is, not of its
+        parts (`mrtpo.heldout.match_schedule`): the one a shorter run made at its last step
+        and this run has not is removed; one due at the step resumed at and missing is made
+        now (the loaded policy is that step's and an evaluation samples in a random state of
+        its own: the same evaluation as in one go). metrics.jsonl is rewritten atomically."""
+        cfg = self.cfg
+        removed, missing = match_schedule(self.metrics, cfg.eval_every, cfg.steps)
+        for step in removed:
+            self.log(
+                f"resume: removed the held-out evaluation of step {step} from metrics.jsonl "
+                f"(a {cfg.steps}-step run evaluates every {cfg.eval_every} steps and at its last)"
+            )
+        if missing:
+            self.metrics[-1]["eval"] = [*(self.metrics[-1].get("eval") or ()), self.evaluate()]
+            self.log(f"resume: evaluated the policy of step {self.step} (due, and missing)")
+        if removed or missing:
+            self.run_dir.rewrite_metrics(self.metrics)
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self, *, progress: bool = True) -> TrainResult:
@@ -548,6 +572,8 @@ class Trainer:
         pending = []  # the evaluation before the first step rides in step 1's row
         if self.step == 0 and eval_due(0, cfg.eval_every, cfg.steps):
             pending.append(self.evaluate())
+        elif self.step > 0:
+            self._match_eval_schedule()
         try:
             while self.step < cfg.steps:
                 row = self.train_step()

@@ -6,6 +6,7 @@ On every batch the fused loss, its gradients and the logged metrics must equal T
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -272,6 +273,135 @@ def test_span_capture_malformed_outputs_name_the_reward_and_sample(outputs, matc
     cap = trl_trainer._SpanCapture(my_reward, 0, {})
     with pytest.raises(ValueError, match=match):
         cap(completions=["a", "b"])
+
+
+def _object_array(values):
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def _gen_scores(completions, **kw):
+    return (0.25 * i for i in range(len(completions)))
+
+
+@pytest.mark.parametrize(
+    "outputs, scores, spans",
+    [
+        (np.array([0.5, 1.0, 0.0]), [0.5, 1.0, 0.0], [None] * 3),
+        (torch.tensor([0.5, 1.0, 0.0], dtype=torch.bfloat16), [0.5, 1.0, 0.0], [None] * 3),
+        ((0.5, None, 1), [0.5, None, 1.0], [None] * 3),
+        ([np.float32(0.5), np.bool_(True), np.array(2.0)], [0.5, 1.0, 2.0], [None] * 3),
+        ([torch.tensor(0.5), torch.tensor(1), None], [0.5, 1.0, None], [None] * 3),
+        (_gen_scores(["a"] * 3), [0.0, 0.25, 0.5], [None] * 3),
+        (_object_array([(1.0, np.array([[0, 2]])), (0.0, None), (0.5, [np.array([1, 3])])]),
+         [1.0, 0.0, 0.5], [[(0, 2)], None, [(1, 3)]]),
+        ([(1.0, torch.tensor([[0, 2], [3, 4]])), (0.0, np.zeros((0, 2), dtype=np.int64)),
+          _WithSpans(0.5, np.array([[1, 3]]))],
+         [1.0, 0.0, 0.5], [[(0, 2), (3, 4)], [], [(1, 3)]]),
+    ],
+    ids=["numpy", "tensor-bf16", "tuple-None", "numpy-scalars", "0d-tensors", "generator",
+         "object-array-pairs", "array-spans"],
+)  # fmt: skip
+def test_span_capture_takes_the_outputs_trl_takes(outputs, scores, spans):
+    """Issue 40, item 4: TRL's GRPOTrainer takes a reward function's list, tuple, numpy array
+    or tensor (None entries for missing scores); the span capture refused all but lists and
+    tuples ("expected a list ..., got ndarray"). Each gives its scores as floats (None kept)
+    and its spans, which may be integer arrays too."""
+    store = {}
+    cap = trl_trainer._SpanCapture(lambda completions, **kw: outputs, 0, store)
+    got = cap(completions=["a"] * 3)
+    assert got == scores
+    assert all(x is None or type(x) is float for x in got)
+    assert store[0] == spans
+
+
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        (np.ones((3, 1)), r"expected a list with one output per sample, or a 1-D array; "
+                          r"got ndarray of shape"),
+        (torch.zeros(()), r"or a 1-D array; got Tensor of shape"),
+        ({"a": 1.0}, r"expected a list with one output per sample \(or a tuple, a 1-D numpy "
+                     r"array or tensor; None entries for missing scores\), got dict"),
+        ({1.0, 2.0}, r"got set"),
+        (None, r"got NoneType"),
+        (np.array(["1.0", "2.0"]), r"sample 0: expected a score"),
+        ([(1.0, np.array([[0.0, 2.0]]))], r"sample 0: spans given as an array must be integers"),
+        ([(1.0, np.array([0, 2]))], r"sample 0: spans given as an array must be integers of "
+                                    r"shape \(n, 2\)"),
+        ([np.array([1.0])], r"sample 0: expected a score"),
+    ],
+    ids=["2d-array", "0d-tensor", "dict", "set", "None", "string-array", "float-spans",
+         "flat-span-array", "1-element-array"],
+)  # fmt: skip
+def test_span_capture_refuses_other_outputs_naming_the_reward(outputs, match):
+    def my_reward(completions, **kw):
+        return outputs
+
+    cap = trl_trainer._SpanCapture(my_reward, 0, {})
+    with pytest.raises(ValueError, match=r"reward function 'my_reward'.*" + match):
+        cap(completions=["a", "b", "c"])
+
+
+class Scorer:
+    """A callable reward object with its own settings."""
+
+    def __init__(self):
+        self.scale, self.calls = 0.5, 0
+
+    def __call__(self, completions, **kw):
+        self.calls += 1
+        return np.asarray([len(c) * self.scale for c in completions], dtype=np.float32)
+
+    def describe(self):
+        return f"scale {self.scale}"
+
+
+def tensor_vowels(completions, **kw):
+    return torch.tensor([float(sum(ch in "aeiou" for ch in c)) for c in completions])
+
+
+def test_reward_objects_stay_reachable_and_array_rewards_train(tmp_path):
+    """Issue 40, items 4 and 7: ``trainer.reward_funcs[i]`` was a wrapper hiding the user's
+    object; its attributes now pass through (read and written), ``__wrapped__`` is the
+    object, and the names are TRL's. Rewards returned as a numpy array and a tensor train a
+    step, their values the rewards MRTPO's advantages are computed from."""
+    import copy
+
+    torch.manual_seed(0)
+    model, tok = tiny_model_with_eos_bias()
+    scorer = Scorer()
+    tensor_vowels.unit = "vowels"
+    config = trl_trainer.MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=4, max_steps=1, learning_rate=1e-2, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+    )  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[scorer, tensor_vowels],
+                                           args=config, train_dataset=ds,
+                                           processing_class=tok)  # fmt: skip
+    wrapped, plain = trainer.reward_funcs
+    assert trainer.reward_func_names == ["Scorer", "tensor_vowels"]
+    assert wrapped.__wrapped__ is scorer and plain.__wrapped__ is tensor_vowels
+    assert wrapped.__name__ == "Scorer" and plain.__name__ == "tensor_vowels"
+    assert plain.__doc__ == tensor_vowels.__doc__ and wrapped.__doc__ == Scorer.__doc__
+    assert wrapped.scale == 0.5 and wrapped.describe() == "scale 0.5" and plain.unit == "vowels"
+    wrapped.scale = 0.25  # written to the user's object
+    assert scorer.scale == 0.25 and "scale" not in vars(wrapped)
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute  # noqa: B018
+    dup = copy.deepcopy(wrapped)  # special names stay the wrapper's: a copy of the wrapper
+    assert isinstance(dup, trl_trainer._SpanCapture) and dup.__wrapped__ is not scorer
+    trainer.train()
+    assert scorer.calls >= 1
+    rewards = trainer._mrtpo_rewards_per_func
+    assert rewards.shape == (4, 2) and bool(torch.isfinite(rewards).all())
+    lengths = rewards[:, 0] / 0.25  # the object's new scale was used
+    torch.testing.assert_close(lengths, lengths.round())
+    assert any("loss" in h for h in trainer.state.log_history)
 
 
 # --------------------------------------------------------------------------- MRTPOConfig

@@ -243,3 +243,49 @@ def test_trl_end_training_one_process(tmp_path):
             trainer.end_training(settle_seconds=bad)
     assert trainer.accelerator.num_processes == 1
     trainer.end_training()
+
+
+def test_reward_span_functions_may_return_arrays(tmp_path):
+    """Issue 41, item 11: a span function returning a numpy array or a tensor failed with
+    "truth value of an array is ambiguous", naming neither the function nor the sample.
+    Integer arrays with one span per row are spans (an empty one: none); anything else is a
+    ValueError naming the function and the sample."""
+    import numpy as np
+
+    model, tok = tiny_model()
+    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                            num_generations=4, report_to=[], use_cpu=True)  # fmt: skip
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "topic": WORDS})
+
+    def array_spans(prompt, **columns):
+        return np.array([quoted(user_text(prompt), 0)], dtype=np.int64)
+
+    def tensor_spans(prompt, **columns):
+        if columns["topic"] == "gold":  # none for this sample: a (0, 2) array
+            return torch.zeros((0, 2), dtype=torch.long)
+        return torch.tensor([quoted(user_text(prompt), 1)])
+
+    def float_spans(prompt, **columns):
+        return np.array([[0.0, 3.0]])
+
+    trainer = trl_trainer.MRTPOGRPOTrainer(
+        model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
+        processing_class=tok, reward_spans=[array_spans, tensor_spans, None],
+    )  # fmt: skip
+    inputs = [{"prompt": p, "topic": w} for p, w in zip(PROMPTS, WORDS)]
+    spans = trainer._mrtpo_spans(inputs, 3)
+    want = [[[quoted(p, 0)], [] if w == "gold" else [quoted(p, 1)], None]
+            for p, w in zip(PROMPTS, WORDS)]  # fmt: skip
+    assert spans == want
+    rewards = torch.tensor([[0.0, 1.0, 0.5], [1.0, 0.0, 0.5], [0.5, 1.0, 0.0], [1.0, 0.5, 0.0]])
+    mask = trainer._replay_mask(rewards, 4, spans, None)  # read has_info from the arrays
+    assert mask[:, 2].tolist() == [False] * 4 and mask[WORDS.index("gold"), 1].item() is False
+    assert bool(mask[:, 0].all())
+    trainer.reward_spans[0] = float_spans
+    with pytest.raises(ValueError, match=r"reward_spans\[0\] \('float_spans'\), sample 0: spans "
+                                         r"given as an array must be integers"):  # fmt: skip
+        trainer._mrtpo_spans(inputs, 3)
+    trainer.reward_spans[0] = lambda prompt, **columns: 5
+    with pytest.raises(ValueError, match=r"reward_spans\[0\] \('<lambda>'\), sample 0: spans "
+                                         r"must be a list"):  # fmt: skip
+        trainer._mrtpo_spans(inputs, 3)

@@ -352,6 +352,28 @@ def test_replay_relevance_plain_prompts_and_callable_model():
     torch.testing.assert_close(via_fn.old_logprobs, out.old_logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_replay_relevance_takes_spans_as_integer_arrays():
+    """Issue 41, item 11: spans given as a numpy array or a tensor (one span per row, or a
+    list of 1-D rows) replay as the same spans given as tuples; a float array is refused,
+    naming the sample and the reward."""
+    import numpy as np
+
+    tok, model = _chat_setup()
+    p0, p1 = PROMPTS
+    lists = [[[(0, 5), (9, 14)], []], [[(3, 8)], [(0, 4)]]]
+    arrays = [[np.array([[0, 5], [9, 14]]), np.zeros((0, 2), dtype=np.int64)],
+              [[torch.tensor([3, 8])], torch.tensor([[0, 4]])]]  # fmt: skip
+    ok = dict(tokenizer=tok, temperature=1.0)
+    want = replay_relevance(model, [p0, p1], [[10, 11], [12]], lists, **ok)
+    got = replay_relevance(model, [p0, p1], [[10, 11], [12]], arrays, **ok)
+    assert torch.equal(got.relevance, want.relevance) and bool(want.relevance.any())
+    assert torch.equal(got.has_info, want.has_info)
+    with pytest.raises(ValueError, match=r"spans\[1\]\[0\]: spans given as an array must be "
+                                         r"integers"):  # fmt: skip
+        replay_relevance(model, [p0, p1], [[10], [12]], [[[], []], [np.array([[0.0, 2.0]]), []]],
+                         **ok)  # fmt: skip
+
+
 def test_replay_relevance_tokens_merged_across_the_cut():
     """The prompt without a span is tokenized afresh, so tokens merging across the cut are
     the shorter prompt's real tokens (not the full prompt's tokens with some deleted)."""

@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - the trl extra is not installed
 
 from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevance
 
-from ..spans import score_and_spans
+from ..spans import score_and_spans, span_list
 from .common import consecutive_group_ids
 from .trl import LOSS_TYPES, _check_scale_rewards, fused_policy_loss, mrtpo_advantages_for_grpo
 
@@ -235,27 +235,81 @@ def _options_of(args, deprecated: dict) -> dict:
 class _SpanCapture:
     """A reward function that may return per sample a score, ``(score, spans)`` or an object
     with ``score`` and ``spans`` (a ``Verdict``), seen by TRL as one returning scores; the
-    spans of its last call are kept in ``store[k]``."""
+    spans of its last call are kept in ``store[k]``.
+
+    Its outputs may come as TRL takes them: a list, a tuple, a 1-D numpy array or tensor, or
+    any other ordered sequence or iterator, with None for a missing score; anything else is
+    a ValueError naming the reward function (and the sample). The user's object stays
+    reachable: ``__wrapped__`` is it, ``__name__`` its name (TRL's, of a partial's function
+    or of a callable's class), and any other attribute is read from it and written to it."""
+
+    _OWN = frozenset({"fn", "k", "store", "__wrapped__", "__name__", "__qualname__", "__doc__"})
 
     def __init__(self, fn, k: int, store: dict):
-        self.fn, self.k, self.store = fn, k, store
+        own = functools.partial(object.__setattr__, self)
+        own("fn", fn)
+        own("k", k)
+        own("store", store)
+        own("__wrapped__", fn)
         inner = fn
         while isinstance(inner, functools.partial):
             inner = inner.func
-        self.__name__ = getattr(inner, "__name__", type(inner).__name__)
+        own("__name__", getattr(inner, "__name__", type(inner).__name__))
+        own("__qualname__", getattr(inner, "__qualname__", self.__name__))
+        own("__doc__", getattr(inner, "__doc__", None))
 
-    def _split(self, out):
-        if out is None:
-            return out
-        if isinstance(out, (str, bytes)) or not isinstance(out, (list, tuple)):
+    def __getattr__(self, name):  # only for names the wrapper itself lacks
+        fn = self.__dict__.get("fn")
+        if fn is None or (name.startswith("__") and name.endswith("__")):
+            # special names stay the wrapper's own (copy, pickle: never the user's object)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(fn, name)
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.fn, name, value)
+
+    def __delattr__(self, name):
+        if name in self._OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.fn, name)
+
+    def __repr__(self):
+        return f"<MRTPO span capture of {self.fn!r}>"
+
+    def _outputs(self, out) -> list:
+        """One output per sample, as a list, from whatever TRL would take."""
+        from collections.abc import Iterator, Mapping, Sequence, Set
+
+        from ..spans import _is_array
+
+        where = f"reward function {self.__name__!r}"
+        if _is_array(out):
+            if len(out.shape) != 1:
+                raise ValueError(
+                    f"{where}: expected a list with one output per sample, or a 1-D array; "
+                    f"got {type(out).__name__} of shape {tuple(out.shape)}"
+                )
+            if hasattr(out, "detach"):
+                out = out.detach().cpu()
+            return out.tolist()
+        if isinstance(out, (str, bytes, Mapping, Set)) or not isinstance(out, (Sequence, Iterator)):
             raise ValueError(
-                f"reward function {self.__name__!r}: expected a list with one output per "
-                f"sample, got {type(out).__name__}"
+                f"{where}: expected a list with one output per sample (or a tuple, a 1-D "
+                f"numpy array or tensor; None entries for missing scores), got "
+                f"{type(out).__name__}"
             )
         pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
-                 for i, v in enumerate(out)]  # fmt: skip
+        return list(out)
+
+    def _split(self, out):
+        outs = self._outputs(out)
+                 for i, v in enumerate(outs)]  # fmt: skip
         self.store[self.k] = [sp for _, sp in pairs]
-        return [sc for sc, _ in pairs]
+        return [None if sc is None else float(sc) for sc, _ in pairs]
 
     def __call__(self, *args, **kwargs):
         return self._split(self.fn(*args, **kwargs))
@@ -678,10 +732,12 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             if fn is not None:
                 for i, x in enumerate(inputs):
                     cols = {c: v for c, v in x.items() if c != "prompt"}
-                    spans[i][j] = fn(x["prompt"], **cols)
+                    where = f"reward_spans[{j}] ({name!r}), sample {i}"
+                    spans[i][j] = span_list(fn(x["prompt"], **cols), where=where)
             elif captured is not None:
                 if len(captured) != len(inputs):
                     raise ValueError(
+                name = getattr(fn, "__name__", type(fn).__name__)
                         f"reward function {j}: returned {len(captured)} outputs for "
                         f"{len(inputs)} samples"
                     )
