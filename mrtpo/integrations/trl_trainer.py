@@ -302,11 +302,11 @@ class _SpanCapture:
                 f"numpy array or tensor; None entries for missing scores), got "
                 f"{type(out).__name__}"
             )
-        pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
         return list(out)
 
     def _split(self, out):
         outs = self._outputs(out)
+        pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
                  for i, v in enumerate(outs)]  # fmt: skip
         self.store[self.k] = [sp for _, sp in pairs]
         return [None if sc is None else float(sc) for sc, _ in pairs]
@@ -730,6 +730,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         for j in range(k):
             fn, captured = self.reward_spans[j], self._mrtpo_span_store.get(j)
             if fn is not None:
+                name = getattr(fn, "__name__", type(fn).__name__)
                 for i, x in enumerate(inputs):
                     cols = {c: v for c, v in x.items() if c != "prompt"}
                     where = f"reward_spans[{j}] ({name!r}), sample {i}"
@@ -737,7 +738,6 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             elif captured is not None:
                 if len(captured) != len(inputs):
                     raise ValueError(
-                name = getattr(fn, "__name__", type(fn).__name__)
                         f"reward function {j}: returned {len(captured)} outputs for "
                         f"{len(inputs)} samples"
                     )
