@@ -34,6 +34,7 @@ from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevanc
 
 from ..spans import score_and_spans, span_list
 from .common import consecutive_group_ids
+from .engine import sharded_replay
 from .trl import LOSS_TYPES, _check_scale_rewards, fused_policy_loss, mrtpo_advantages_for_grpo
 
 __all__ = ["MRTPOConfig", "MRTPOGRPOTrainer", "verifier_reward"]
@@ -657,18 +658,23 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             relevance, has_info = self.relevance_fn(self, inputs, output)
         else:
             # Whether this process replays depends on its rows (another may name spans
-            # where this one names none), so the replay runs no collective; the logging
-            # after it runs the same ones on every process, replayed or not.
+            # where this one names none). With replicated parameters (DDP, ZeRO-1/2) the
+            # replay runs no collective; on a sharded engine (FSDP1/2, ZeRO-3) every
+            # process enters `sharded_replay`, which gathers the LM head and runs the
+            # decoder forwards in lockstep (dummy ones where a process has none left)
+            # through the wrapped model (mrtpo/integrations/engine.py). The logging after
+            # it runs the same collectives on every process, replayed or not.
             # Only the (completion, reward) pairs whose GDPO advantage is not exactly 0 are
             # replayed (the rewards of every process are known here): the token advantages
             # are the same bit for bit as a full replay's.
             rep = None
             named = 0
-            if spans is not None:
-                moving = self._replay_mask(rewards, g, spans, process_slice)
-                named = sum(bool(s) for row in spans for s in row)
-                if bool(moving.any()):
-                    rep = self._mrtpo_replay(inputs, output, spans, mode, moving)
+            with sharded_replay(self.model, device=self.accelerator.device) as lm:
+                if spans is not None:
+                    moving = self._replay_mask(rewards, g, spans, process_slice)
+                    named = sum(bool(s) for row in spans for s in row)
+                    if bool(moving.any()):
+                        rep = self._mrtpo_replay(inputs, output, spans, mode, moving, lm=lm)
             if rep is not None:
                 relevance, has_info = rep.relevance, rep.has_info
             else:
@@ -767,16 +773,19 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         return moving
 
     @torch.no_grad()
-    def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None):
+    def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None, lm=None):
+        """The replay of this process's rows; ``lm``: the ``EngineLM`` of a sharded engine
+        (``sharded_replay``), else the unwrapped model runs it."""
         from mrtpo.replay import replay_relevance
 
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.accelerator.unwrap_model(self.model) if lm is None else self.model
         was_training = model.training
         model.eval()
         try:
             with self.accelerator.autocast():
                 rep = replay_relevance(
-                    model, [x["prompt"] for x in inputs], output["completion_ids"], spans,
+                    model if lm is None else lm, [x["prompt"] for x in inputs],
+                    output["completion_ids"], spans,
                     response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
                     prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
                     temperature=self.temperature, micro_batch=self.mrtpo_replay_micro_batch,
@@ -823,30 +832,40 @@ class MRTPOGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------ log-probs
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        from mrtpo.model import decoder
+        return self._completion_hidden_and_head(model, input_ids, attention_mask,
+                                                logits_to_keep)[0]  # fmt: skip
+
+    def _completion_hidden_and_head(self, model, input_ids, attention_mask, logits_to_keep):
+        """The hidden states that predict the last ``logits_to_keep`` tokens, and the LM
+        head's weight and bias as the forward held them (on FSDP the unsharded tensors of
+        the head's unit, through which the gradient reaches the shards)."""
+        from mrtpo.model import decoder, lm_head
 
         # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
         # the head then runs in the weight's dtype
         inner = self.accelerator.unwrap_model(model)
-        weight = inner.get_output_embeddings().weight
         if inner is model:
+            weight, bias = lm_head(model)
             with self.accelerator.autocast():
                 out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
                                      use_cache=False)  # fmt: skip
             hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
-            return hidden.to(weight.dtype)
-        # Wrapped for several processes (DDP): the forward must go through the wrapper,
-        # which synchronizes the gradients; with the head swapped for the identity its
-        # "logits" are the last hidden states, and the fused head reads the weight.
+            return hidden.to(weight.dtype), weight, bias
+        # Wrapped for several processes (DDP, FSDP): the forward must go through the
+        # wrapper, which synchronizes the gradients (and on FSDP gathers each unit); with
+        # the head swapped for a stand-in that returns its input, the "logits" are the last
+        # hidden states, and the fused head reads the weight the forward held.
         head = inner.get_output_embeddings()
-        inner.set_output_embeddings(torch.nn.Identity())
+        capture = _HeadCapture(head)
+        inner.set_output_embeddings(capture)
         try:
             with self.accelerator.autocast():
                 out = model(input_ids=input_ids, attention_mask=attention_mask,
                             use_cache=False, logits_to_keep=logits_to_keep + 1)  # fmt: skip
         finally:
             inner.set_output_embeddings(head)
-        return out.logits[:, :-1].to(weight.dtype)
+        weight, bias = capture.held if capture.held is not None else lm_head(inner)
+        return out.logits[:, :-1].to(weight.dtype), weight, bias
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
@@ -858,14 +877,12 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         if given:
             raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
                              "fused LM head (it runs the text decoder only)")  # fmt: skip
-        from mrtpo.model import lm_head
-
-        weight, bias = lm_head(self.accelerator.unwrap_model(model))
         batch_size = batch_size or input_ids.size(0)
         logps, ents = [], []
         for s in range(0, input_ids.size(0), batch_size):
             ids, am = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
-            hidden = self._completion_hidden(model, ids, am, logits_to_keep)
+            hidden, weight, bias = self._completion_hidden_and_head(model, ids, am,
+                                                                    logits_to_keep)  # fmt: skip
             labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
             out = linear_logprobs(hidden, weight, labels, bias=bias,
                                   temperature=self.temperature,
@@ -892,19 +909,16 @@ class MRTPOGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if not self._fused_loss_applies(inputs):
             return super()._compute_loss(model, inputs)  # TRL's loss, fused log-probs
-        from mrtpo.model import lm_head
-
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids = inputs["completion_ids"]
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         t = completion_ids.size(1)
-        hidden = self._completion_hidden(
+        hidden, weight, bias = self._completion_hidden_and_head(
             model, torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
         )  # fmt: skip
-        weight, bias = lm_head(self.accelerator.unwrap_model(model))
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         token_normalizer = None
@@ -969,6 +983,22 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         gathered_high = self.accelerator.gather(masked_seq_mean(high))
         metrics["clip_ratio/low_min"].append(_nan_reduce(gathered_low, torch.min))
         metrics["clip_ratio/high_max"].append(_nan_reduce(gathered_high, torch.max))
+
+
+class _HeadCapture(torch.nn.Module):
+    """The LM head's stand-in in the wrapped model's forward: returns the hidden states (the
+    "logits") and keeps, in ``held``, the head's weight and bias as they are while the
+    forward runs: on FSDP1/FSDP2 the unsharded tensors of the head's unit (the root's, which
+    stays gathered until the backward), not the shards that sit there outside a forward."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.held = None
+        object.__setattr__(self, "_head", head)  # not a submodule: no parameters here
+
+    def forward(self, hidden):
+        self.held = (self._head.weight, getattr(self._head, "bias", None))
+        return hidden
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> float:

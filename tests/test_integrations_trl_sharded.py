@@ -1,0 +1,196 @@
+"""MRTPOGRPOTrainer on sharded engines (issue 39): FSDP2 (Accelerate's ``fully_shard``, reshard
+after forward or not), FSDP1 (FULL_SHARD, one unit per decoder layer), two gloo processes on
+the CPU, two steps, rank 1's rows naming no span (so only rank 0 replays). On such an engine
+every layer's forward is a collective: the replay must run the same forwards on every rank
+(mrtpo/integrations/engine.py), so a hang here is a failure (a deadline). Both ranks end
+with the same full weights, within 1e-6 of the DDP run's (fp32).
+
+Accelerate 1.15 selects FSDP only in the GPU branch of ``AcceleratorState``:
+``_cpu_fsdp_shim`` is TEST-ONLY, it routes a multi-process CPU run that was given an FSDP
+plugin into Accelerate's own FSDP code (``fsdp2_prepare_model`` / FSDP1 wrapping), as a GPU
+run would be."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from test_integrations_trl_distributed import WORLD, _free_port, _join_group  # noqa: E402
+
+ENGINES = ("ddp", "fsdp2", "fsdp2-keep", "fsdp1")
+DEADLINE_S = 240
+
+
+def _cpu_fsdp_shim():
+    """TEST-ONLY: a CPU run given an FSDP plugin becomes Accelerate's FSDP type (Accelerate
+    1.15 sets it only where a GPU-type device exists); everything after that is
+    Accelerate's own FSDP code."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if getattr(AcceleratorState.__init__, "_mrtpo_cpu_fsdp", False):
+        return
+    original = AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    init._mrtpo_cpu_fsdp = True
+    AcceleratorState.__init__ = init
+
+    # Accelerate hands FSDP1 its device as ``device_id`` ("cpu:0"), which FSDP1 compares
+    # with the CPU's current device ("cpu")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    fsdp1_init = FSDP1.__init__
+
+    def fsdp1_cpu(self, module, *args, device_id=None, **kwargs):
+        if isinstance(device_id, torch.device) and device_id.type == "cpu":
+            device_id = torch.device("cpu")
+        fsdp1_init(self, module, *args, device_id=device_id, **kwargs)
+
+    FSDP1.__init__ = fsdp1_cpu
+
+
+def _engine_args(engine: str) -> dict:
+    if engine == "ddp":
+        return {}
+    layer = {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+    if engine == "fsdp1":
+        # no sync_module_states: Accelerate looks for a GPU for it (both ranks built the
+        # same model from one seed)
+        return dict(
+            fsdp="full_shard auto_wrap",
+            fsdp_config=dict(layer, version=1, sync_module_states=False),
+        )
+    return dict(fsdp="full_shard auto_wrap",
+                fsdp_config=dict(layer, version=2,
+                                 reshard_after_forward=engine == "fsdp2"))  # fmt: skip
+
+
+def _config(output_dir: str, engine: str):
+    """The two-process tests' step (test_integrations_trl_distributed), two steps."""
+    return trl.GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=6, num_generations=4,
+        max_completion_length=6, max_steps=2, learning_rate=1e-2, beta=0.0,
+        mask_truncated_completions=True, temperature=1.3, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, **_engine_args(engine),
+    )  # fmt: skip
+
+
+def full_weights(model) -> dict:
+    """Every parameter in full on this rank (a collective on a sharded engine)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if any(isinstance(m, FSDP1) for m in model.modules()):
+        with FSDP1.summon_full_params(model, writeback=False):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for n, p in model.named_parameters()}  # fmt: skip
+    out = {}
+    for n, p in model.named_parameters():
+        full = getattr(p, "full_tensor", None)
+        out[n.replace("module.", "", 1) if n.startswith("module.") else n] = (
+            (full() if full is not None else p).detach().clone()
+        )
+    return out
+
+
+def _rank_main(rank: int, port: int, out: str, engines):
+    _join_group(rank, port)
+    from accelerate.state import AcceleratorState
+    from test_integrations_trl_replay import (
+        PROMPTS,
+        WORDS,
+        ends_bye,
+        length,
+        quoted,
+        says_word,
+        tiny_model,
+        user_text,
+    )
+
+    from mrtpo.integrations import trl_trainer
+    from mrtpo.integrations.engine import engine_sharding
+
+    if os.environ.get("MRTPO_TEST_UNSAFE_REPLAY"):  # the replay before issue 39 (to see it hang)
+        import contextlib
+
+        trl_trainer.sharded_replay = lambda *a, **k: contextlib.nullcontext()
+
+    _cpu_fsdp_shim()
+
+    def word_spans(prompt, **columns):  # never on rank 1: rank 1 replays nothing
+        return [] if rank == 1 else [quoted(user_text(prompt), 0)]
+
+    def bye(prompts, completions, **kw):
+        scores = ends_bye(prompts, completions, **kw)
+        if rank == 1:
+            return [float(s[0] if isinstance(s, tuple) else s.score) for s in scores]
+        return scores
+
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    ds = datasets.Dataset.from_dict({"prompt": prompts * 3, "topic": WORDS * 3})
+    for engine in engines:
+        AcceleratorState._reset_state()
+        torch.manual_seed(0)
+        model, tok = tiny_model()
+        config = _config(os.path.join(out, engine), engine)
+        t0 = time.perf_counter()
+        trainer = trl_trainer.MRTPOGRPOTrainer(
+            model=model, reward_funcs=[says_word, bye, length], args=config, train_dataset=ds,
+            processing_class=tok, reward_spans=[word_spans, None, None],
+        )  # fmt: skip
+        trainer.train()
+        seconds = time.perf_counter() - t0
+        final = full_weights(trainer.model)
+        logs = [h for h in trainer.state.log_history if "mrtpo/replay/pairs" in h]
+        torch.save(dict(final=final, logs=logs, seconds=seconds,
+                        engine=trainer.accelerator.distributed_type.value,
+                        sharding=engine_sharding(trainer.model)),
+                   os.path.join(out, f"{engine}.rank{rank}.pt"))  # fmt: skip
+    trainer.end_training()
+
+
+def _run(tmp_path, engines):
+    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path), engines),
+                             nprocs=WORLD, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                done = sorted(p.name for p in tmp_path.glob("*.pt"))
+                pytest.fail(f"two-process sharded run hung after {DEADLINE_S} s; "
+                            f"finished: {done}")  # fmt: skip
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return {e: [torch.load(tmp_path / f"{e}.rank{r}.pt", weights_only=False)
+                for r in range(WORLD)] for e in engines}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sharded_engines_train_as_ddp_with_a_rank_that_replays_nothing(tmp_path):
+    recs = _run(tmp_path, ENGINES)
+    ref = recs["ddp"][0]["final"]
+    for engine in ENGINES:
+        r0, r1 = recs[engine]
+        assert r0["engine"] == ("MULTI_CPU" if engine == "ddp" else "FSDP"), engine
+        assert r0["final"].keys() == ref.keys(), engine
+        for key, val in ref.items():
+            torch.testing.assert_close(r0["final"][key], r1["final"][key], rtol=0, atol=0)
+            torch.testing.assert_close(r0["final"][key], val, rtol=0, atol=1e-6,
+                                       msg=lambda m, e=engine, k=key: f"{e} {k}: {m}")  # fmt: skip
+        # rank 0 replayed, rank 1 (no spans) did not, in both steps
+        assert len(r0["logs"]) == 2 and all(h["mrtpo/replay/pairs"] > 0 for h in r0["logs"])
