@@ -38,6 +38,44 @@ def user_cache_dir() -> str:
     return str(base / "mrtpo")
 
 
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder ``cache_dir`` (default: ``user_cache_dir()``), made where missing; a
+    one-line ValueError naming it, and ``$MRTPO_CACHE`` where the folder comes from there,
+    where it cannot be a folder (a file in its place or above it) or cannot be made."""
+    root = Path(user_cache_dir() if cache_dir is None else cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if root.is_dir():
+            return root
+        why = "is not a folder"
+    except (FileExistsError, NotADirectoryError):
+        above = next((p for p in (root, *root.parents) if p.exists()), root)
+        why = "is a file, not a folder"
+        if above != root:
+            why = f"cannot be a folder: {str(above)!r} above it is a file"
+    except OSError as err:
+        why = f"cannot be made ({err.strerror or type(err).__name__})"
+    raise ValueError(cache_problem(root, why))
+
+
+def from_cache_env(path) -> bool:
+    """Whether cache folder ``path`` is the one ``$MRTPO_CACHE`` names."""
+    own = os.environ.get(CACHE_ENV, "").strip()
+    return bool(own) and Path(own).expanduser() == Path(path).expanduser()
+
+
+def cache_problem(path, why: str) -> str:
+    """The one-line message for cache folder ``path`` that ``why`` (e.g. "is a file, not a
+    folder"): it names ``$MRTPO_CACHE`` where the folder is the one that variable names."""
+    use = "converted built-in models and warm-started models are cached there"
+    if from_cache_env(path):
+        return (
+            f"{CACHE_ENV}: the model cache {str(path)!r} (${CACHE_ENV}) {why} ({use}); "
+            f"point {CACHE_ENV} at a folder, or unset it"
+        )
+    return f"cache_dir: the model cache {str(path)!r} {why} ({use}); give a folder"
+
+
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from .data import noisy_reference
-from .model import load_model, warm_start
-from .model_folder import build_lock, publish_folder, save_model
+from .model import WARM_MARKER, load_model, same_training, train_digest, warm_start
+from .model_folder import build_once, save_model
 from .pretrained import CONVERSION_VERSION, builtin_folder
 from .prompting import ChatPrompter
 
@@ -75,17 +75,20 @@ def initial_folder(
     settings = warm_settings(task.name, seed, warm_steps, warm_noise, dtype)
     key = warm_key(settings)
     folder = Path(cache_dir) / f"{name}-{task.name.replace(':', '_')}-seed{seed}-{key}"
-    if (folder / "warm_start.json").is_file():
-        return folder
-    with build_lock(folder):  # two processes that want the same folder build it once
-        if not (folder / "warm_start.json").is_file():  # else built while this one waited
-            _warm_start_into(folder, base, name, task, settings, log=log)
-    return folder
+    # built once under a lock and published whole (two processes that want the same folder
+    # build it once); a broken one, or one warm-started on another training set, again
+    return build_once(
+        folder,
+        WARM_MARKER,
+        lambda: _warm_start(base, name, task, settings, log=log),
+        accept=same_training(task),
+        log=log,
+    )
 
 
-def _warm_start_into(folder: Path, base: Path, name: str, task, settings: dict, *, log) -> None:
-    """Warm-start the converted model at ``base`` on ``task``'s references as ``settings``
-    say and publish it at ``folder``."""
+def _warm_start(base: Path, name: str, task, settings: dict, *, log):
+    """The converted model at ``base`` warm-started on ``task``'s references as ``settings``
+    say: ``(save, info)`` for ``publish_folder``."""
     seed, noise, dtype = settings["seed"], settings["noise"], settings["dtype"]
     # float32 weights (bfloat16 ones would round small updates away), bf16 autocast forwards
     # (the backward and optimizer step outside autocast)
@@ -108,6 +111,5 @@ def _warm_start_into(folder: Path, base: Path, name: str, task, settings: dict, 
             autocast=torch.bfloat16,
             micro_batch=settings.get("micro_batch"),
         )
-    info = {"model": name, **settings, "final_loss": loss}
-    publish_folder(folder, lambda tmp: save_model(model.to(getattr(torch, dtype)), tok, tmp),
-                   "warm_start.json", info)  # fmt: skip
+    info = {"model": name, **settings, "final_loss": loss, "train_digest": train_digest(task)}
+    return (lambda tmp: save_model(model.to(getattr(torch, dtype)), tok, tmp)), info

@@ -13,6 +13,7 @@ its place (``load_model(path)``); the trainer only needs the decoder's last hidd
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import random
@@ -24,9 +25,9 @@ import torch
 
 from mrtpo_kernels import linear_logprobs
 
-from .builtin_models import user_cache_dir
+from .builtin_models import cache_root
 from .config import TinyConfig
-from .model_folder import quiet_transformers, save_model
+from .model_folder import build_once, quiet_transformers, save_model
 from .prompting import ChatPrompter
 
 PAD, USER, ASSISTANT, SYSTEM, END = "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"
@@ -402,39 +403,78 @@ def default_model(
 ):
     """The built-in tiny model for ``task``, warm-started, cached under ``cache_dir`` (default:
     the per-user cache folder, ``user_cache_dir()``) keyed by task, seed and config (later
-    runs, e.g. every algorithm of a comparison, reuse it)."""
+    runs, e.g. every algorithm of a comparison, reuse it). Built once under a lock and
+    published whole, as a built-in model's conversion (``mrtpo.model_folder.build_once``):
+    runs that start together on a cold cache warm-start once, and none loads a half-written
+    folder; a broken one (a file cut short) or one warm-started on another training set is
+    built again."""
     cfg = (TinyConfig() if cfg is None else cfg).for_task(task.name)
-    root = Path(user_cache_dir() if cache_dir is None else cache_dir)
-    path = root / f"{task.name}-seed{seed}-{cfg.key()}"
-    if (path / "config.json").exists() and (path / "warm_start.json").exists():
-        return load_model(path)
-    tokenizer = build_tokenizer(task_texts(task), vocab_size=cfg.vocab_size)
-    model = build_tiny_model(tokenizer, cfg, seed=seed)
-    prompter = ChatPrompter(tokenizer)
-    examples = list(task.train)
-    if cfg.warm_noise > 0:
-        from mrtpo.data import noisy_reference
+    path = cache_root(cache_dir) / f"{task.name}-seed{seed}-{cfg.key()}"
 
-        rng = random.Random(seed + 7919)
-        examples = [
-            replace(ex, reference=noisy_reference(rng, ex, cfg.warm_noise)) for ex in examples
-        ]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        loss = warm_start(
-            model,
-            prompter,
-            examples,
-            steps=cfg.warm_steps,
-            batch=cfg.warm_batch,
-            lr=cfg.warm_lr,
-            seed=seed,
-            log=log,
-        )
-    save_model(model, tokenizer, path)
-    info = {"task": task.name, "seed": seed, "final_loss": loss, "config": asdict(cfg)}
-    (path / "warm_start.json").write_text(json.dumps(info, indent=1))
+    def build():
+        tokenizer = build_tokenizer(task_texts(task), vocab_size=cfg.vocab_size)
+        model = build_tiny_model(tokenizer, cfg, seed=seed)
+        examples = list(task.train)
+        if cfg.warm_noise > 0:
+            from mrtpo.data import noisy_reference
+
+            rng = random.Random(seed + 7919)
+            examples = [
+                replace(ex, reference=noisy_reference(rng, ex, cfg.warm_noise)) for ex in examples
+            ]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            loss = warm_start(
+                model,
+                ChatPrompter(tokenizer),
+                examples,
+                steps=cfg.warm_steps,
+                batch=cfg.warm_batch,
+                lr=cfg.warm_lr,
+                seed=seed,
+                log=log,
+            )
+        info = {
+            "task": task.name,
+            "seed": seed,
+            "final_loss": loss,
+            "config": asdict(cfg),
+            "train_digest": train_digest(task),
+        }
+        return (lambda tmp: save_model(model, tokenizer, tmp)), info
+
+    build_once(path, WARM_MARKER, build, accept=same_training(task), log=log)
     return load_model(path)
+
+
+# The marker of a warm-started folder (tiny or built-in model): its settings and final loss.
+WARM_MARKER = "warm_start.json"
+# Tasks whose training set changed since warm starts recorded the digest of theirs: a warm
+# start cached before is not trusted for these (the tools split, issue 41), for the others it is.
+_RESPLIT = frozenset({"tools"})
+
+
+def train_digest(task) -> str:
+    """A digest of ``task``'s training examples (ids, prompts, references): what a warm
+    start was trained on, recorded in its marker."""
+    blob = json.dumps([[ex.id, ex.prompt, ex.reference] for ex in task.train]).encode()
+    return hashlib.sha1(blob).hexdigest()[:16]
+
+
+def same_training(task):
+    """``accept`` for ``build_once``: refuses a warm start recorded as trained on another
+    training set than ``task``'s (its data or split changed since)."""
+    digest = train_digest(task)
+
+    def accept(info: dict) -> str | None:
+        have = info.get("train_digest")
+        if have is None and task.name not in _RESPLIT:
+            return None  # cached before digests were recorded: trusted
+        if have != digest:
+            return f"it was warm-started on another training set of {task.name!r}"
+        return None
+
+    return accept
 
 
 def count_parameters(model) -> int:

@@ -1,10 +1,11 @@
 """A saved Hugging Face causal LM's folder: writing one (``save_model``; ``publish_folder``
-swaps a finished one into place) and checking that one holds a model the trainer can load,
-before any model is built: one line naming what is wrong (an empty folder, an invalid
-``config.json``, missing or truncated weights or shards, a tokenizer that does not load or
-has neither a pad nor an end-of-sequence token). Used for ``--model`` and for a checkpoint's
-``model/``. Imports nothing of the project (a leaf shared by ``mrtpo.model`` and
-``mrtpo.pretrained``)."""
+swaps a finished, flushed one into place; ``build_once`` builds a cached one once, under a
+lock, and again where ``published_problem`` finds it broken) and checking that one holds a
+model the trainer can load, before any model is built: one line naming what is wrong (an
+empty folder, an invalid ``config.json``, missing or truncated weights or shards, a tokenizer
+that does not load or has neither a pad nor an end-of-sequence token). Used for ``--model``
+and for a checkpoint's ``model/``. Imports nothing of the project (a leaf shared by
+``mrtpo.model`` and ``mrtpo.pretrained``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import fcntl
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 _WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -52,16 +54,117 @@ def build_lock(folder: Path):
 
 def publish_folder(folder: Path, save, marker: str, info: dict) -> None:
     """Write a folder through ``save(tmp)`` into ``folder.tmp``, mark it complete with the
-    JSON ``marker`` file, and swap it into place (a kill leaves no finished-looking half).
+    JSON ``marker`` file (``info`` and, under ``"files"``, every file's size, which
+    ``published_problem`` checks), flush it all to disk and swap it into place (a kill or a
+    crash leaves no finished-looking half; a folder already there is moved aside first, so
+    that the swap leaves no moment without a whole folder but the two renames' own).
     Call it under ``build_lock(folder)`` where another process may build the same folder."""
+    folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     save(tmp)
-    (tmp / marker).write_text(json.dumps(info, indent=1))
+    files = {
+        p.relative_to(tmp).as_posix(): p.stat().st_size
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file() and p != tmp / marker
+    }
+    (tmp / marker).write_text(json.dumps({**info, "files": files}, indent=1))
+    _fsync_tree(tmp)  # the data on disk before the rename makes it look finished
+    old = folder.with_name(folder.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
     if folder.exists():
-        shutil.rmtree(folder)
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    _fsync_dir(folder.parent)  # the rename itself
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and every folder (their entries) to disk."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def published_problem(folder, marker: str, accept=None) -> str | None:
+    """None if ``folder`` holds a whole folder that ``publish_folder`` published with
+    ``marker``, else what is wrong: no folder, no marker (an unfinished or foreign folder), a
+    marker that is not JSON or that ``accept(info)`` refuses (``accept`` returns why, or
+    None), a file missing or of another size than when it was written, safetensors weights
+    cut short. Markers written before sizes were recorded (no ``"files"``) are checked for
+    whole weights only. Reads the marker and the weights' headers, nothing more."""
+    folder = Path(folder)
+    mark = folder / marker
+    if not folder.is_dir():
+        return "not built yet" if not folder.exists() else "not a folder"
+    if not mark.is_file():
+        return f"it has no {marker} (an unfinished build)"
+    try:
+        info = json.loads(mark.read_text())
+    except (OSError, ValueError) as err:
+        return f"its {marker} is not valid JSON ({type(err).__name__})"
+    if not isinstance(info, dict):
+        return f"its {marker} is not a JSON object"
+    why = accept(info) if accept is not None else None
+    if why:
+        return why
+    files = info.get("files")
+    if isinstance(files, dict):
+        for rel, size in files.items():
+            try:
+                now = (folder / rel).stat().st_size
+            except OSError:
+                return f"{rel} is missing"
+            if now != size:
+                return f"{rel} has {now} bytes, {size} when it was written"
+    for weights in sorted(folder.glob("*.safetensors")):
+        why = _safetensors_problem(weights)
+        if why:
+            return why
+    return None
+
+
+def build_once(folder, marker: str, build, *, accept=None, log=None) -> Path:
+    """The cached folder ``folder``, built where it is not whole (``published_problem``):
+    ``build()`` does the work and returns ``(save, info)`` for ``publish_folder``. Under
+    ``build_lock``: two processes that want the same folder build it once, and none sees it
+    half-written. A folder that is there but broken (a file cut short, weights truncated, a
+    marker ``accept`` refuses) is rebuilt, and ``log`` (else a warning) names it and why."""
+    folder = Path(folder)
+    if published_problem(folder, marker, accept) is None:
+        return folder
+    with build_lock(folder):
+        problem = published_problem(folder, marker, accept)
+        if problem is None:  # built by another process while this one waited
+            return folder
+        if folder.exists():
+            msg = f"cache: rebuilding {str(folder)!r}: {problem}"
+            if log is not None:
+                log(msg)
+            else:
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        save, info = build()
+        publish_folder(folder, save, marker, info)
+        problem = published_problem(folder, marker, accept)
+    if problem is not None:
+        raise RuntimeError(f"cache: {str(folder)!r} was just built, but {problem}")
+    return folder
 
 
 def _safetensors_problem(path: Path) -> str | None:

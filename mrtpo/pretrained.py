@@ -12,18 +12,24 @@ Nothing is downloaded at run time. A run's warm-started starting folder is
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .builtin_models import (
     BUILTIN_MODELS,
     BuiltinModel,
+    cache_root,
     check_available,
     gguf_file,
     is_builtin,
     user_cache_dir,
 )
-from .model_folder import build_lock, publish_folder, quiet_transformers, save_model
+from .model_folder import (
+    build_once,
+    publish_folder,
+    published_problem,
+    quiet_transformers,
+    save_model,
+)
 
 # Bump when the conversion changes, so cached folders made by an older one are rebuilt.
 CONVERSION_VERSION = 1
@@ -43,22 +49,35 @@ def cached_folder(name: str, cache_dir: str | Path | None = None, dtype: str = "
     return Path(user_cache_dir() if cache_dir is None else cache_dir) / f"{name}-{dtype}"
 
 
+def _current(info: dict) -> str | None:
+    """Why a cached conversion's marker ``info`` is out of date, or None."""
+    if info.get("version") != CONVERSION_VERSION:
+        return f"converted by version {info.get('version')!r}, not {CONVERSION_VERSION}"
+    return None
+
+
+def conversion_problem(folder: Path) -> str | None:
+    """None if ``folder`` holds a whole, current conversion, else what is wrong (no folder,
+    no completion mark, an older conversion, a file shorter or longer than written)."""
+    return published_problem(folder, _DONE, _current)
+
+
 def converted(folder: Path) -> bool:
-    marker = folder / _DONE
-    if not marker.is_file():
-        return False
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return info.get("version") == CONVERSION_VERSION
+    return conversion_problem(folder) is None
 
 
 def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Path:
     """Dequantize built-in ``name``'s GGUF into a Hugging Face folder at ``folder``.
 
-    Written to ``folder.tmp`` and renamed into place once complete (a kill leaves no
-    half-made folder that looks finished)."""
+    Written to ``folder.tmp``, flushed and renamed into place once complete (a kill leaves
+    no half-made folder that looks finished); its mark records every file's size."""
+    save, info = _conversion(name, folder, dtype=dtype, log=log)
+    publish_folder(folder, save, _DONE, info)
+    return folder
+
+
+def _conversion(name: str, folder: Path, *, dtype: str, log):
+    """Built-in ``name`` dequantized in memory: ``(save, info)`` for ``publish_folder``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,22 +114,24 @@ def convert(name: str, folder: Path, *, dtype: str = "float32", log=None) -> Pat
         "version": CONVERSION_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    publish_folder(folder, lambda tmp: save_model(model, tok, tmp), _DONE, info)
-    return folder
+    return (lambda tmp: save_model(model, tok, tmp)), info
 
 
 def builtin_folder(
     name: str, cache_dir: str | Path | None = None, *, dtype: str = "float32", log=None
 ) -> Path:
     """The cached Hugging Face folder of built-in model ``name`` in ``dtype``, converting
-    it on first use (once, where several processes ask at the same time)."""
-    folder = cached_folder(name, cache_dir, dtype)
-    if converted(folder):
-        return folder
-    with build_lock(folder):
-        if converted(folder):  # built by another process while this one waited
-            return folder
-        return convert(name, folder, dtype=dtype, log=log)
+    it on first use (once, where several processes ask at the same time), and again where
+    the cached one is broken (a file cut short: ``conversion_problem``), which ``log`` says.
+    A cache folder that cannot be one is a ValueError naming it (and ``$MRTPO_CACHE``)."""
+    folder = cached_folder(name, cache_root(cache_dir), dtype)
+    return build_once(
+        folder,
+        _DONE,
+        lambda: _conversion(name, folder, dtype=dtype, log=log),
+        accept=_current,
+        log=log,
+    )
 
 
 __all__ = [
@@ -120,6 +141,7 @@ __all__ = [
     "builtin_folder",
     "cached_folder",
     "check_available",
+    "conversion_problem",
     "convert",
     "converted",
     "gguf_file",

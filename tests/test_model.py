@@ -260,3 +260,116 @@ def test_gradient_checkpointing_same_gradients_fewer_saved_activations(amp):
         plain = last_hidden(model, ids, mask)
         with gradient_checkpointing(model):
             assert torch.equal(last_hidden(model, ids, mask), plain)
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny model's warm-start cache: built once under a lock, published whole, checked
+
+WARM = TinyConfig(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    warm_steps=30,
+    warm_batch=4,
+)
+
+
+def _default_model_in_process(cache: str, log: str, out: str, barrier) -> None:
+    """One run's ask for the tiny model on a cold cache: waits for the other run, then asks."""
+    import hashlib
+    import os
+
+    from mrtpo.model import default_model
+    from mrtpo.tasks import load_task
+
+    task = load_task("constraints", seed=0)
+
+    def note(msg):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {msg}\n")
+
+    barrier.wait(120)
+    model, _ = default_model(task, seed=0, cache_dir=cache, cfg=WARM, log=note)
+    digest = hashlib.sha1()
+    for name, t in sorted(model.state_dict().items()):
+        digest.update(name.encode() + t.detach().cpu().numpy().tobytes())
+    with open(out, "w") as f:
+        f.write(digest.hexdigest())
+
+
+@pytest.mark.slow
+def test_two_runs_on_a_cold_cache_warm_start_the_tiny_model_once(tmp_path):
+    """Issue 41 item 10: two runs started together on a cold cache both warm-started and
+    wrote the same folder in place, and loads by one failed while the other wrote. Now one
+    warm-starts (under the build lock), the other waits and loads the published folder."""
+    import json
+    import multiprocessing as mp
+
+    cache, log = tmp_path / "cache", tmp_path / "log"
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    outs = [tmp_path / f"out{i}" for i in (0, 1)]
+    procs = [
+        ctx.Process(target=_default_model_in_process, args=(str(cache), str(log), str(o), barrier))
+        for o in outs
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    builders = {line.split()[0] for line in log.read_text().splitlines() if "warm start" in line}
+    assert len(builders) == 1, log.read_text()[-500:]
+    assert outs[0].read_text() == outs[1].read_text()  # the same weights, loaded by both
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    info = json.loads((folder / "warm_start.json").read_text())
+    assert info["files"]["model.safetensors"] == (folder / "model.safetensors").stat().st_size
+    assert not [p.name for p in cache.iterdir() if p.name.endswith((".tmp", ".old"))]
+
+
+def test_a_broken_or_stale_tiny_model_cache_is_built_again(tmp_path):
+    """A warm-started folder whose weights are cut short, or that was trained on another
+    training set (the tools split changed in issue 41), is warm-started again, and the log
+    names it; one cached before digests were recorded is kept where its task did not change."""
+    import json
+
+    from mrtpo.model import default_model
+    from mrtpo.tasks import load_task
+
+    task = load_task("constraints", seed=0)
+    logs: list[str] = []
+    default_model(task, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    built = lambda: sum("warm start 1/" in m for m in logs)  # noqa: E731
+    assert built() == 1
+    default_model(task, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    assert built() == 1  # whole: loaded as it is
+
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    model, _ = default_model(task, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    assert built() == 2
+    assert any(str(folder) in m and "model.safetensors" in m for m in logs), logs
+
+    mark = folder / "warm_start.json"
+    info = json.loads(mark.read_text())
+    mark.write_text(json.dumps({k: v for k, v in info.items() if k != "train_digest"}))
+    default_model(task, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    assert built() == 2  # an older cache of an unchanged task: kept
+    mark.write_text(json.dumps({**info, "train_digest": "another"}))
+    default_model(task, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    assert built() == 3
+    assert any(str(folder) in m and "another training set" in m for m in logs), logs
+
+    tools = load_task("tools", seed=0)
+    default_model(tools, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    (tfolder,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("tools-")]
+    mark = tfolder / "warm_start.json"
+    info = json.loads(mark.read_text())
+    mark.write_text(json.dumps({k: v for k, v in info.items() if k != "train_digest"}))
+    default_model(tools, cache_dir=tmp_path, cfg=WARM, log=logs.append)
+    assert built() == 5  # tools' split changed: a cache from before is not trusted

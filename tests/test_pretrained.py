@@ -203,3 +203,121 @@ def test_two_processes_build_a_cached_folder_once(tmp_path):
     assert log.read_text() == "built\n"
     assert (folder / "weights").read_text() == "w" and (folder / "done.json").is_file()
     assert not (tmp_path / "cache" / "m.tmp").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# A cached conversion is checked, rebuilt where broken, flushed before it is published
+
+
+def _fake_conversion(calls):
+    """A stand-in for the GGUF conversion (a tiny model, in a second): the cache's rules are
+    the same for every folder it builds."""
+    from mrtpo.config import TinyConfig
+    from mrtpo.model import build_tiny_model, build_tokenizer
+    from mrtpo.model_folder import save_model
+
+    def conversion(name, folder, *, dtype, log):
+        calls.append(folder)
+        tok = build_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=300)
+        cfg = TinyConfig(
+            vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+            num_kv_heads=1,
+        )  # fmt: skip
+        model = build_tiny_model(tok, cfg)
+        info = {"name": name, "dtype": dtype, "version": pretrained.CONVERSION_VERSION}
+        return (lambda tmp: save_model(model, tok, tmp)), info
+
+    return conversion
+
+
+def test_a_cut_short_cached_model_is_rebuilt_not_a_safetensors_traceback(monkeypatch, tmp_path):
+    """Issue 41 item 5: a cached built-in model whose completion mark is there but whose
+    weights were cut short ended in a SafetensorError traceback at load and was never
+    rebuilt. The mark records every file's size at publish time; a folder that differs (or,
+    for a mark from before, whose safetensors are shorter than their header says) is
+    converted again, and the log names it."""
+    from mrtpo.model import load_model
+
+    calls, logs = [], []
+    monkeypatch.setattr(pretrained, "_conversion", _fake_conversion(calls))
+    cache = tmp_path / "cache"
+    folder = pretrained.builtin_folder(NAME, cache, log=logs.append)
+    assert calls == [folder] and pretrained.converted(folder)
+    info = json.loads((folder / "mrtpo_converted.json").read_text())
+    weights = folder / "model.safetensors"
+    assert info["files"]["model.safetensors"] == weights.stat().st_size
+    assert set(info["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    load_model(NAME, cache_dir=cache)
+    assert len(calls) == 1  # whole: loaded as it is
+
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    assert "model.safetensors" in pretrained.conversion_problem(folder)
+    model, _ = load_model(NAME, cache_dir=cache, log=logs.append)  # no SafetensorError
+    assert len(calls) == 2 and pretrained.converted(folder)
+    assert any(str(folder) in m and "model.safetensors has" in m for m in logs), logs
+
+    # a mark written before sizes were recorded: the weights' own header still tells
+    mark = folder / "mrtpo_converted.json"
+    info = json.loads(mark.read_text())
+    mark.write_text(json.dumps({k: v for k, v in info.items() if k != "files"}))
+    assert pretrained.converted(folder)  # whole: kept
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    assert "truncated" in pretrained.conversion_problem(folder)
+    pretrained.builtin_folder(NAME, cache, log=logs.append)
+    assert len(calls) == 3 and pretrained.converted(folder)
+
+    # any other file of another size than written, or missing
+    (folder / "tokenizer.json").write_text("{}")
+    assert "tokenizer.json has" in pretrained.conversion_problem(folder)
+    (folder / "config.json").unlink()
+    assert "config.json is missing" in pretrained.conversion_problem(folder)
+    with pytest.warns(RuntimeWarning, match="rebuilding .*config.json is missing"):
+        pretrained.builtin_folder(NAME, cache)  # no log: a warning names it
+    assert len(calls) == 4 and pretrained.converted(folder)
+    load_model(folder)
+    assert sorted(p.name for p in cache.iterdir()) == [
+        f"{NAME}-float32", f"{NAME}-float32.lock",
+    ]  # fmt: skip
+
+
+def test_a_published_folder_is_flushed_before_the_rename(monkeypatch, tmp_path):
+    """Every file of a published folder and the folder itself reach the disk before the
+    rename that makes it look finished, and the rename itself after (its parent folder)."""
+    import os
+
+    from mrtpo import model_folder
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(model_folder.os, "fsync", fsync)
+    monkeypatch.setattr(model_folder.os, "replace", replace)
+    folder = tmp_path / "cache" / "m"
+
+    def save(tmp):
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "weights").write_bytes(b"w" * 1000)
+        (tmp / "sub" / "extra").write_text("x")
+
+    for round_ in (0, 1):  # a first publish, then one over a folder already there
+        events.clear()
+        model_folder.publish_folder(folder, save, "done.json", {"round": round_})
+        tmp = str(folder) + ".tmp"
+        publish = events.index(("replace", tmp, str(folder)))
+        flushed = {e[1] for e in events[:publish] if e[0] == "fsync"}
+        wanted = {tmp, f"{tmp}/sub", f"{tmp}/weights", f"{tmp}/sub/extra", f"{tmp}/done.json"}
+        assert wanted <= flushed, sorted(wanted - flushed)
+        assert ("fsync", str(folder.parent)) in events[publish:]
+        assert model_folder.published_problem(folder, "done.json") is None
+        assert json.loads((folder / "done.json").read_text())["round"] == round_
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["m"]  # no .tmp, no .old
