@@ -17,7 +17,14 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .builtin_models import BUILTIN_MODELS, is_builtin, model_defaults, user_cache_dir
+from .builtin_models import (
+    BUILTIN_MODELS,
+    CACHE_ENV,
+    from_cache_env,
+    is_builtin,
+    model_defaults,
+    user_cache_dir,
+)
 from .model_folder import check_model_folder
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
@@ -615,6 +622,8 @@ class TrainConfig:
                 raise ValueError(f"model: {msg}")
         if self.model is None or is_builtin(self.model):
             msg = _check_writable_dir(self.cache_dir)
+            if msg and from_cache_env(self.cache_dir):  # the default: name where it came from
+                msg += f" (it is ${CACHE_ENV}: point {CACHE_ENV} at a folder, or unset it)"
             if msg:
                 raise ValueError(f"cache_dir: {msg}")
         return self

@@ -113,3 +113,31 @@ def test_nothing_is_cached_in_the_current_folder_by_default(monkeypatch, tmp_pat
         model.load_model(NAME)
     assert seen == [cache / f"{NAME}-float32"]
     assert not any(cwd.iterdir())
+
+
+def test_a_cache_that_is_a_file_is_refused_naming_mrtpo_cache(monkeypatch, tmp_path, capsys):
+    """Issue 41 item 6: MRTPO_CACHE pointing at a file ended in a bare FileExistsError that
+    named neither the variable nor the cache. Every way in (a built-in model by name, the
+    tiny model, the settings, the command line) says MRTPO_CACHE and the path."""
+    from mrtpo.cli import main
+    from mrtpo.tasks import load_task
+
+    afile = tmp_path / "not-a-folder"
+    afile.write_text("x")
+    monkeypatch.setenv("MRTPO_CACHE", str(afile))
+    pattern = rf"^MRTPO_CACHE: the model cache '{afile}' .*is a file, not a folder"
+    with pytest.raises(ValueError, match=pattern):
+        model.load_model(NAME)
+    with pytest.raises(ValueError, match=pattern):
+        model.default_model(load_task("constraints"))
+    with pytest.raises(ValueError, match=rf"cache_dir: '{afile}' .*MRTPO_CACHE"):
+        TrainConfig().validate()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "MRTPO_CACHE" in err and str(afile) in err and "Traceback" not in err
+    assert afile.read_text() == "x" and not (tmp_path / "o").exists()
+    # a cache folder given under a file: named with the file in the way
+    with pytest.raises(ValueError, match=rf"^cache_dir: .*'{afile}' above it is a file"):
+        pretrained.builtin_folder(NAME, afile / "sub")
