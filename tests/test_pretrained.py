@@ -321,3 +321,33 @@ def test_a_published_folder_is_flushed_before_the_rename(monkeypatch, tmp_path):
         assert model_folder.published_problem(folder, "done.json") is None
         assert json.loads((folder / "done.json").read_text())["round"] == round_
     assert sorted(p.name for p in folder.parent.iterdir()) == ["m"]  # no .tmp, no .old
+
+
+def test_a_built_in_models_warm_start_is_checked_and_rebuilt_like_its_conversion(
+    monkeypatch, tmp_path
+):
+    """The warm-started folder of a built-in model goes through the same builder as its
+    conversion: marked with its files' sizes and its training set, built again where cut
+    short."""
+    from mrtpo.initial_model import initial_folder
+    from mrtpo.model import load_model
+    from mrtpo.tasks import load_task
+
+    monkeypatch.setattr(pretrained, "_conversion", _fake_conversion([]))
+    task = load_task("constraints-real", seed=0)
+    logs = []
+    ask = lambda: initial_folder(  # noqa: E731
+        NAME, task, seed=0, cache_dir=tmp_path, warm_steps=2, log=logs.append
+    )
+    folder = ask()
+    built = lambda: sum("warm start 1/" in m for m in logs)  # noqa: E731
+    info = json.loads((folder / "warm_start.json").read_text())
+    assert built() == 1 and info["steps"] == 2 and len(info["train_digest"]) == 16
+    assert info["files"]["model.safetensors"] == (folder / "model.safetensors").stat().st_size
+    assert ask() == folder and built() == 1
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 3)
+    assert ask() == folder and built() == 2
+    assert any(str(folder) in m and "model.safetensors has" in m for m in logs), logs
+    load_model(folder)
