@@ -228,7 +228,8 @@ def contrastive_replay(
         return cache[text]
 
     core = _replay_core(
-        model, [list(p) for p in prompt_ids], _stream_ids(list(prompt_texts), streams, encode),
+        model, [list(p) for p in prompt_ids],
+        _stream_ids(list(prompt_texts), streams, encode, _start_token(model, prompter.tokenizer)),
         [list(r) for r in responses], num_streams=len(streams[0]) if n else 0,
         pad_id=prompter.tokenizer.pad_token_id,
         temperature=temperature, micro_batch=micro_batch, pointwise=pointwise and replay,
@@ -327,17 +328,53 @@ def _shared_prefix(prefixes, full, ids):
 _MIN_JS_TOKENS = 4
 
 
-def _stream_ids(prompts, streams, encode):
+def _stream_ids(prompts, streams, encode, start=None):
     """Per row, per stream, the token ids of the prompt without that stream's spans (None
-    where the stream names no span: nothing to replay)."""
+    where the stream names no span: nothing to replay).
+
+    A prompt without spans that renders to no token at all (a plain prompt whose spans
+    cover all of it, on a tokenizer that adds no BOS) is the one-token context ``[start]``
+    (``_start_token``: the response after no prompt at all); with no such token it is a
+    ValueError naming the sample and the reward. A chat prompt never renders empty: a span
+    covering a whole message leaves the template's frame."""
     out = []
     for i, (prompt, row) in enumerate(zip(prompts, streams)):
         ids = []
         for j, spans in enumerate(row):
             norm = normalize_spans(prompt, spans, where=f"spans[{i}][{j}]")
-            ids.append(list(encode(prompt_without_spans(prompt, norm))) if norm else None)
+            if not norm:
+                ids.append(None)
+                continue
+            cut = list(encode(prompt_without_spans(prompt, norm)))
+            if not cut:
+                if start is None:
+                    raise ValueError(
+                        f"spans[{i}][{j}]: the prompt without these spans renders to no token "
+                        "(they cover the whole plain prompt), and neither the model's config "
+                        "nor the tokenizer names a BOS or EOS token to stand for the empty "
+                        "context; name a part of the prompt, or give the model a bos_token_id"
+                    )
+                cut = [int(start)]
+            ids.append(cut)
         out.append(ids)
     return out
+
+
+def _start_token(model, tokenizer=None) -> int | None:
+    """The token an empty prompt is replayed after (METHOD.md section 2): the BOS token of the
+    model's config, else the tokenizer's, else the EOS token (config, then tokenizer), which
+    a model without BOS saw before each text; None when none is known."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for source, attr in ((config, "bos_token_id"), (tokenizer, "bos_token_id"),
+                         (config, "eos_token_id"), (tokenizer, "eos_token_id")):  # fmt: skip
+        value = getattr(source, attr, None) if source is not None else None
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+            return int(value)
+    return None
 
 
 @dataclass
@@ -632,6 +669,9 @@ def replay_relevance(
         spans: (B, K) ``spans[i][k]``: the spans reward k's verifier names in prompt i
             (``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on a
             chat prompt; None or [] for none: that reward is spread uniformly, as in GDPO).
+            Spans covering a whole plain prompt leave no token: that replay runs after the
+            one-token context of the model's BOS token (else its EOS), the response after
+            no prompt at all (a ValueError naming the sample and reward if neither exists).
         temperature: the sampling temperature.
         tokenizer: renders and tokenizes prompts: a chat prompt with its chat template
             (``add_generation_prompt=True``, ``chat_template_kwargs``); a plain prompt as it
@@ -704,6 +744,10 @@ def replay_relevance(
     for p in prompts:
         is_chat_prompt(p)  # a clear error for anything else
     full = [encode_memo(p) for p in prompts]
+    for i, f in enumerate(full):
+        if not f and rows[i]:
+            raise ValueError(f"prompts: sample {i} renders to no token (an empty plain prompt): "
+                             "the responses need a prompt token to follow")  # fmt: skip
     if prompt_ids is not None:
         given = _rows_of(prompt_ids, prompt_mask, "prompt_ids")
         if len(given) != b:
@@ -726,7 +770,8 @@ def replay_relevance(
                                  f"model's vocabulary [0, {vocab})")  # fmt: skip
         rows[i] = [int(t) for t in r]
     keep = None if replay_mask is None else _bool_matrix(replay_mask, "replay_mask", b, k)
-    stream_ids = _stream_ids(list(prompts), [list(r) for r in spans], encode_memo)
+    stream_ids = _stream_ids(list(prompts), [list(r) for r in spans], encode_memo,
+                             _start_token(model, tokenizer))  # fmt: skip
     has_info = torch.tensor([[s is not None for s in row] for row in stream_ids],
                             dtype=torch.bool).reshape(b, k)  # fmt: skip
     replayed_pairs = has_info if keep is None else has_info & keep

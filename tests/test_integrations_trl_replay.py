@@ -5,6 +5,7 @@ built in code, span functions (``reward_spans``) and span-returning reward funct
 equals a float64 recomputation from full logits."""
 
 import copy
+import math
 import re
 
 import pytest
@@ -289,3 +290,34 @@ def test_reward_span_functions_may_return_arrays(tmp_path):
     with pytest.raises(ValueError, match=r"reward_spans\[0\] \('<lambda>'\), sample 0: spans "
                                          r"must be a list"):  # fmt: skip
         trainer._mrtpo_spans(inputs, 3)
+
+
+def test_trl_span_covering_the_whole_plain_prompt_trains(tmp_path):
+    """Issue 41, item 4, through the trainer: a reward whose span is a whole plain prompt
+    (TRL tokenizes it without BOS) made the replay run the decoder on an empty prompt. It is
+    replayed after the one-token start context (docs/METHOD.md section 2), and trains."""
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+
+    def whole(prompt, **columns):
+        return [(0, len(prompt))]
+
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "topic": WORDS})
+    config = trl_trainer.MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+        temperature=1.3, mrtpo_replay_all=True,
+    )  # fmt: skip
+    trainer = trl_trainer.MRTPOGRPOTrainer(
+        model=model, reward_funcs=[says_word, length], args=config, train_dataset=ds,
+        processing_class=tok, reward_spans=[whole, None],
+    )  # fmt: skip
+    trainer.train()
+    rep = trainer.last_replay["replay"]
+    assert rep.has_info[:, 0].all() and not rep.has_info[:, 1].any()
+    mask = rep.response_mask
+    assert bool(mask.any())
+    assert bool((rep.relevance[0][mask] > 0).all())  # the prompt moves every token
+    logged = trainer.state.log_history[0]
+    assert logged["mrtpo/relevance/says_word"] > 0 and math.isfinite(logged["loss"])

@@ -374,6 +374,57 @@ def test_replay_relevance_takes_spans_as_integer_arrays():
                          **ok)  # fmt: skip
 
 
+def test_replay_of_a_span_covering_the_whole_plain_prompt():
+    """Issue 41, item 4: spans covering a whole plain prompt left no token and the decoder
+    died ("cannot reshape tensor of 0 elements"). That replay runs after the one-token
+    context of the model's BOS token, else its EOS (this tokenizer adds no BOS): the response
+    after no prompt at all, checked against float64 logits; a chat prompt keeps the
+    template's frame. Without any such token it is a ValueError naming sample and reward."""
+    tok, model = _chat_setup()
+    p0, p1 = PROMPTS
+    assert tok("")["input_ids"] == [] and model.config.bos_token_id is None
+    eos = model.config.eos_token_id
+    spans = [[[(0, len(p0))], [(0, 5)]], [[(0, 10), (8, len(p1))], []]]
+    responses = [[10, 11, 12], [13, 14]]
+    out = replay_relevance(model, [p0, p1], responses, spans, tokenizer=tok, temperature=0.8)
+    assert out.has_info.tolist() == [[True, True], [True, False]]
+    for i, p in enumerate((p0, p1)):
+        want = _f64_relevance(model, tok(p)["input_ids"], [eos], responses[i], 0.8)
+        got = out.relevance[0, i, : len(responses[i])].double()
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+        assert bool((got > 0).all())
+    # a BOS in the model's config is taken first
+    bos_model = copy.deepcopy(model)
+    bos_model.config.bos_token_id = 7
+    out7 = replay_relevance(bos_model, [p0], [responses[0]], [spans[0][:1]], tokenizer=tok,
+                            temperature=0.8)  # fmt: skip
+    want = _f64_relevance(model, tok(p0)["input_ids"], [7], responses[0], 0.8)
+    torch.testing.assert_close(out7.relevance[0, 0].double(), want, rtol=1e-3, atol=1e-4)
+    # mrtpo train's packed front end: the chat template's frame stays
+    pr = ChatPrompter(tok)
+    rep = contrastive_replay(model, pr, [p0], [pr.encode(p0).ids], [responses[0]],
+                             [[[(0, len(p0))]]], temperature=0.8)  # fmt: skip
+    assert pr.encode("").ids and bool((rep.relevance > 0).all())
+    # neither a BOS nor an EOS known: refused, naming the sample and the reward
+    w, b = lm_head(model)
+
+    def hidden(input_ids, attention_mask, position_ids):
+        out = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False)  # fmt: skip
+        return out.last_hidden_state
+
+    def encode(prompt):
+        return tok(prompt)["input_ids"]
+
+    with pytest.raises(ValueError, match=r"spans\[1\]\[0\]: the prompt without these spans "
+                                         r"renders to no token"):  # fmt: skip
+        replay_relevance(CallableLM(hidden, w, b), [p0, p1], responses,
+                         [[[(0, 5)], []], spans[1]], encode=encode, temperature=0.8)  # fmt: skip
+    with pytest.raises(ValueError, match="prompts: sample 1 renders to no token"):
+        replay_relevance(model, [p0, ""], responses, [[[], []], [[], []]], tokenizer=tok,
+                         temperature=0.8)  # fmt: skip
+
+
 def test_replay_relevance_tokens_merged_across_the_cut():
     """The prompt without a span is tokenized afresh, so tokens merging across the cut are
     the shorter prompt's real tokens (not the full prompt's tokens with some deleted)."""
