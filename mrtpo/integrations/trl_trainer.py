@@ -117,8 +117,18 @@ class MRTPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "MRTPO: token advantages (False: TRL's own, fused loss only)."},
     )
+    # TRL's default is True under transformers' deprecated name, which transformers >= 5
+    # answers with a FutureWarning on every config: unset here, and __post_init__ gives
+    # TRL's True under the current name (activation_checkpointing). Passing it still works
+    # (with transformers' own warning, which the user then caused).
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (default: on, as in "
+                          "TRL).", "nargs": "?", "const": True},
+    )  # fmt: skip
 
     def __post_init__(self):
+        _checkpointing_default(self)
         # TRL's bf16 default is True, which TrainingArguments refuses on a machine without a
         # bf16 GPU (unless use_cpu): there the default is False, so that a script runs
         # unchanged on the CPU; an explicit bf16=True is left to TRL.
@@ -134,6 +144,39 @@ class MRTPOConfig(GRPOConfig):
             self.use_cpu = True
         super().__post_init__()
         _check_options({name: getattr(self, name) for name in _OPTION_NAMES})
+
+
+def _checkpointing_default(config) -> None:
+    """TRL's default, checkpointing on, where neither name of the setting was given: under
+    ``activation_checkpointing`` where transformers has it (no deprecation warning), else
+    under ``gradient_checkpointing``."""
+    if config.gradient_checkpointing is not None:
+        return
+    if hasattr(config, "activation_checkpointing"):
+        if config.activation_checkpointing is None:
+            config.activation_checkpointing = True
+    else:  # pragma: no cover - transformers < 5
+        config.gradient_checkpointing = True
+
+
+# TRL 1.16 reads and toggles checkpointing around each generation through transformers'
+# deprecated model aliases (``is_gradient_checkpointing``, ``gradient_checkpointing_disable``,
+# ``gradient_checkpointing_enable``): under transformers >= 5 each prints a FutureWarning per
+# process that no user line causes. Exactly those three, raised in transformers.modeling_utils,
+# are ignored once a trainer exists; any other warning, and the config alias's, still shows.
+_TRL_CHECKPOINTING_ALIASES = (
+    r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
+    r" is deprecated"
+)
+
+
+def _ignore_trl_checkpointing_aliases() -> None:
+    warnings.filterwarnings(
+        "ignore",
+        message=_TRL_CHECKPOINTING_ALIASES,
+        category=FutureWarning,
+        module=r"transformers\.modeling_utils",
+    )
 
 
 def _accelerator_available() -> bool:
@@ -564,6 +607,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             else:
                 kwargs["args"] = config
         options = _options_of(config, deprecated)
+        _ignore_trl_checkpointing_aliases()
         with _reference_from_policy(model):
             super().__init__(*args, **kwargs)
         self._mrtpo_span_store = store
