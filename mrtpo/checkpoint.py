@@ -447,6 +447,15 @@ class RunDir:
         self._metrics_file = open(self.metrics_path, "a")
         return kept
 
+    def rewrite_metrics(self, rows: list[dict]) -> None:
+        """Replace metrics.jsonl with ``rows`` (a kill leaves the old file or the new one,
+        whole) and reopen it for appending."""
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        write_atomic(self.metrics_path, "".join(json.dumps(row) + "\n" for row in rows))
+        self._metrics_file = open(self.metrics_path, "a")
+
     def append_metrics(self, row: dict) -> None:
         line = json.dumps(row) + "\n"
         f = self._metrics_file

@@ -6,6 +6,12 @@ is trained on, 8 answers at a time. The held-out curve is what a claim should re
 prompts of the task's eval split (disjoint from its training prompts) get ``eval_samples``
 sampled answers each, at the training temperature, scored by the same verifiers.
 
+The schedule depends on ``eval_every`` and the run's total steps only, not on how the run
+was split: a run extended with ``--resume --steps N`` (as ``mrtpo compare`` extends a shorter
+run) drops from metrics.jsonl the evaluation its shorter part made at its last step where
+the longer run has none (`match_schedule`, rewritten atomically at the resume), so that its
+rows, held-out AUC and steps to target are those of the run done in one go.
+
 The sampling runs in a random state of its own, seeded by ``eval_seed`` each time
 (`torch.random.fork_rng`): the same prompts and seed at every evaluation, so two points of a
 curve, or two runs' curves, differ only by their policies; and the training run's own random
@@ -31,8 +37,37 @@ from .rollouts import generate_rollouts
 
 def eval_due(step: int, every: int, last: int) -> bool:
     """Whether the policy after ``step`` updates is evaluated: at 0, every ``every`` steps
-    and at the run's last step (``every`` = 0: never)."""
+    and at the run's last step (``every`` = 0: never). A function of ``every`` and the run's
+    total steps only, whatever the run's parts (`match_schedule`)."""
     return every > 0 and (step % every == 0 or step == last)
+
+
+def match_schedule(rows: list[dict], every: int, last: int) -> tuple[list[int], bool]:
+    """Bring the evaluations in the metrics ``rows`` of a resumed run to the schedule of the
+    run it now is (``every``, ``last`` total steps): an evaluation not due there -- the one a
+    shorter run made at its own last step, before ``--resume --steps`` extended it -- is
+    removed from its row (in place). Returns (the steps of the evaluations removed, whether
+    the policy of the last row's step is due an evaluation that row lacks: a run resumed to
+    end at a step its earlier part did not evaluate). Evaluations past ``last`` are left
+    alone."""
+    removed = []
+    for row in rows:
+        evs = row.get("eval")
+        if not evs:
+            continue
+        keep = [e for e in evs if e["step"] > last or eval_due(e["step"], every, last)]
+        if len(keep) != len(evs):
+            removed += [e["step"] for e in evs if e not in keep]
+            if keep:
+                row["eval"] = keep
+            else:
+                del row["eval"]
+    missing = False
+    if rows:
+        step = rows[-1]["step"]
+        have = {e["step"] for e in rows[-1].get("eval") or ()}
+        missing = step <= last and eval_due(step, every, last) and step not in have
+    return removed, missing
 
 
 def check_eval_split(task, cfg) -> None:

@@ -271,6 +271,10 @@ def test_more_steps_resume_the_shorter_runs_instead_of_reusing_them(tmp_path):
     assert sum("(resumed from step 2)" in line for line in logs) == 1, logs
     curve = longer["runs"]["gdpo"][0]["curve"]
     assert len(curve) == 3 and curve[:2] == first["runs"]["gdpo"][0]["curve"]
+    # held-out evaluations as in a 3-step run done in one go: before the first step and after
+    # the last, not also at the 2-step run's last step (issue 41, item 8)
+    assert first["runs"]["gdpo"][0]["heldout"]["steps"] == [0, 2]
+    assert longer["runs"]["gdpo"][0]["heldout"]["steps"] == [0, 3]
     logs = []
     again = run_compare(replace(short, steps=3), task=standin_task(), log=logs.append)
     assert (

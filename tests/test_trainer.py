@@ -162,10 +162,12 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert resumed.step == 2
     resumed.run(progress=False)
     got, want = _comparable(resumed.metrics), _comparable(full.metrics)
-    # the shorter run evaluated its last policy (step 2); the run extended from it keeps that
-    # evaluation, the one uninterrupted 3-step run had no evaluation there
-    assert [e["step"] for e in got[1].pop("eval")] == [2] and "eval" not in want[1]
+    # the shorter run evaluated its last policy (step 2); the uninterrupted 3-step run has no
+    # evaluation there, and neither has the run extended from it (issue 41, item 8)
+    assert "eval" not in want[1] and "eval" not in got[1]
     assert got == want
+    on_disk = [json.loads(line) for line in resumed.run_dir.metrics_path.read_text().splitlines()]
+    assert _comparable(on_disk) == want
     for (na, pa), (nb, pb) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
     sa, sb = full.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
@@ -438,6 +440,71 @@ def test_heldout_evaluations_survive_resume(tmp_path):
         replace(cfg, out=str(tmp_path / "part"), resume=True), task=task, progress=False
     )
     assert _comparable(resumed.metrics) == _comparable(full.metrics)
+
+
+def _rows_on_disk(out) -> list[dict]:
+    return _comparable(
+        [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    )
+
+
+def test_the_eval_schedule_does_not_depend_on_how_the_run_was_split(tmp_path):
+    """Issue 41, item 8: a run extended with --resume --steps kept the evaluation its shorter
+    run made at its last step, so its held-out AUC and steps to target differed from the same
+    run done in one go (its training bit-identical)."""
+    from mrtpo.stats import heldout_summary
+
+    task = standin_task()
+    cfg = tiny_config(tmp_path, steps=5, eval_every=2, eval_prompts=2, checkpoint_every=1)
+    full = train(cfg, task=task, progress=False)
+    want = _rows_on_disk(cfg.out)
+    assert [e["step"] for r in want for e in r.get("eval", [])] == [0, 2, 4, 5]
+    # 3 steps (evaluated at 0, 2 and its last, 3), extended to 4, then to 5
+    part = replace(cfg, out=str(tmp_path / "part"), steps=3)
+    train(part, task=task, progress=False)
+    assert [e["step"] for r in _rows_on_disk(part.out) for e in r.get("eval", [])] == [0, 2, 3]
+    logs = []
+    train(replace(part, steps=4, resume=True), task=task, progress=False, log=logs.append)
+    assert any("removed the held-out evaluation of step 3" in m for m in logs), logs
+    res = train(replace(part, steps=5, resume=True), task=task, progress=False)
+    assert _rows_on_disk(part.out) == want and _comparable(res.metrics) == want
+    names = ["include", "ending", "short"]
+    assert heldout_summary(res.metrics, names, 0.5) == {
+        **heldout_summary(full.metrics, names, 0.5),
+        "seconds": heldout_summary(res.metrics, names, 0.5)["seconds"],
+        "seconds_to_target": heldout_summary(res.metrics, names, 0.5)["seconds_to_target"],
+        "train_s": heldout_summary(res.metrics, names, 0.5)["train_s"],
+    }
+    # a run resumed to end at a step its earlier part did not evaluate (a 5-step run's
+    # checkpoint of step 3, resumed with --steps 3): the due evaluation is made, the same
+    # one the 3-step run made in one go
+    three = replace(cfg, out=str(tmp_path / "three"), steps=3)
+    train(three, task=task, progress=False)
+    want3 = _rows_on_disk(three.out)
+    rows = [
+        json.loads(line) for line in (tmp_path / "three/metrics.jsonl").read_text().splitlines()
+    ]
+    del rows[2]["eval"]
+    (tmp_path / "three/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = train(replace(three, resume=True), task=task, progress=False)
+    assert _rows_on_disk(three.out) == want3 and _comparable(res.metrics) == want3
+
+
+def test_match_schedule_keeps_only_the_evaluations_of_the_final_schedule():
+    from mrtpo.heldout import match_schedule
+
+    def rows(evals):
+        return [{"step": s, **({"eval": [{"step": e} for e in evals[s]]} if evals.get(s) else {})}
+                for s in range(1, max(evals) + 1)]  # fmt: skip
+
+    r = rows({1: [0], 2: [2], 3: [3]})  # a 3-step run, every 2, extended to 6
+    assert match_schedule(r, 2, 6) == ([3], False) and r == rows({1: [0], 2: [2], 3: []})
+    r = rows({1: [0], 2: [2], 3: [3]})  # on the longer run's grid (every 3): kept
+    assert match_schedule(r, 3, 6) == ([2], False) and r == rows({1: [0], 2: [], 3: [3]})
+    r = rows({1: [0], 2: [2], 3: []})  # resumed to end at step 3: its evaluation is due
+    assert match_schedule(r, 2, 3) == ([], True)
+    r = rows({1: [0], 2: [], 3: [3]})  # a run resumed with fewer steps: nothing past 2 moves
+    assert match_schedule(r, 2, 2) == ([], False) and r == rows({1: [0], 2: [], 3: [3]})
 
 
 def test_a_task_without_eval_prompts_is_refused_before_anything_is_written(tmp_path):
