@@ -321,3 +321,46 @@ def test_trl_span_covering_the_whole_plain_prompt_trains(tmp_path):
     assert bool((rep.relevance[0][mask] > 0).all())  # the prompt moves every token
     logged = trainer.state.log_history[0]
     assert logged["mrtpo/relevance/says_word"] > 0 and math.isfinite(logged["loss"])
+
+
+def constant_with_spans(prompts, completions, **kw):  # names spans, never varies: A_k = 0
+    return [(1.0, [quoted(user_text(p), 1)]) for p in prompts]
+
+
+def test_trl_replay_metrics_per_reward_with_skipped_pairs(tmp_path):
+    """Issue 41, item 14: ``mrtpo/relevance/<reward>`` was averaged over replayed pairs only,
+    so a reward that named spans could be missing from the log with the default skip. Now
+    every reward that named a span has the key (None: named, every pair skipped, not
+    measured), and the pairs replayed and skipped are logged per reward too."""
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, "topic": WORDS * 2})
+    config = trl_trainer.MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+        temperature=1.3,
+    )  # fmt: skip
+    trainer = trl_trainer.MRTPOGRPOTrainer(
+        model=model, reward_funcs=[says_word, constant_with_spans, length], args=config,
+        train_dataset=ds, processing_class=tok, reward_spans=[word_spans, None, None],
+    )  # fmt: skip
+    trainer.train()
+    h = trainer.state.log_history[0]
+    rep = trainer.last_replay["replay"]
+    b = rep.has_info.shape[0]
+    assert rep.has_info[:, :2].all() and not rep.has_info[:, 2].any()
+    pairs = rep.replayed_pairs
+    assert not pairs[:, 1].any()  # the constant reward's advantage is 0: all skipped
+    assert bool(pairs[:, 0].any())
+    assert h["mrtpo/replay/pairs/says_word"] == int(pairs[:, 0].sum())
+    assert h["mrtpo/replay/skipped/says_word"] == b - int(pairs[:, 0].sum())
+    assert h["mrtpo/replay/pairs/constant_with_spans"] == 0
+    assert h["mrtpo/replay/skipped/constant_with_spans"] == b
+    assert h["mrtpo/replay/pairs/length"] == 0 and h["mrtpo/replay/skipped/length"] == 0
+    assert h["mrtpo/replay/pairs"] == int(pairs.sum())
+    assert h["mrtpo/replay/skipped"] == 2 * b - int(pairs.sum())
+    assert h["mrtpo/relevance/says_word"] > 0
+    assert "mrtpo/relevance/constant_with_spans" in h  # named spans: present ...
+    assert h["mrtpo/relevance/constant_with_spans"] is None  # ... not measured
+    assert "mrtpo/relevance/length" not in h  # named none

@@ -571,7 +571,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
 
     Logged per step, beside TRL's metrics (docs/trl.md, "Logged metrics"):
     ``mrtpo/gdpo_std/<reward>``, ``mrtpo/frac_zero_std/<reward>``,
-    ``mrtpo/frac_zero_std_all``, ``mrtpo/replay_seconds`` and ``mrtpo/relevance/<reward>``.
+    ``mrtpo/frac_zero_std_all``, ``mrtpo/replay_seconds``, ``mrtpo/relevance/<reward>``,
+    ``mrtpo/replay/pairs`` and ``mrtpo/replay/skipped`` (in all and per reward).
     ``trainer.last_replay`` keeps the last batch's prompts, spans, completion ids and
     ``Replay`` (relevance, has_info) for inspection.
 
@@ -724,7 +725,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             else:
                 relevance = torch.zeros((k, b, t), dtype=torch.float32, device=mask.device)
                 has_info = torch.zeros((b, k), dtype=torch.bool, device=mask.device)
-            self._log_replay(rep, mode, named)
+            self._log_replay(rep, mode, named, spans)
         relevance, has_info, gamma = self._allocating(
             relevance.to(mask.device), has_info.to(mask.device).bool(), output
         )
@@ -844,16 +845,24 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         return rep
 
-    def _log_replay(self, rep, mode, named: int = 0):
+    def _log_replay(self, rep, mode, named: int = 0, spans=None):
         """One all-reduce, run by every process whatever its rows hold (``rep`` None: this
         process replayed nothing): the replay's seconds averaged over the processes that
         replayed, the pairs replayed and the pairs with spans skipped (their advantage is 0)
-        over every process, and per reward its relevance summed over the tokens of the
-        pairs replayed, over every process. ``named``: this process's pairs with spans."""
+        over every process, in all and per reward, and per reward its relevance summed over
+        the tokens of the pairs replayed, over every process. ``named``: this process's
+        pairs with spans; ``spans``: its (B, K) spans (None: none named).
+
+        ``mrtpo/relevance/<reward>`` is logged in every step where that reward named a span
+        on some process: the mean relevance over the tokens of its pairs replayed, or NaN
+        when every one was skipped (TRL's ``log`` leaves NaN out of its average over the
+        logging window, and logs None when nothing else is left: named, not measured)."""
         dev = self.accelerator.device
         k = len(self.reward_func_names)
-        local = torch.zeros(4 + 2 * k, dtype=torch.float64, device=dev)
+        local = torch.zeros(4 + 4 * k, dtype=torch.float64, device=dev)
         local[3] = float(named)
+        for j in range(k):
+            local[7 + 4 * j] = float(sum(bool(row[j]) for row in spans or ()))
         if rep is not None:
             local[0], local[1] = float(rep.seconds), 1.0
             pairs = rep.replayed_pairs.to(dev)
@@ -861,8 +870,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             m = rep.response_mask.to(dev).double()
             for j in range(k):
                 w = m * pairs[:, j].double()[:, None]
-                local[4 + 2 * j] = (rep.relevance[j].to(dev).double() * w).sum()
-                local[5 + 2 * j] = w.sum()
+                local[4 + 4 * j] = (rep.relevance[j].to(dev).double() * w).sum()
+                local[5 + 4 * j] = w.sum()
+                local[6 + 4 * j] = float(pairs[:, j].sum())
         tot = self.accelerator.reduce(local, reduction="sum").cpu()
         metrics = self._metrics[mode]
         if float(tot[1]) > 0:
@@ -870,9 +880,14 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         metrics["mrtpo/replay/pairs"].append(float(tot[2]))
         metrics["mrtpo/replay/skipped"].append(float(tot[3] - tot[2]))
         for j, name in enumerate(self.reward_func_names):
-            rel, count = float(tot[4 + 2 * j]), float(tot[5 + 2 * j])
+            rel, count = float(tot[4 + 4 * j]), float(tot[5 + 4 * j])
+            replayed, named_j = float(tot[6 + 4 * j]), float(tot[7 + 4 * j])
+            metrics[f"mrtpo/replay/pairs/{name}"].append(replayed)
+            metrics[f"mrtpo/replay/skipped/{name}"].append(named_j - replayed)
             if count > 0:
                 metrics[f"mrtpo/relevance/{name}"].append(rel / count)
+            elif named_j > 0:  # named spans, none replayed: not measured this step
+                metrics[f"mrtpo/relevance/{name}"].append(float("nan"))
 
     # ------------------------------------------------------------ log-probs
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
