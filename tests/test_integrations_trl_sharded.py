@@ -194,3 +194,143 @@ def test_sharded_engines_train_as_ddp_with_a_rank_that_replays_nothing(tmp_path)
                                        msg=lambda m, e=engine, k=key: f"{e} {k}: {m}")  # fmt: skip
         # rank 0 replayed, rank 1 (no spans) did not, in both steps
         assert len(r0["logs"]) == 2 and all(h["mrtpo/replay/pairs"] > 0 for h in r0["logs"])
+
+
+# --------------------------------------------------------------------------- fully_shard
+# The engine module alone on torch's own FSDP2 (``fully_shard`` per decoder layer and the
+# root on a CPU mesh, no Accelerate, no TRL): rank 0 replays rows with spans, rank 1 none.
+# The replay's relevance equals the unsharded model's; the training step after it gives
+# the same weights as with no replay at all (FSDP2's recorded forward order, which drives
+# the backward's prefetch, is as before the replay); the replay's peak parameter memory is
+# the engine's own forward's plus at most one copy of the LM head.
+
+
+def _param_bytes(model) -> int:
+    """Bytes of the parameters FSDP2 holds unsharded now (every unit of ``model``)."""
+    from mrtpo.integrations.engine import _fsdp2_states
+
+    n = 0
+    for _, groups in _fsdp2_states(model):
+        for group in groups:
+            for fp in group.fsdp_params:
+                if fp.sharded_state.name == "UNSHARDED":
+                    n += fp.unsharded_param.numel() * fp.unsharded_param.element_size()
+    return n
+
+
+def _fsdp2_rank_main(rank: int, port: int, out: str):
+    _join_group(rank, port)
+    import copy
+
+    import torch.distributed as dist
+    from test_integrations_trl_replay import PROMPTS, quoted, tiny_model, user_text
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mrtpo.integrations.engine import _fsdp2_states, sharded_replay
+    from mrtpo.replay import replay_relevance
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    base, tok = tiny_model()
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    spans = [[[quoted(user_text(p), 0)], [quoted(user_text(p), 1)]] for p in prompts]
+    gen = torch.Generator().manual_seed(1)
+    responses = [torch.randint(3, len(tok), (n,), generator=gen).tolist() for n in (5, 3, 6, 1)]
+    batch = torch.randint(3, len(tok), (4, 12), generator=gen)
+    results = {}
+    for reshard in (True, False):
+        for replay in (True, False):
+            model = copy.deepcopy(base)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            peak = {"now": 0}
+
+            def watch(module, args, peak=peak, model=model):
+                peak["now"] = max(peak["now"], _param_bytes(model))
+
+            hooks = [m.register_forward_pre_hook(watch) for m in model.modules()]
+            model.eval()
+            orders = [
+                len(getattr(s._comm_ctx, "post_forward_order", ())) for s, _ in _fsdp2_states(model)
+            ]
+            rep, head_bytes, forwards = None, 0, 0
+            with sharded_replay(model) as lm:
+                head_bytes = lm.head_copy_bytes
+                if replay and rank == 0:
+                    rep = replay_relevance(lm, prompts, responses, spans, tokenizer=tok,
+                                           temperature=1.0)  # fmt: skip
+            forwards = lm.lockstep.forwards
+            after = [
+                len(getattr(s._comm_ctx, "post_forward_order", ())) for s, _ in _fsdp2_states(model)
+            ]
+            replay_peak, peak["now"] = peak["now"], 0
+            model.train()
+            logits = model(input_ids=batch).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                              batch[:, 1:].flatten()).backward()  # fmt: skip
+            opt.step()
+            train_peak = peak["now"]
+            for h in hooks:
+                h.remove()
+            final = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+            results[(reshard, replay)] = dict(
+                final=final, orders=(orders, after), forwards=forwards,
+                relevance=None if rep is None else rep.relevance, replay_peak=replay_peak,
+                train_peak=train_peak, head_bytes=head_bytes,
+                full_bytes=sum(p.numel() * p.element_size() for p in base.parameters()),
+            )  # fmt: skip
+    plain = replay_relevance(copy.deepcopy(base).eval(), prompts, responses, spans,
+                             tokenizer=tok, temperature=1.0)  # fmt: skip
+    head = base.get_output_embeddings()
+    head_bytes = (head.weight.numel() + head.bias.numel()) * head.weight.element_size()
+    torch.save(dict(results=results, plain=plain.relevance, head_bytes=head_bytes),
+               os.path.join(out, f"r{rank}.pt"))  # fmt: skip
+    dist.barrier()
+    time.sleep(0.25)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fully_shard_replay_lockstep_forward_order_and_memory(tmp_path):
+    ctx = mp.start_processes(_fsdp2_rank_main, args=(_free_port(), str(tmp_path)),
+                             nprocs=WORLD, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("fully_shard replay hung (ranks ran different collectives)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    recs = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(WORLD)]
+    for reshard in (True, False):
+        with_replay = [r["results"][(reshard, True)] for r in recs]
+        without = [r["results"][(reshard, False)] for r in recs]
+        # the relevance of rank 0's rows is the unsharded model's
+        torch.testing.assert_close(with_replay[0]["relevance"], recs[0]["plain"],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        assert bool(with_replay[0]["relevance"].any())
+        # rank 1 ran as many forwards (dummies) as rank 0, and nothing of them stays in
+        # FSDP2's recorded forward order
+        assert with_replay[0]["forwards"] == with_replay[1]["forwards"] > 0
+        assert without[1]["forwards"] == 0
+        for r in with_replay:
+            assert r["orders"][0] == r["orders"][1]
+        # the step after the replay: the same weights as with no replay, on both ranks
+        for key, val in without[0]["final"].items():
+            for r in with_replay + without[1:]:
+                torch.testing.assert_close(r["final"][key], val, rtol=0, atol=0)
+        # peak parameter memory of the replay: what FSDP2 holds unsharded (the root's unit
+        # and one layer's at most), as in the engine's own training forward, plus at most
+        # one copy of the LM head
+        head = recs[0]["head_bytes"]
+        for r in with_replay:
+            assert 0 < r["replay_peak"] <= r["train_peak"], r
+            assert r["replay_peak"] + r["head_bytes"] <= r["train_peak"] + head, r
+            if reshard:
+                assert r["replay_peak"] < r["full_bytes"]

@@ -9,9 +9,10 @@ ranks would wait on each other forever. ``sharded_replay`` gives the replay a mo
 ``EngineLM``, whose decoder forward is the wrapped module's own forward (the engine gathers
 each unit and frees it after, as in training) with the LM head swapped for the identity,
 and whose LM head is the head's weight and bias gathered once by the engine (FSDP1
-``summon_full_params`` of the unit that holds the head, without its children; FSDP2 the
-DTensor's ``full_tensor``; ZeRO-3 ``deepspeed.zero.GatheredParameters`` of the head's
-parameters): never raw shards, never the whole model at once. Before each decoder forward
+``summon_full_params`` of the unit that holds the head, without its children, copied
+out; FSDP2 ``unshard()`` of the unit that holds the head, not recursive, kept unsharded
+through the replay; ZeRO-3 ``deepspeed.zero.GatheredParameters`` of the head's parameters,
+copied out): never raw shards, never the whole model at once. Before each decoder forward
 the ranks run one all-reduce of one int ("I have a forward"); a rank whose replay has ended
 answers 0 and runs a one-token dummy forward while another still has one, so that every
 rank runs the same forwards in the same order. On FSDP2 the forwards of the replay are then
@@ -90,13 +91,51 @@ def _gathered_head(model, inner, sharding):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             full = [p.detach().clone() for p in _head_params(head)]
     elif sharding == "fsdp2":
-        full = []
-        for p in params:
-            full_tensor = getattr(p, "full_tensor", None)  # a DTensor shard: all-gathered
-            full.append((full_tensor() if full_tensor is not None else p).detach())
+        with _fsdp2_head_unsharded(model, head) as copy_needed:
+            full = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                    for p in _head_params(head)]  # fmt: skip
+            if copy_needed:
+                full = [t.clone() if not hasattr(p, "full_tensor") else t
+                        for t, p in zip(full, _head_params(head))]  # fmt: skip
+            yield full[0], (full[1] if len(full) > 1 else None), copy_needed
+        return
     else:
         full = [p.detach() for p in params]
-    yield full[0], (full[1] if len(full) > 1 else None)
+    yield full[0], (full[1] if len(full) > 1 else None), sharding in ("fsdp1", "zero3")
+
+
+@contextlib.contextmanager
+def _fsdp2_head_unsharded(model, head):
+    """The FSDP2 unit that holds ``head`` unsharded by FSDP2 (``unshard()``, not recursive)
+    and kept so through the replay's forwards (reshard after forward off for that unit
+    only, restored after, then resharded if it was so set): the replay holds what the
+    engine's own forward holds, that unit and one layer's. Yields whether the head must
+    be copied instead (it is not FSDP2's: a DTensor of another kind)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners = [m for m in model.modules()
+              if isinstance(m, FSDPModule) and any(x is head for x in m.modules())]  # fmt: skip
+    if not owners:
+        yield True
+        return
+    owner = min(owners, key=lambda m: sum(1 for _ in m.modules()))
+    state = owner._get_fsdp_state()
+    groups = _fsdp2_states(owner)[0][1]
+    saved = [g.post_forward_mesh_info for g in groups]
+    auto = getattr(state, "_auto_reshard_after_forward", None)
+    reshards = any(info is not None for info in saved)
+    if reshards:
+        owner.set_reshard_after_forward(False, recurse=False)
+    try:
+        owner.unshard()
+        yield False
+    finally:
+        if reshards:
+            for g, info in zip(groups, saved):
+                g.post_forward_mesh_info = info
+            if auto is not None:
+                state._auto_reshard_after_forward = auto
+            owner.reshard()
 
 
 def _head_params(head):
@@ -230,9 +269,8 @@ def _fsdp2_forward_order_kept(model):
     saved_order, saved_groups = {}, []
     for state, groups in _fsdp2_states(model):
         ctx = getattr(state, "_comm_ctx", None)
-        order = getattr(ctx, "post_forward_order", None)
-        if isinstance(order, list):
-            saved_order[id(order)] = (order, len(order))
+        if ctx is not None:  # before FSDP2's lazy init the order does not exist yet: empty
+            saved_order[id(ctx)] = (ctx, len(getattr(ctx, "post_forward_order", None) or ()))
         for g in groups:
             indices = getattr(g, "_post_forward_indices", None)
             if isinstance(indices, list):
@@ -240,8 +278,10 @@ def _fsdp2_forward_order_kept(model):
     try:
         yield
     finally:
-        for order, n in saved_order.values():
-            del order[n:]
+        for ctx, n in saved_order.values():
+            order = getattr(ctx, "post_forward_order", None)
+            if isinstance(order, list):
+                del order[n:]
         for indices, n in saved_groups:
             del indices[n:]
 
@@ -277,11 +317,17 @@ def sharded_replay(model, *, device=None, group=None):
     with contextlib.ExitStack() as stack:
         if sharding == "fsdp2":
             stack.enter_context(_fsdp2_forward_order_kept(model))
-        weight, bias = stack.enter_context(_gathered_head(model, inner, sharding))
+            states = _fsdp2_states(model)
+            if states and getattr(states[0][0], "_is_root", True) is None:
+                dummy()  # FSDP2's lazy init (which unit is the root) runs in a forward
+        weight, bias, copied = stack.enter_context(_gathered_head(model, inner, sharding))
         inner.set_output_embeddings(torch.nn.Identity())
         stack.callback(inner.set_output_embeddings, head)
         lm = EngineLM(_Decoder(run, cache_kw, lockstep), weight, bias)
         lm.sharding = sharding
         lm.lockstep = lockstep
+        # bytes of the head held beside the engine's own parameters (a gathered copy)
+        lm.head_copy_bytes = (sum(t.numel() * t.element_size() for t in (weight, bias)
+                                  if t is not None) if copied else 0)  # fmt: skip
         yield lm
         lm.dummy_forwards = lockstep.drain(dummy)
