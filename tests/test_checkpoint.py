@@ -242,6 +242,54 @@ def test_resume_with_an_unmarked_checkpoint_keeps_history_and_complete_states(tm
     t.run_dir.unlock()
 
 
+def _mrtpo_train(tmp_path, out: Path, *args, kill: str | None = None):
+    """``mrtpo train`` in its own process, on the built-in constraints task with a tiny warm
+    start (cached under ``tmp_path``)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(KILL_ENV, None)
+    if kill:
+        env[KILL_ENV] = kill
+    argv = ["--task", "constraints", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+            "--warm-steps", "5", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "6", "--checkpoint-every", "1", "--eval-every", "2",
+            "--eval-prompts", "2", "--threads", "1", "--quiet", *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "mrtpo", "train", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # three `mrtpo train` processes
+def test_mrtpo_train_resume_with_an_unmarked_checkpoint_beside_a_complete_tmp(tmp_path):
+    """Issue 41, item 13 (open since round 3), exactly its state, through the command line:
+    ``checkpoint/`` without meta.json while a complete, marked ``checkpoint.tmp/`` sits
+    beside it (here a save of step 2 killed after .tmp's commit mark, then checkpoint/'s
+    mark lost). Reported to train from step 0, rewrite metrics.jsonl and delete the .tmp; it
+    must resume from the .tmp, keeping the history, and train as the run done in one go."""
+    one_go = _mrtpo_train(tmp_path, tmp_path / "one-go", "--steps", "3")
+    assert one_go.returncode == 0, one_go.stderr
+    out = tmp_path / "run"
+    killed = _mrtpo_train(tmp_path, out, "--steps", "3", kill="tmp_complete:2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert json.loads((out / "checkpoint" / META).read_text())["step"] == 1
+    assert json.loads((out / "checkpoint.tmp" / META).read_text())["step"] == 2
+    (out / "checkpoint" / META).unlink()  # the state of the issue
+    history = (out / "metrics.jsonl").read_bytes()
+    assert history.count(b"\n") == 2
+    resumed = _mrtpo_train(tmp_path, out, "--steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stdout
+    assert "resume: removed checkpoint/ (no completion mark: incomplete)" in said, said
+    assert "resume: took checkpoint.tmp/ (complete, step 2) as checkpoint/" in said, said
+    assert f"resumed from {out / 'checkpoint'} at step 2" in said, said
+    assert (out / "metrics.jsonl").read_bytes().startswith(history)  # the history kept
+    assert _rows(out) == _rows(tmp_path / "one-go")  # and trained on from step 2, not 0
+    meta = json.loads((out / "checkpoint" / META).read_text())
+    assert meta["step"] == 3 and meta["metrics_rows"] == 3
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+
+
 def test_one_trainer_per_folder(tmp_path, reference):
     cfg = tiny_config(tmp_path, steps=1, cache_dir=str(reference[0] / "cache"))
     first = Trainer(cfg, task=standin_task())  # holds the folder until its run ends
