@@ -564,9 +564,12 @@ class TrainConfig:
         resume_may_change=True,
     )
     threads: int = setting(
-        0,
-        "torch CPU threads, 0 = torch's default; at most the CPUs this process may use (more "
-        "only contend for them, and tens of thousands crash torch)",
+        1,
+        "torch CPU threads of this process (default 1: a run beside another process, or "
+        "several runs, never has more busy threads than cores; oversubscribed OpenMP threads "
+        "wait on each other, 27-94 s a step against 7-8 s); 0 = torch's default, one per "
+        "physical core, for a machine with nothing else running; at most the CPUs this "
+        "process may use (more only contend for them, and tens of thousands crash torch)",
         lo=0,
         check=check_threads,
         group="run",

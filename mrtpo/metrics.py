@@ -221,6 +221,10 @@ def format_step(row: dict, names, total: int) -> str:
         parts.append("rel " + " ".join(f"{v:.3f}" if v is not None else "-" for _, v in rel))
     if row.get("credit_precision") is not None:
         parts.append(f"prec {row['credit_precision']:.2f}/unif {row['uniform_share']:.2f}")
+    t = row.get("time") or {}
+    seconds = [t.get(k) for k in ("rollout", "replay", "update")]
+    if all(isinstance(s, (int, float)) for s in seconds):
+        parts.append(f"{sum(seconds):.1f} s/step")
     return " | ".join(parts)
 
 
