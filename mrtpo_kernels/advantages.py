@@ -162,6 +162,8 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths,
         unit = _pow2_scale(torch.where(moves, c, 0.0).amax())
         denom = (unit / c)[inv]
     a = torch.where(moves[inv] & (denom > 0), dev / denom, torch.zeros_like(r))
+    if unit is not None:  # an A_k that is 0 in the rewards' units (underflow) moves nothing
+        a = torch.where((a * unit).to(out) == 0, torch.zeros_like(a), a)
     lam = torch.ones(k, dtype=r.dtype, device=r.device) if weights is None else weights.to(r.dtype)
     s = a @ lam
     mag = (a.abs() @ lam.abs()).amax()  # the largest |terms| summed into one S

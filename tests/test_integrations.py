@@ -237,6 +237,49 @@ def test_trl_alpha_zero_is_trl_normalize_then_sum():
     assert (full - adv).abs().max() > 1e-3  # alpha = 1 does reallocate
 
 
+def _trl_scaled(r, g, scale, eps=1e-4):
+    """TRL's GRPO scaling of one reward (its sum_then_normalize with a single reward), written
+    out: r minus its group mean, divided by the group's std + eps ("group"), by the std of r
+    over the whole batch + eps ("batch"), or by nothing ("none")."""
+    grouped = r.view(-1, g)
+    centred = (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
+    if scale == "group":
+        return centred / (grouped.std(1).repeat_interleave(g) + eps)
+    if scale == "batch":
+        return centred / (r.std() + eps)
+    return centred
+
+
+@pytest.mark.parametrize("scale_rewards", [True, "group", "batch", "none", False])
+def test_trl_scale_rewards_variants(scale_rewards):
+    """TRL's scale_rewards values (its booleans too) are GDPO variants: each reward scaled as
+    TRL's GRPO scales its reward, then the weighted sum normalized over the batch (alpha = 0:
+    broadcast over tokens); "group" is TRL's normalize_then_sum. alpha > 0 reallocates from
+    the same A_k (the float64 reference), on one process or sliced over several."""
+    rewards, mask, rel, info = _batch(seed=15, b=12)
+    rewards[:, 1] *= 5.0  # rewards of different units: the variants differ
+    w = torch.tensor([1.0, 0.3, 2.0])
+    g = 3
+    name = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
+    per_k = torch.stack([_trl_scaled(rewards[:, j].double(), g, name) for j in range(K)], 1)
+    s = (per_k * w.double()).sum(1)
+    seq = (s - s.mean()) / (s.std() + 1e-4)
+    kw = dict(reward_weights=w, scale_rewards=scale_rewards)
+    adv = trl.mrtpo_advantages_for_grpo(rewards, g, mask, rel, info, alpha=0.0, **kw)
+    torch.testing.assert_close(adv, (seq[:, None] * mask).float(), rtol=1e-5, atol=1e-6)
+    full = trl.mrtpo_advantages_for_grpo(rewards, g, mask, rel, info, alpha=0.7, **kw)
+    ref, _ = mrtpo_token_advantages_ref(
+        rewards.double(), torch.arange(12) // g, [rel[:, i, : int(mask[i].sum())].double()
+                                                  for i in range(12)],
+        has_info=info, weights=w.double(), alpha=0.7, eps=1e-4, scale_rewards=name,
+    )  # fmt: skip
+    torch.testing.assert_close(full[mask.bool()].double(), torch.cat(ref), rtol=0, atol=1e-5)
+    for sl in (slice(0, 6), slice(6, 12)):
+        part = trl.mrtpo_advantages_for_grpo(rewards, g, mask[sl], rel[:, sl], info[sl],
+                                             alpha=0.7, process_slice=sl, **kw)  # fmt: skip
+        torch.testing.assert_close(part, full[sl], rtol=0, atol=0)
+
+
 def test_trl_reward_weights_and_nan_like_nansum():
     rewards, mask, rel, info = _batch(seed=6)
     rewards[2, 1] = math.nan
@@ -481,8 +524,9 @@ def test_errors_name_the_argument():
         )
     with pytest.raises(ValueError, match="group size"):
         trl.mrtpo_advantages_for_grpo(rewards, 3, mask, rel, info)
-    with pytest.raises(ValueError, match="scale_rewards"):
-        trl.mrtpo_advantages_for_grpo(rewards, 2, mask, rel, info, scale_rewards="none")
+    for bad in ("std", 1, None):
+        with pytest.raises(ValueError, match="scale_rewards"):
+            trl.mrtpo_advantages_for_grpo(rewards, 2, mask, rel, info, scale_rewards=bad)
     with pytest.raises(ValueError, match="process_slice"):
         trl.mrtpo_advantages_for_grpo(rewards, 2, mask, rel, info, process_slice=slice(0, 4))
     with pytest.raises(ValueError, match="action_mask"):

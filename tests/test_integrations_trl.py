@@ -132,9 +132,11 @@ def test_grpo_trainer_fused_loss_equals_trl(tmp_path, overrides):
         assert key in logged
 
 
-def test_grpo_trainer_refuses_aux_loss(tmp_path):
-    """A MoE model (its config has output_router_logits) with router_aux_loss_coef != 0:
-    TRL would add the aux loss the fused head never computes."""
+def test_aux_loss_of_a_model_without_router_logits_is_an_error(tmp_path):
+    """A config that claims router logits (TRL turns the aux loss on for any config with
+    output_router_logits) on a model whose decoder returns none: the loss names
+    router_aux_loss_coef instead of adding nothing. MoE models themselves: the conformance
+    tests (test_integrations_trl_conformance.py)."""
     torch.manual_seed(0)
     model, tok = tiny_model_with_eos_bias()
     model.config.output_router_logits = False  # TRL reads the attribute's presence
@@ -142,14 +144,14 @@ def test_grpo_trainer_refuses_aux_loss(tmp_path):
                             num_generations=4, report_to=[], use_cpu=True,
                             router_aux_loss_coef=0.01)  # fmt: skip
     ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
-    with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[reward_length], args=config,
-                                     train_dataset=ds, processing_class=tok)  # fmt: skip
-
-
-def test_grpo_trainer_refuses_scale_rewards_batch(tmp_path):
-    with pytest.raises(ValueError, match="scale_rewards"):
-        make_trainer(tmp_path, trl_trainer.MRTPOGRPOTrainer, scale_rewards="batch")
+    trainer = trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[reward_length],
+                                           args=config, train_dataset=ds,
+                                           processing_class=tok)  # fmt: skip
+    assert trainer.aux_loss_enabled
+    ids = torch.randint(0, len(tok), (2, 6))
+    with pytest.raises(ValueError, match="^router_aux_loss_coef: .*no router logits"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
+                                                   compute_aux_loss=True)  # fmt: skip
 
 
 def test_the_trainer_is_a_grpo_trainer_and_the_functions_need_no_trl():

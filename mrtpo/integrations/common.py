@@ -288,6 +288,7 @@ def padded_token_advantages(
     delta: float = ADVANTAGE_DEFAULTS.delta,
     clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
     nan: str = ADVANTAGE_DEFAULTS.nan,
+    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
 ) -> TokenAdvantages:
     """``mrtpo_token_advantages`` on padded (B, T) responses, tolerating empty rows.
 
@@ -325,6 +326,7 @@ def padded_token_advantages(
         rewards, group_ids.to(rewards.device), relevance, has_info=has_info,
         response_mask=m, weights=weights, alpha=alpha, gamma=gamma, eps=eps,
         eps_batch=eps_batch, batch_norm=batch_norm, delta=delta, clip=clip, nan=nan,
+        scale_rewards=scale_rewards,
     )  # fmt: skip
     keep = mask.to(device=rewards.device).bool()
     token = torch.where(keep, out.token, torch.zeros_like(out.token))

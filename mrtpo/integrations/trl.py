@@ -44,13 +44,19 @@ LOSS_TYPES = {
 }
 
 
-def _check_scale_rewards(scale_rewards):
-    if scale_rewards in (True, "group"):
-        return
+# TRL's scale_rewards -> the GDPO variant (METHOD.md section 1): TRL's booleans are its
+# own aliases, True for "group" and False for "none"
+SCALE_REWARDS = {True: "group", False: "none", "group": "group", "batch": "batch",
+                 "none": "none"}  # fmt: skip
+
+
+def _check_scale_rewards(scale_rewards) -> str:
+    """TRL's ``scale_rewards`` as the advantage ops' name: "group", "batch" or "none"."""
+    if isinstance(scale_rewards, (bool, str)) and scale_rewards in SCALE_REWARDS:
+        return SCALE_REWARDS[scale_rewards]
     raise ValueError(
-        f"scale_rewards: MRTPO normalizes each reward by its group's std (GDPO, then the "
-        f"weighted sum by the batch std), which is TRL's 'group'; got {scale_rewards!r}, "
-        "which has no MRTPO counterpart"
+        f"scale_rewards: expected 'group' (or True), 'batch' or 'none' (or False), as TRL "
+        f"takes it, got {scale_rewards!r}"
     )
 
 
@@ -88,8 +94,10 @@ def mrtpo_advantages_for_grpo(
         eps, eps_batch: added to the group and batch stds; default 1e-4 for both, TRL's
             constant, so that alpha = 0 gives TRL's ``multi_objective_aggregation=
             "normalize_then_sum"`` (GDPO) advantages.
-        scale_rewards: TRL's option; only "group" (or True) exists for MRTPO, whose GDPO
-            step divides each reward by its group std.
+        scale_rewards: TRL's option, applied to each reward before the weighted sum
+            (METHOD.md section 1): "group" or True (r - group mean over the group std +
+            eps: GDPO, TRL's ``normalize_then_sum``), "batch" (over the reward's std over
+            the whole gathered batch + eps) or "none" or False (not divided).
         nan: "zero" (default: a missing reward, NaN in TRL, counts as a reward of 0 in its
             group's statistics; TRL's own GDPO leaves it out of them instead, so the two
             agree only when no reward is missing) or "error".
@@ -99,7 +107,7 @@ def mrtpo_advantages_for_grpo(
     Returns:
         (B, T) float32 token advantages, 0 where ``completion_mask`` is 0.
     """
-    _check_scale_rewards(scale_rewards)
+    scale_rewards = _check_scale_rewards(scale_rewards)
     check_tensor("rewards_per_func", rewards_per_func, ndim=2, floating=True)
     check_tensor("completion_mask", completion_mask, ndim=2)
     check_tensor("relevance", relevance, ndim=3, floating=True)
@@ -122,6 +130,7 @@ def mrtpo_advantages_for_grpo(
             delta=delta,
             clip=clip,
             nan=nan,
+            scale_rewards=scale_rewards,
         ).token.float()  # float64 with float64 relevance (stop credit's d^gamma): as TRL's
 
     # Several processes: the group and batch statistics need every sample's rewards, the
@@ -156,6 +165,7 @@ def mrtpo_advantages_for_grpo(
         rewards_per_func, group_ids, mask_all, rel_all, info_all,
         mask_name="completion_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
         eps=eps, eps_batch=eps_batch, delta=delta, clip=clip, nan=nan,
+        scale_rewards=scale_rewards,
     ).token  # fmt: skip
     return token[idx].float()
 

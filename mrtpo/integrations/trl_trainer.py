@@ -48,8 +48,9 @@ CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 @dataclass
 class MRTPOConfig(GRPOConfig):
     r"""``GRPOConfig`` with MRTPO's options (docs/METHOD.md; the ``mrtpo train`` flags of the
-    same names). Every GRPOConfig field keeps its meaning; ``scale_rewards`` must stay
-    "group" (MRTPO divides each reward by its group std, as GDPO does). One default differs:
+    same names). Every GRPOConfig field keeps its meaning; ``scale_rewards`` ("group",
+    "batch", "none", or TRL's True / False) scales each reward before the weighted sum
+    (docs/METHOD.md section 1; "group" is GDPO). One default differs:
     ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
     unless ``use_cpu``), and ``use_cpu`` is True where no accelerator exists, so that a
     script runs unchanged on a CPU, in one process or several (``torchrun``).
@@ -583,7 +584,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
     setting (entropy bonus, top_entropy_quantile, off_policy_mask_threshold, delta,
     sequence-level importance sampling, vLLM importance weights, other loss types) runs
     TRL's own ``_compute_loss`` on those fused log-probs, so nothing is dropped. A MoE
-    router aux loss, multimodal inputs and logit scaling/softcapping are refused.
+    model's router aux loss (``router_aux_loss_coef``) is taken from the decoder's router
+    logits with the architecture's own ``load_balancing_loss_func`` and added as TRL adds
+    it. Multimodal inputs and logit scaling/softcapping are refused.
 
     With ``beta > 0`` TRL loads its reference model from the policy's name; a policy
     passed as a model TRL cannot load by name (built in code, or converted and saved
@@ -615,12 +618,6 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         for key, value in options.items():
             setattr(self, key, value)
         self.relevance_fn = relevance_fn
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                "router_aux_loss_coef: the fused LM head runs the decoder without the "
-                "MoE router outputs, so the aux loss would be lost; set "
-                "router_aux_loss_coef=0.0 or use TRL's GRPOTrainer"
-            )
         text_config = self.model.config.get_text_config()
         for name in _REFUSED_MODEL_SETTINGS:
             value = getattr(text_config, name, None)
@@ -805,7 +802,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         group_ids = consecutive_group_ids(rewards.shape[0], g, device=rewards.device)
         moving = replay_mask_from_rewards(
             rewards, group_ids, weights=self.reward_weights.to(rewards.device), eps=1e-4,
-            nan="zero",
+            nan="zero", scale_rewards=_check_scale_rewards(self.scale_rewards),
         )  # fmt: skip
         if process_slice is not None:
             moving = moving[process_slice]
@@ -894,22 +891,26 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         return self._completion_hidden_and_head(model, input_ids, attention_mask,
                                                 logits_to_keep)[0]  # fmt: skip
 
-    def _completion_hidden_and_head(self, model, input_ids, attention_mask, logits_to_keep):
+    def _completion_hidden_and_head(self, model, input_ids, attention_mask, logits_to_keep,
+                                    router_aux=False):  # fmt: skip
         """The hidden states that predict the last ``logits_to_keep`` tokens, and the LM
         head's weight and bias as the forward held them (on FSDP the unsharded tensors of
-        the head's unit, through which the gradient reaches the shards)."""
+        the head's unit, through which the gradient reaches the shards). ``router_aux``: a
+        fourth element, the MoE load-balancing loss of this forward (``_router_aux_loss``)."""
         from mrtpo.model import decoder, lm_head
 
         # the backbone under the trainer's autocast, as the model's wrapped forward runs it;
         # the head then runs in the weight's dtype
         inner = self.accelerator.unwrap_model(model)
+        router = {"output_router_logits": True} if router_aux else {}
         if inner is model:
             weight, bias = lm_head(model)
             with self.accelerator.autocast():
                 out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False)  # fmt: skip
+                                     use_cache=False, **router)  # fmt: skip
+                aux = _router_aux_loss(model, out, attention_mask) if router_aux else None
             hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
-            return hidden.to(weight.dtype), weight, bias
+            return (hidden.to(weight.dtype), weight, bias) + ((aux,) if router_aux else ())
         # Wrapped for several processes (DDP, FSDP): the forward must go through the
         # wrapper, which synchronizes the gradients (and on FSDP gathers each unit); with
         # the head swapped for a stand-in that returns its input, the "logits" are the last
@@ -920,28 +921,35 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         try:
             with self.accelerator.autocast():
                 out = model(input_ids=input_ids, attention_mask=attention_mask,
-                            use_cache=False, logits_to_keep=logits_to_keep + 1)  # fmt: skip
+                            use_cache=False, logits_to_keep=logits_to_keep + 1,
+                            **router)  # fmt: skip
         finally:
             inner.set_output_embeddings(head)
         weight, bias = capture.held if capture.held is not None else lm_head(inner)
-        return out.logits[:, :-1].to(weight.dtype), weight, bias
+        hidden = out.logits[:, :-1].to(weight.dtype)
+        if not router_aux:
+            return hidden, weight, bias
+        if getattr(out, "aux_loss", None) is None:  # the model's own forward computes it
+            raise ValueError(f"router_aux_loss_coef: {type(inner).__name__} returned no "
+                             "aux_loss with output_router_logits=True")  # fmt: skip
+        return hidden, weight, bias, out.aux_loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False,
                                            **multimodal):  # fmt: skip
-        if compute_aux_loss:
-            raise ValueError("router_aux_loss_coef: not supported by the fused LM head")
         given = [k for k, v in multimodal.items() if v is not None]
         if given:
             raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
                              "fused LM head (it runs the text decoder only)")  # fmt: skip
         batch_size = batch_size or input_ids.size(0)
-        logps, ents = [], []
+        logps, ents, auxes = [], [], []
         for s in range(0, input_ids.size(0), batch_size):
             ids, am = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
-            hidden, weight, bias = self._completion_hidden_and_head(model, ids, am,
-                                                                    logits_to_keep)  # fmt: skip
+            hidden, weight, bias, *aux = self._completion_hidden_and_head(
+                model, ids, am, logits_to_keep, router_aux=compute_aux_loss
+            )
+            auxes += aux
             labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
             out = linear_logprobs(hidden, weight, labels, bias=bias,
                                   temperature=self.temperature,
@@ -951,7 +959,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
                 ents.append(out[1])
             else:
                 logps.append(out)
-        return (torch.cat(logps), torch.cat(ents) if compute_entropy else None, None)
+        aux_loss = torch.stack(auxes).mean() if compute_aux_loss else None  # as TRL: chunk mean
+        return (torch.cat(logps), torch.cat(ents) if compute_entropy else None, aux_loss)
 
     # ------------------------------------------------------------ loss
     def _fused_loss_applies(self, inputs) -> bool:
@@ -974,9 +983,10 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         t = completion_ids.size(1)
-        hidden, weight, bias = self._completion_hidden_and_head(
+        hidden, weight, bias, *aux = self._completion_hidden_and_head(
             model, torch.cat([prompt_ids, completion_ids], dim=1),
             torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
+            router_aux=self.aux_loss_enabled,
         )  # fmt: skip
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -1000,6 +1010,11 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         )  # fmt: skip
         if self.loss_type != "dapo":
             loss = loss / accumulation
+        if self.aux_loss_enabled:  # as TRL: the coefficient times the aux loss per micro-batch
+            loss = loss + self.router_aux_loss_coef * aux[0] / accumulation
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux[0].detach()).mean().item()
+            )
         self._log_fused_metrics(hidden, weight, bias, completion_ids, mask, inputs, mode)
         return loss
 
@@ -1058,6 +1073,28 @@ class _HeadCapture(torch.nn.Module):
     def forward(self, hidden):
         self.held = (self._head.weight, getattr(self._head, "bias", None))
         return hidden
+
+
+def _router_aux_loss(model, out, attention_mask):
+    """The MoE load-balancing loss of a decoder forward run with output_router_logits=True,
+    as the model's own ``*ForCausalLM.forward`` computes it: its modeling module's
+    ``load_balancing_loss_func`` (Mixtral's, which every MoE family copies, where a module
+    has none) on the router logits of every layer, with the model's expert count and top-k
+    and the attention mask (padding left out)."""
+    import sys
+
+    router_logits = getattr(out, "router_logits", None)
+    if not isinstance(router_logits, tuple) or not router_logits:
+        raise ValueError(f"router_aux_loss_coef: the decoder of {type(model).__name__} "
+                         "returned no router logits with output_router_logits=True")  # fmt: skip
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if fn is None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as fn
+    config = model.config.get_text_config()
+    experts = getattr(model, "num_experts", None) or getattr(config, "num_experts", None) \
+        or config.num_local_experts  # fmt: skip
+    top_k = getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
+    return fn(router_logits, experts, top_k, attention_mask)
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> float:
