@@ -406,6 +406,47 @@ def test_reward_objects_stay_reachable_and_array_rewards_train(tmp_path):
     assert any("loss" in h for h in trainer.state.log_history)
 
 
+def _aggregation_warnings(tmp_path, config_cls, **fields):
+    """The multi_objective_aggregation warnings of constructing a trainer."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, tok = tiny_model_with_eos_bias()
+    config = config_cls(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4,
+                        num_generations=4, report_to=[], use_cpu=True, bf16=False,
+                        **fields)  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trl_trainer.MRTPOGRPOTrainer(model=model, reward_funcs=[reward_length, reward_vowels],
+                                     args=config, processing_class=tok,
+                                     train_dataset=datasets.Dataset.from_dict(
+                                         {"prompt": PROMPTS}))  # fmt: skip
+    return [str(w.message) for w in seen if "multi_objective_aggregation" in str(w.message)]
+
+
+def test_a_user_set_aggregation_other_than_gdpo_is_named_in_a_warning(tmp_path):
+    """Issue 40, item 5: a multi_objective_aggregation set by the user was ignored without a
+    word (MRTPO's advantages always normalize each reward in its group, then sum). MRTPOConfig
+    defaults to that aggregation (GDPO's) and says nothing; any other value, in MRTPOConfig
+    or a plain GRPOConfig (whose default is TRL's "sum_then_normalize"), gets one warning
+    naming it, unless mrtpo_advantages=False trains with TRL's own advantages."""
+    from mrtpo.integrations.trl_trainer import MRTPOConfig
+
+    assert MRTPOConfig(output_dir=str(tmp_path), report_to=[]).multi_objective_aggregation \
+        == "normalize_then_sum"  # fmt: skip
+    assert _aggregation_warnings(tmp_path, MRTPOConfig) == []
+    got = _aggregation_warnings(tmp_path, MRTPOConfig,
+                                multi_objective_aggregation="sum_then_normalize")  # fmt: skip
+    assert len(got) == 1
+    assert got[0].startswith("multi_objective_aggregation='sum_then_normalize' is not what "
+                             "MRTPO trains with")  # fmt: skip
+    assert len(_aggregation_warnings(tmp_path, trl.GRPOConfig)) == 1
+    assert _aggregation_warnings(tmp_path, trl.GRPOConfig,
+                                 multi_objective_aggregation="normalize_then_sum") == []
+    assert _aggregation_warnings(tmp_path, MRTPOConfig, mrtpo_advantages=False,
+                                 multi_objective_aggregation="sum_then_normalize") == []
+
+
 # --------------------------------------------------------------------------- MRTPOConfig
 
 MRTPO_CLI = [

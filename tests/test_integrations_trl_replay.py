@@ -364,3 +364,50 @@ def test_trl_replay_metrics_per_reward_with_skipped_pairs(tmp_path):
     assert "mrtpo/relevance/constant_with_spans" in h  # named spans: present ...
     assert h["mrtpo/relevance/constant_with_spans"] is None  # ... not measured
     assert "mrtpo/relevance/length" not in h  # named none
+
+
+def test_trl_completions_table_carries_the_trained_advantages(tmp_path):
+    """Issue 40, item 6: with ``log_completions`` TRL's table showed only TRL's per-sequence
+    advantages, computed before MRTPO's replace them. The table now also carries, per
+    completion, the mean, min and max of the token advantages the loss used, named
+    ``mrtpo_advantage_*``; TRL's own column keeps its name and meaning."""
+    import pandas as pd
+
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    captured = []
+
+    class Capturing(trl_trainer.MRTPOGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            captured.append({k: v.clone() for k, v in out.items() if torch.is_tensor(v)})
+            return out
+
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, "topic": WORDS * 2})
+    config = trl_trainer.MRTPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
+        temperature=1.3, log_completions=True,
+    )  # fmt: skip
+    trainer = Capturing(
+        model=model, reward_funcs=[says_word, ends_bye, length], args=config, train_dataset=ds,
+        processing_class=tok, reward_spans=[word_spans, None, None],
+    )  # fmt: skip
+    trainer.train()
+    (out,) = captured
+    table = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00001.parquet")
+    assert len(table) == 8 and "advantage" in table  # TRL's own column, as TRL names it
+    adv, mask = out["advantages"].double(), out["completion_mask"].bool()
+    for i in range(8):
+        row = table.iloc[i]
+        tokens = adv[i][mask[i]]
+        if tokens.numel() == 0:
+            assert math.isnan(row["mrtpo_advantage_mean"])
+            continue
+        assert row["mrtpo_advantage_mean"] == pytest.approx(float(tokens.mean()), abs=1e-6)
+        assert row["mrtpo_advantage_min"] == pytest.approx(float(tokens.min()), abs=1e-6)
+        assert row["mrtpo_advantage_max"] == pytest.approx(float(tokens.max()), abs=1e-6)
+    # the relevance moved the token advantages: a single per-sequence number cannot show them
+    spread = (table["mrtpo_advantage_max"] - table["mrtpo_advantage_min"]).dropna()
+    assert float(spread.max()) > 1e-3

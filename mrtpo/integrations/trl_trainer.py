@@ -42,6 +42,10 @@ __all__ = ["MRTPOConfig", "MRTPOGRPOTrainer", "verifier_reward"]
 # --------------------------------------------------------------------------- the config
 
 RELEVANCES = ("js", "specific")  # the --relevance modes the TRL replay can give
+# log_completions: the advantages the model trained with, per completion (TRL's own column
+# "advantage" is its per-sequence advantage, computed before MRTPO's replace it)
+TRAINED_ADVANTAGE_COLUMNS = ("mrtpo_advantage_mean", "mrtpo_advantage_min",
+                             "mrtpo_advantage_max")  # fmt: skip
 CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 
 
@@ -54,6 +58,11 @@ class MRTPOConfig(GRPOConfig):
     ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
     unless ``use_cpu``), and ``use_cpu`` is True where no accelerator exists, so that a
     script runs unchanged on a CPU, in one process or several (``torchrun``).
+    ``multi_objective_aggregation`` defaults to "normalize_then_sum" (GDPO's: each reward
+    normalized in its group, then summed), the aggregation MRTPO's advantages use, so that
+    TRL's own advantage (its completions table) and ``frac_reward_zero_std`` follow it too;
+    another value is not used by MRTPO's advantages, and ``MRTPOGRPOTrainer`` warns once,
+    naming it (``mrtpo_advantages=False`` trains with TRL's advantages, which use it).
 
     Parameters:
         mrtpo_alpha: share of each reward's advantage reallocated by relevance, in [0, 1];
@@ -118,6 +127,12 @@ class MRTPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "MRTPO: token advantages (False: TRL's own, fused loss only)."},
     )
+    multi_objective_aggregation: str = field(
+        default="normalize_then_sum",
+        metadata={"help": "TRL's aggregation of several rewards; MRTPO's advantages always "
+                          "use 'normalize_then_sum' (GDPO), the default here.",
+                  "choices": ["normalize_then_sum", "sum_then_normalize"]},
+    )  # fmt: skip
     # TRL's default is True under transformers' deprecated name, which transformers >= 5
     # answers with a FutureWarning on every config: unset here, and __post_init__ gives
     # TRL's True under the current name (activation_checkpointing). Passing it still works
@@ -628,6 +643,18 @@ class MRTPOGRPOTrainer(GRPOTrainer):
                 )
         if self.mrtpo_advantages:
             _check_scale_rewards(self.scale_rewards)
+            aggregation = getattr(self.args, "multi_objective_aggregation", None)
+            if aggregation != "normalize_then_sum":
+                warnings.warn(
+                    f"multi_objective_aggregation={aggregation!r} is not what MRTPO trains "
+                    "with: its advantages normalize each reward in its group, then sum "
+                    "(GDPO, 'normalize_then_sum', MRTPOConfig's default); only TRL's own "
+                    "advantage column and frac_reward_zero_std use it. Set "
+                    "multi_objective_aggregation='normalize_then_sum', or "
+                    "mrtpo_advantages=False to train with TRL's advantages",
+                    UserWarning,
+                    stacklevel=2,
+                )
         k = len(self.reward_funcs)
         if reward_spans is None:
             reward_spans = [None] * k
@@ -732,7 +759,30 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             gamma=gamma, scale_rewards=self.scale_rewards,
             process_slice=process_slice,
         )  # fmt: skip
+        if self.log_completions:
+            self._log_trained_advantages(output)
         return output
+
+    def _log_trained_advantages(self, output):
+        """Columns of TRL's completions table (``log_completions``), beside TRL's
+        ``advantage`` (TRL's own per-sequence advantage, which the model does not train
+        with): per completion the mean, min and max over its completion tokens of the MRTPO
+        token advantages the loss uses (NaN for a completion without a token), gathered
+        over processes in TRL's row order."""
+        adv = output["advantages"].detach().float()
+        m = output["completion_mask"].bool()
+        if "tool_mask" in output:
+            m = m & output["tool_mask"].bool()
+        count = m.sum(dim=1)
+        nan = torch.tensor(float("nan"), device=adv.device)
+        empty = count == 0
+        mean = torch.where(empty, nan, (adv * m).sum(dim=1) / count.clamp(min=1))
+        low = torch.where(empty, nan, adv.masked_fill(~m, float("inf")).amin(dim=1))
+        high = torch.where(empty, nan, adv.masked_fill(~m, float("-inf")).amax(dim=1))
+        stats = torch.stack([mean, low, high], dim=1).to(self.accelerator.device)
+        stats = self.accelerator.gather(stats).cpu()
+        for j, column in enumerate(TRAINED_ADVANTAGE_COLUMNS):
+            self._logs["extra"][column].extend(stats[:, j].tolist())
 
     def _allocating(self, relevance, has_info, output):
         """The relevance, has_info and gamma that allocate each reward, from the replay's, as
