@@ -231,9 +231,10 @@ class EngineLM:
 
     base_model_prefix = "model"
 
-    def __init__(self, decoder: _Decoder, weight, bias):
+    def __init__(self, decoder: _Decoder, weight, bias, config=None):
         self.model = decoder
         self._head = _Head(weight, bias)
+        self.config = config  # the model's (its logit scale / softcap: mrtpo.model.logit_transform)
 
     def get_output_embeddings(self):
         return self._head
@@ -323,7 +324,9 @@ def sharded_replay(model, *, device=None, group=None):
         weight, bias, copied = stack.enter_context(_gathered_head(model, inner, sharding))
         inner.set_output_embeddings(torch.nn.Identity())
         stack.callback(inner.set_output_embeddings, head)
-        lm = EngineLM(_Decoder(run, cache_kw, lockstep), weight, bias)
+        lm = EngineLM(_Decoder(run, cache_kw, lockstep), weight, bias,
+                      getattr(inner, "config", None))  # fmt: skip
+        lm.config = getattr(inner, "config", None)  # its logit scale / softcap for the replay
         lm.sharding = sharding
         lm.lockstep = lockstep
         # bytes of the head held beside the engine's own parameters (a gathered copy)
