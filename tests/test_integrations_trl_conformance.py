@@ -144,6 +144,45 @@ def test_moe_aux_loss_is_the_models_own():
         assert float((unpadded - want).abs()) > 1e-6  # the mask is what is checked
 
 
+def test_moe_aux_loss_through_a_wrapped_model(tmp_path, monkeypatch):
+    """Several processes wrap the model (DDP, FSDP): the forward goes through the wrapper, and
+    the aux loss is the model's own forward's. It equals the one-process path's (the
+    decoder's router logits), hidden states and aux loss alike, and its gradient reaches the
+    routers."""
+    model, tok = tiny_moe("qwen3_moe")
+    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                            num_generations=4, report_to=[], use_cpu=True)  # fmt: skip
+    trainer = trl_trainer.MRTPOGRPOTrainer(
+        model=model, reward_funcs=[reward_quarter_length], args=config, processing_class=tok,
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+    )  # fmt: skip
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5  # the config's
+
+    class Wrapper(torch.nn.Module):  # a stand-in for DDP: forwards to the model it holds
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    wrapped = Wrapper(trainer.model)
+    unwrap = trainer.accelerator.unwrap_model
+    monkeypatch.setattr(trainer.accelerator, "unwrap_model",
+                        lambda m, **kw: m.module if m is wrapped else unwrap(m, **kw))  # fmt: skip
+    ids = torch.randint(0, len(tok), (3, 9))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    one = trainer._completion_hidden_and_head(trainer.model, ids, am, 4, router_aux=True)
+    two = trainer._completion_hidden_and_head(wrapped, ids, am, 4, router_aux=True)
+    torch.testing.assert_close(two[0], one[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(two[3], one[3], rtol=0, atol=1e-7)
+    assert float(one[3]) > 0.0  # (2.0 for perfectly balanced routing, top 2 of 4)
+    router = [p for n, p in trainer.model.named_parameters() if n.endswith("gate.weight")]
+    grads = torch.autograd.grad(two[3], router)
+    assert all(float(g.abs().max()) > 0 for g in grads)
+
+
 # --------------------------------------------------------------------------- loss types
 
 
