@@ -28,6 +28,9 @@ class Op:
                      and GPU checks: tests/test_<op>.py)
     bench_workloads: the benchmark workloads (bench/workloads.py, ``python -m bench
                      --ops ...``) that time it
+    logit_cap:       the op takes the LM head's logit transform (``logit_scale``,
+                     ``softcap``: _types.LogitCap) on every backend it has; the ops from
+                     existing logits take them as they are (a model's final logits)
     """
 
     name: str
@@ -36,6 +39,7 @@ class Op:
     reference: str
     tests: tuple[str, ...]
     bench_workloads: tuple[str, ...] = field(default=())
+    logit_cap: bool = False
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -54,10 +58,11 @@ _CPU_ROWS = "csrc/cpu/row_kernels.h"
 _TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton_kernels/rows.py"
 
 
-def _op(name, entry_points, kernels, reference, tests, bench_workloads=()):
+def _op(name, entry_points, kernels, reference, tests, bench_workloads=(), logit_cap=False):
     return Op(
-        name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_workloads
-    )
+        name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_workloads,
+        logit_cap,
+    )  # fmt: skip
 
 
 OPS: Mapping[str, Op] = MappingProxyType(
@@ -73,8 +78,9 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_logprobs_ref",
-                ("tests/test_logprobs.py",),
+                ("tests/test_logprobs.py", "tests/test_logit_cap.py"),
                 ("linear_logprobs_fwd", "linear_logprobs_entropy", "linear_logprobs_fwd_bwd"),
+                logit_cap=True,
             ),
             _op(
                 "logprobs_from_logits",
@@ -97,8 +103,9 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_js_distance_ref",
-                ("tests/test_js.py",),
+                ("tests/test_js.py", "tests/test_logit_cap.py"),
                 ("linear_js_distance", "credit_assignment_step"),
+                logit_cap=True,
             ),
             _op(
                 "js_distance",
@@ -121,8 +128,9 @@ OPS: Mapping[str, Op] = MappingProxyType(
                     "triton": _TRITON_ROWS,
                 },
                 "linear_policy_loss_ref",
-                ("tests/test_policy_loss.py",),
+                ("tests/test_policy_loss.py", "tests/test_logit_cap.py"),
                 ("linear_policy_loss_fwd_bwd", "credit_assignment_step"),
+                logit_cap=True,
             ),
             _op(
                 "gdpo_advantages",
@@ -164,14 +172,15 @@ def markdown() -> str:
     lines = [
         "| op | entry points | "
         + " | ".join(backends)
-        + " | reference | tests | bench workloads |",
-        "|---" * (6 + len(backends) - 1) + "|",
+        + " | reference | logit_scale, softcap | tests | bench workloads |",
+        "|---" * (7 + len(backends) - 1) + "|",
     ]
     for op in OPS.values():
         cells = [f"`{op.name}`", ", ".join(f"`{e}`" for e in op.entry_points) or "-"]
         cells += [f"`{op.kernels[b]}`" if b in op.kernels else "-" for b in backends]
         cells += [
             f"`{op.reference}`",
+            "yes" if op.logit_cap else "-",
             ", ".join(f"`{t}`" for t in op.tests),
             ", ".join(f"`{b}`" for b in op.bench_workloads) or "-",
         ]

@@ -80,6 +80,32 @@ ADVANTAGE_DEFAULTS = AdvantageSettings()
 # that are not scored (PyTorch's cross-entropy convention)
 TEMPERATURE = 1.0
 IGNORE_INDEX = -100
+# the LM head's logit transform (``LogitCap``): no scaling, no final-logit softcapping
+LOGIT_SCALE = 1.0
+SOFTCAP = None
+
+
+@dataclass(frozen=True)
+class LogitCap:
+    """The transform of the LM head's logits before the temperature, in the order Hugging
+    Face models apply it (Cohere's ``logit_scale`` multiplies the head's output, Gemma 2 / 3's
+    ``final_logit_softcapping`` caps the logits the model returns, and generation divides
+    those by the temperature afterwards):
+
+        r = h W^T + b,   z = softcap tanh(scale r / softcap)   (z = scale r without a cap),
+        softmax(z / temperature),
+        dz/dr = scale (1 - (z / softcap)^2)                    (scale without a cap)
+
+    scale: finite and non-zero (Granite's ``logits_scaling`` divides: scale = 1 / it).
+    softcap: > 0, or 0 for none (the public keyword takes None for none).
+    The identity (scale 1, no cap) is the ops' plain path, bit for bit."""
+
+    scale: float = 1.0
+    softcap: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.scale != 1.0 or self.softcap != 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +121,7 @@ class PolicyLossSettings:
     ignore_index: the label of tokens that are not scored.
     clip_ratio_c: the dual clip, inf for none (the public keyword takes None for none).
     kl_importance_weight: the KL term times the importance ratio.
+    logit_scale, softcap: the LM head's logit transform (``LogitCap``; softcap 0 for none).
     """
 
     temperature: float = TEMPERATURE
@@ -104,6 +131,12 @@ class PolicyLossSettings:
     ignore_index: int = IGNORE_INDEX
     clip_ratio_c: float = float("inf")
     kl_importance_weight: bool = False
+    logit_scale: float = 1.0
+    softcap: float = 0.0
+
+    @property
+    def logit_cap(self) -> LogitCap:
+        return LogitCap(self.logit_scale, self.softcap)
 
 
 POLICY_LOSS_DEFAULTS = PolicyLossSettings()

@@ -144,6 +144,38 @@ def temperature(x) -> float:
     return t
 
 
+def logit_cap(logit_scale, softcap) -> tuple[float, float]:
+    """The LM head's logit transform (``_types.LogitCap``): logit_scale a finite non-zero
+    number, softcap None or a positive finite number, both of magnitude in [2^-126, 2^126]
+    (so that they and 1 / softcap are normal float32 numbers). Returns (scale, softcap)
+    with softcap 0.0 for none."""
+    scale = number("logit_scale", logit_scale)
+    if not (finite(scale) and MIN_TEMPERATURE <= abs(scale) <= MAX_TEMPERATURE):
+        raise ValueError(
+            "logit_scale: expected a finite non-zero number of magnitude in [2^-126, 2^126] "
+            f"(1.0: no scaling), got {scale}"
+        )
+    if softcap is None:
+        return scale, 0.0
+    cap = number("softcap", softcap)
+    if not (cap > 0 and finite(cap) and MIN_TEMPERATURE <= cap <= MAX_TEMPERATURE):
+        raise ValueError(
+            "softcap: expected None (no softcapping) or a positive finite number in "
+            f"[2^-126, 2^126], got {cap}"
+        )
+    return scale, cap
+
+
+def no_logit_cap_with_process_group(logit_scale: float, softcap: float) -> None:
+    """The vocabulary-parallel path combines the shards' plain statistics: no transform yet."""
+    if logit_scale != 1.0 or softcap != 0.0:
+        raise ValueError(
+            "process_group: logit_scale and softcap are not supported with a "
+            "vocabulary-parallel head yet (got logit_scale="
+            f"{logit_scale}, softcap={softcap or None}); use the single-device head"
+        )
+
+
 def positive_finite(name: str, x) -> float:
     x = number(name, x)
     if not (x > 0 and finite(x)):

@@ -229,7 +229,7 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     lab_k = torch.where(w_r == 0, torch.full_like(mapped, ignore_index), mapped).contiguous()
     dh, dw, db = _shard_logprobs_bwd(
         h, w, b, lab_k, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
-        temperature, ignore_index, backend, None,
+        temperature, ignore_index, 1.0, 0.0, backend, None,
     )  # fmt: skip
     # the label's column: g [v == y] where the kernel put g w_r [v == mapped]
     c = torch.where(valid, (owned.to(acc) - w_r) * g / temperature, zero)

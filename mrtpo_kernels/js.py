@@ -4,6 +4,11 @@ section 3), fused with a shared LM head or from existing logits. No gradient.
     P = softmax(z_p / tau), Q = softmax(z_q / tau), M = (P + Q) / 2
     JSD = 1/2 KL(P || M) + 1/2 KL(Q || M),   d = sqrt(JSD / ln 2) in [0, 1]
 
+The fused op's logits may first be transformed (``logit_scale``, ``softcap``:
+softcap tanh(scale z / softcap), _types.LogitCap) before the temperature, as in the
+log-probs op; ``js_distance`` takes logits as they are (a model's final logits, already
+capped).
+
 One-vs-many: with hidden_q / logits_q of K streams, P's logits are computed once per chunk
 of tokens and compared with each Q stream.
 
@@ -18,7 +23,7 @@ from torch import Tensor
 
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
-from ._types import TEMPERATURE, acc_dtype
+from ._types import LOGIT_SCALE, SOFTCAP, TEMPERATURE, acc_dtype
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
@@ -54,6 +59,8 @@ def linear_js_distance(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = TEMPERATURE,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
     process_group=None,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -65,6 +72,8 @@ def linear_js_distance(
             reward), each compared with hidden_p.
         weight: (V, d) LM head shared by both streams; bias: optional (V,).
         temperature: the sampling temperature.
+        logit_scale, softcap: the head's logit transform, both streams alike (see
+            ``linear_logprobs``; defaults: none).
         process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
             bias hold this rank's equal shard of the vocabulary; the hidden streams are the
             same on every rank and so are the distances returned. The shard's part of each
@@ -81,9 +90,11 @@ def linear_js_distance(
     check.same_dtype(hidden_p=hidden_p, hidden_q=hidden_q)
     check.same_device(hidden_p=hidden_p, hidden_q=hidden_q, weight=weight, bias=bias)
     temperature = check.temperature(temperature)
+    logit_scale, softcap = check.logit_cap(logit_scale, softcap)
     p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
     check.non_empty("hidden_p", p2.shape[0])
     if process_group is not None:
+        check.no_logit_cap_with_process_group(logit_scale, softcap)
         _vocab_parallel.shard_info(weight, process_group)
         out = _vocab_parallel.linear_js_distance(
             p2.detach().contiguous(), q3.detach().contiguous(), weight.detach(),
@@ -98,6 +109,8 @@ def linear_js_distance(
         None if bias is None else bias.detach().contiguous(),
         temperature,
         be,
+        logit_scale,
+        softcap,
     )
     return out[0].view(out_shape) if squeeze else out.view(out_shape)
 
@@ -142,14 +155,20 @@ def linear_js_distance_op(
     bias: Tensor | None,
     temperature: float,
     backend: str,
+    logit_scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> Tensor:
+    # the logit transform (softcap 0: none) reaches the backend only where it is active
+    cap = {} if logit_scale == 1.0 and softcap == 0.0 else {
+        "logit_scale": logit_scale, "softcap": softcap
+    }  # fmt: skip
     return _dispatch.get(backend, "linear_js_distance")(
-        hidden_p, hidden_q, weight, bias, temperature
+        hidden_p, hidden_q, weight, bias, temperature, **cap
     )
 
 
 @linear_js_distance_op.register_fake
-def _(hidden_p, hidden_q, weight, bias, temperature, backend):
+def _(hidden_p, hidden_q, weight, bias, temperature, backend, logit_scale=1.0, softcap=0.0):
     return hidden_p.new_empty((hidden_q.shape[0], hidden_p.shape[0]), dtype=acc_dtype(hidden_p))
 
 

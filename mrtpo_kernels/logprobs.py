@@ -4,6 +4,10 @@ logits that already exist, streaming over the vocabulary; autograd to every floa
 Math (z = logits / temperature, per token):
     lse = log sum_v exp(z_v),  logp = z_y - lse,  H = lse - sum_v p_v z_v
     dlogp/dz_v = [v == y] - p_v,   dH/dz_v = -p_v (log p_v + H)
+The fused op's logits may first be transformed (``logit_scale``, ``softcap``; the order of
+Hugging Face's models, _types.LogitCap): r = h W^T + b, logits = softcap tanh(scale r /
+softcap) (scale r without a cap), then the temperature; the chain rule multiplies the
+logit gradient by scale (1 - (logits / softcap)^2).
 
 The public functions come first; their torch.library registration (custom ops, fakes,
 autograd) follows them.
@@ -17,7 +21,7 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
 from ._registration import empty_rows, keep_saved, saved_state
-from ._types import IGNORE_INDEX, TEMPERATURE, acc_dtype
+from ._types import IGNORE_INDEX, LOGIT_SCALE, SOFTCAP, TEMPERATURE, acc_dtype
 
 
 def linear_logprobs(
@@ -29,11 +33,13 @@ def linear_logprobs(
     temperature: float = TEMPERATURE,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
     process_group=None,
     backend: str | None = None,
 ):
-    """log p(label) under softmax((hidden @ weight.T + bias) / temperature), never
-    materializing the [tokens x vocab] logits.
+    """log p(label) under softmax(cap(scale (hidden @ weight.T + bias)) / temperature),
+    never materializing the [tokens x vocab] logits.
 
     Args:
         hidden: (N, d) packed or (B, T, d) padded hidden states, fp32/bf16/fp16/fp64.
@@ -43,6 +49,11 @@ def linear_logprobs(
         temperature: positive; logits are divided by it before the softmax.
         ignore_index: label value whose tokens get logp = entropy = 0 and no gradient.
         return_entropy: also return the entropy of each token's distribution.
+        logit_scale: finite, non-zero; the head's output is multiplied by it first
+            (Cohere's ``logit_scale``; Granite's ``logits_scaling`` divides: pass 1 / it).
+        softcap: None, or s > 0: the scaled logits become s tanh(logits / s) before the
+            temperature (Gemma 2 / 3's ``final_logit_softcapping``). The defaults (1.0,
+            None) are the plain head, bit for bit.
         process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
             bias hold this rank's equal shard of the vocabulary (rows [r V_loc, (r+1) V_loc)
             for rank r), labels are global ids, hidden is the same on every rank. The
@@ -58,10 +69,12 @@ def linear_logprobs(
     check.lm_head(hidden, weight, bias)
     check.same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
     temperature = check.temperature(temperature)
+    logit_scale, softcap = check.logit_cap(logit_scale, softcap)
     ignore_index = check.int64("ignore_index", ignore_index)
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
+        check.no_logit_cap_with_process_group(logit_scale, softcap)
         vocab = _vocab_parallel.shard_info(weight, process_group)[2]
     check.labels_in_range(lab, vocab, ignore_index)
     be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
@@ -82,6 +95,8 @@ def linear_logprobs(
         int(ignore_index),
         bool(return_entropy),
         be,
+        logit_scale,
+        softcap,
     )
     logp = logp.view(labels.shape)
     if return_entropy:
@@ -149,13 +164,28 @@ def linear_logprobs_fwd_op(
     ignore_index: int,
     with_entropy: bool,
     backend: str,
+    logit_scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # the logit transform (logit_scale, softcap: 0 for none) goes to the backend only where
+    # it is active: the identity calls the backend exactly as before it existed
     fn = _dispatch.get(backend, "linear_logprobs_fwd")
-    return fn(hidden, weight, bias, labels, temperature, ignore_index, with_entropy)
+    return fn(
+        hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
+        **_cap_kw(logit_scale, softcap),
+    )  # fmt: skip
+
+
+def _cap_kw(logit_scale: float, softcap: float) -> dict:
+    """The backends' keywords of an active logit transform; none for the identity."""
+    if logit_scale == 1.0 and softcap == 0.0:
+        return {}
+    return {"logit_scale": logit_scale, "softcap": softcap}
 
 
 @linear_logprobs_fwd_op.register_fake
-def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend):
+def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend,
+      logit_scale=1.0, softcap=0.0):  # fmt: skip
     n, v = hidden.shape[0], weight.shape[0]
     saved = _dispatch.saved_numel(backend, "linear_logprobs", n, v, weight.numel())
     return (
@@ -167,12 +197,13 @@ def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, bac
 
 
 def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
-                        backend):  # fmt: skip
+                        backend, logit_scale=1.0, softcap=0.0):  # fmt: skip
     """(logp, entropy, lse) of ``mrtpo::linear_logprobs_fwd`` (its ``saved`` goes to the
     autograd graph only)."""
     out = linear_logprobs_fwd_op(
-        hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend
-    )
+        hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend,
+        logit_scale, softcap,
+    )  # fmt: skip
     return out[0], out[1], out[2]
 
 
@@ -188,19 +219,21 @@ def linear_logprobs_bwd_op(
     grad_entropy: Tensor,
     temperature: float,
     ignore_index: int,
+    logit_scale: float,
+    softcap: float,
     backend: str,
     saved: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_bwd")
     return fn(
         hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-        ignore_index, saved,
+        ignore_index, saved, **_cap_kw(logit_scale, softcap),
     )  # fmt: skip
 
 
 @linear_logprobs_bwd_op.register_fake
 def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-      ignore_index, backend, saved):  # fmt: skip
+      ignore_index, logit_scale, softcap, backend, saved):  # fmt: skip
     return (
         torch.empty_like(hidden),
         weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
@@ -209,11 +242,13 @@ def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, tempe
 
 
 def _linear_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend = inputs
+    hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend = inputs[:8]
+    logit_scale, softcap = inputs[8:] if len(inputs) > 8 else (1.0, 0.0)
     logp, entropy, lse, saved = output
     ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
     keep_saved(ctx, saved)
     ctx.cfg = (temperature, ignore_index, with_entropy, backend, bias is not None)
+    ctx.cap = (logit_scale, softcap)
     ctx.set_materialize_grads(False)  # lse gets no gradient; unused ones stay None
 
 
@@ -226,13 +261,13 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
         g_entropy = lse.new_empty(0)
     dh, dw, db = linear_logprobs_bwd_op(
         hidden, weight, bias, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
-        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, *ctx.cap, backend,
         saved_state(ctx),
     )  # fmt: skip
     dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
     db = db.to(bias.dtype) if has_bias and ctx.needs_input_grad[2] else None
     dh = dh if ctx.needs_input_grad[0] else None
-    return dh, dw, db, None, None, None, None, None
+    return (dh, dw, db) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 linear_logprobs_fwd_op.register_autograd(_linear_backward, setup_context=_linear_setup)

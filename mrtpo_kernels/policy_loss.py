@@ -5,6 +5,9 @@
     loss  = sum_t c_t L_t,  with c_t from the aggregation rule
     dL/dlogp_t = c_t (-A ratio [unclipped branch active] + beta (1 - exp(ref - logp)))
 
+The logits may first be transformed (``logit_scale``, ``softcap``: softcap tanh(scale z /
+softcap) before the temperature, _types.LogitCap; the logit gradient times its slope).
+
 The gradient with respect to the logits is known in the forward pass (the loss is a scalar),
 so the backend computes it there, chunk by chunk, and the backward pass only scales the saved
 gradients by the upstream scalar: three GEMMs in all (logits, dH, dW), no recompute.
@@ -23,8 +26,8 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel, settings
 from . import _validation as check
 from ._token_terms import kl_k3
+from ._types import LOGIT_SCALE, SOFTCAP, PolicyLossSettings, acc_dtype
 from ._types import POLICY_LOSS_DEFAULTS as _D
-from ._types import PolicyLossSettings, acc_dtype
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -75,6 +78,8 @@ def linear_policy_loss(
     norm_len: float | None = None,
     clip_ratio_c: float | None = None,
     kl_importance_weight: bool = _D.kl_importance_weight,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
     process_group=None,
     backend: str | None = None,
 ):
@@ -103,6 +108,8 @@ def linear_policy_loss(
         kl_importance_weight: multiply each token's k3 KL term by the importance ratio
             exp(logp - old), not detached (TRL's ``use_bias_correction_kl``; an option
             outside METHOD.md): the term is beta r k3, its gradient beta r (logp - ref).
+        logit_scale, softcap: the head's logit transform before the temperature (see
+            ``linear_logprobs``; defaults: none, the plain head bit for bit).
         process_group: a vocabulary-parallel head (``torch.distributed`` group): weight and
             bias hold this rank's equal shard of the vocabulary (rows [r V_loc, (r+1) V_loc)
             for rank r of the group), labels are global ids, everything else is the same on
@@ -135,6 +142,7 @@ def linear_policy_loss(
     clip_low = check.non_negative("clip_low", clip_low)
     clip_high = check.non_negative("clip_high", clip_high)
     beta = check.non_negative("beta", beta)
+    logit_scale, softcap = check.logit_cap(logit_scale, softcap)
     ignore_index = check.int64("ignore_index", ignore_index)
     if norm_len is not None:
         norm_len = check.positive_finite("norm_len", norm_len)
@@ -149,11 +157,13 @@ def linear_policy_loss(
         temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
         ignore_index=int(ignore_index),
         clip_ratio_c=math.inf if clip_ratio_c is None else clip_ratio_c,
-        kl_importance_weight=bool(kl_importance_weight),
+        kl_importance_weight=bool(kl_importance_weight), logit_scale=logit_scale,
+        softcap=softcap,
     )  # fmt: skip
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
+        check.no_logit_cap_with_process_group(logit_scale, softcap)
         vocab = _vocab_parallel.shard_info(weight, process_group)[2]
     check.labels_in_range(lab, vocab, ignore_index)
     # ignored tokens' old log-probs, advantages and reference log-probs are never read
@@ -201,7 +211,7 @@ def linear_policy_loss(
             h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
             lab.contiguous(), old, adv, coef.contiguous(), ref, cfg.temperature, cfg.clip_low,
             cfg.clip_high, cfg.beta, cfg.ignore_index, bool(need_grad), cfg.clip_ratio_c,
-            cfg.kl_importance_weight, be,
+            cfg.kl_importance_weight, be, cfg.logit_scale, cfg.softcap,
         )  # fmt: skip
     with torch.no_grad():
         v = valid.to(acc)
@@ -248,13 +258,16 @@ def linear_policy_loss_op(
     clip_ratio_c: float,
     kl_importance_weight: bool,
     backend: str,
+    logit_scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # the scalar settings travel below the op as one value (clip_ratio_c: the dual clip,
-    # inf for none; kl_importance_weight: the KL term times the ratio)
+    # inf for none; kl_importance_weight: the KL term times the ratio; logit_scale and
+    # softcap, 0 for none: the head's logit transform)
     cfg = PolicyLossSettings(
         temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
         ignore_index=ignore_index, clip_ratio_c=clip_ratio_c,
-        kl_importance_weight=kl_importance_weight,
+        kl_importance_weight=kl_importance_weight, logit_scale=logit_scale, softcap=softcap,
     )  # fmt: skip
     fn = _dispatch.get(backend, "linear_policy_loss")
     return fn(
@@ -266,7 +279,7 @@ def linear_policy_loss_op(
 @linear_policy_loss_op.register_fake
 def _(hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
       clip_low, clip_high, beta, ignore_index, need_grad, clip_ratio_c, kl_importance_weight,
-      backend):  # fmt: skip
+      backend, logit_scale=1.0, softcap=0.0):  # fmt: skip
     n = hidden.shape[0]
     v = weight.shape[0]
     f32 = acc_dtype(hidden)
@@ -304,7 +317,7 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
     dh, dw, db = ctx.grads
     w_dtype, b_dtype = ctx.dtypes
     if g_loss is None:  # nothing flowed into the loss (only into the metrics outputs)
-        return (None,) * 17
+        return (None,) * len(ctx.needs_input_grad)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # create_graph=True: the saved gradient is a constant, so a graph built from it
         # would silently drop every second-order term
@@ -332,12 +345,12 @@ def _policy_backward(ctx, g_loss, g_logp, g_clipped, g_dh, g_dw, g_db):
         gh = out[0] if ctx.needs_input_grad[0] else None
         gw = out[1].to(w_dtype) if ctx.needs_input_grad[1] else None
         gb = out[2].to(b_dtype) if b_dtype is not None and ctx.needs_input_grad[2] else None
-        return (gh, gw, gb) + (None,) * 14
+        return (gh, gw, gb) + (None,) * (len(ctx.needs_input_grad) - 3)
     gh = _scaled(dh, g_loss, dh.dtype, eager) if ctx.needs_input_grad[0] else None
     gw = _scaled(dw, g_loss, w_dtype, eager) if ctx.needs_input_grad[1] else None
     need_b = b_dtype is not None and ctx.needs_input_grad[2]
     gb = _scaled(db, g_loss, b_dtype, eager) if need_b else None
-    return (gh, gw, gb) + (None,) * 14
+    return (gh, gw, gb) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def _scaled(t: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:

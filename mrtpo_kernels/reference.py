@@ -15,13 +15,22 @@ import math
 
 import torch
 
-from ._types import ADVANTAGE_DEFAULTS, IGNORE_INDEX, TEMPERATURE, GDPOAdvantages, TokenAdvantages
+from ._types import (
+    ADVANTAGE_DEFAULTS,
+    IGNORE_INDEX,
+    LOGIT_SCALE,
+    SOFTCAP,
+    TEMPERATURE,
+    GDPOAdvantages,
+    TokenAdvantages,
+)
 from ._types import POLICY_LOSS_DEFAULTS as _PD
 
 __all__ = [
     "GDPOAdvantages",
     "TokenAdvantages",
     "logprobs_from_logits_ref",
+    "head_logits_ref",
     "linear_logprobs_ref",
     "js_distance_ref",
     "linear_js_distance_ref",
@@ -85,6 +94,28 @@ def _plogp(logp: torch.Tensor) -> torch.Tensor:
     return torch.where(logp == float("-inf"), torch.zeros_like(out), out)
 
 
+def head_logits_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
+) -> torch.Tensor:
+    """The LM head's logits before the temperature, in Hugging Face's order (Cohere's
+    logit_scale, then Gemma 2 / 3's final_logit_softcapping; generation divides by the
+    temperature after both): r = hidden @ weight.T + bias, z = r * logit_scale, then
+    z = softcap * tanh(z / softcap) when softcap is not None."""
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
 def linear_logprobs_ref(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -94,11 +125,12 @@ def linear_logprobs_ref(
     temperature: float = TEMPERATURE,
     ignore_index: int = IGNORE_INDEX,
     return_entropy: bool = False,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
 ):
-    """logprobs_from_logits_ref(hidden @ weight.T + bias, ...). hidden (N, d), weight (V, d)."""
-    logits = hidden @ weight.t()
-    if bias is not None:
-        logits = logits + bias
+    """logprobs_from_logits_ref(head_logits_ref(hidden, weight, bias, ...), ...). hidden
+    (N, d), weight (V, d)."""
+    logits = head_logits_ref(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
     return logprobs_from_logits_ref(
         logits,
         labels,
@@ -139,16 +171,15 @@ def linear_js_distance_ref(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = TEMPERATURE,
+    logit_scale: float = LOGIT_SCALE,
+    softcap: float | None = SOFTCAP,
 ) -> torch.Tensor:
-    """js_distance_ref of the two streams' logits through one LM head.
+    """js_distance_ref of the two streams' logits through one LM head (head_logits_ref).
 
     hidden_p: (N, d); hidden_q: (N, d) or (K, N, d); weight: (V, d). Returns (N,) or (K, N).
     """
-    lp = hidden_p @ weight.t()
-    lq = hidden_q @ weight.t()
-    if bias is not None:
-        lp = lp + bias
-        lq = lq + bias
+    lp = head_logits_ref(hidden_p, weight, bias, logit_scale=logit_scale, softcap=softcap)
+    lq = head_logits_ref(hidden_q, weight, bias, logit_scale=logit_scale, softcap=softcap)
     return js_distance_ref(lp, lq, temperature=temperature)
 
 
@@ -282,11 +313,14 @@ def linear_policy_loss_ref(
     norm_len=None,
     clip_ratio_c=None,
     kl_importance_weight=_PD.kl_importance_weight,
+    logit_scale=LOGIT_SCALE,
+    softcap=SOFTCAP,
 ):
     """policy_loss_ref on linear_logprobs_ref(hidden, weight, labels). All (N, ...) packed."""
     logp = linear_logprobs_ref(
-        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index
-    )
+        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+        logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
     mask = labels != ignore_index
     return policy_loss_ref(
         logp,

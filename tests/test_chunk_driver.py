@@ -738,7 +738,7 @@ def test_row_lanes_cover_the_logprobs_forward(monkeypatch, fail_at):
             log.append(("stats", z.shape[0]))
             return z[:, 0].clone(), (z[:, 1].clone() if with_ent else None), z[:, 2].clone()
 
-    def fake_head(kern, hidden, weight, bias):
+    def fake_head(kern, hidden, weight, bias, cap=None):
         return _FakeHead(log, rec, fail_at=fail_at)
 
     monkeypatch.setattr(_chunked, "Head", fake_head)

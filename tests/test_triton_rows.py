@@ -59,27 +59,30 @@ def test_row_kernels_compile_for_hopper(out_dtype):
     _compile(rows._grad_rows_kernel, {
         "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "ent_ptr": "*fp32",
         "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "V": "i32", "stride_z": "i64",
-        "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64", "HAS_ENT": "constexpr",
-        "BLOCK": "constexpr"}, {"HAS_ENT": True, **c}, **w)  # fmt: skip
-    for flags in ((True, True, True, True), (False, False, False, False)):
+        "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64", "scale": "fp32",
+        "inv_cap": "fp32", "HAS_ENT": "constexpr", "BLOCK": "constexpr", "SLOPE": "constexpr"},
+        {"HAS_ENT": True, "SLOPE": True, **c}, **w)  # fmt: skip
+    for flags in ((True, True, True, True, True), (False, False, False, False, False)):
         _compile(rows._policy_rows_kernel, {
             "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
             "old_ptr": "*fp32", "adv_ptr": "*fp32", "tw_ptr": "*fp32", "ref_ptr": "*fp32",
             "loss_ptr": "*fp32", "logp_ptr": "*fp32", "clipped_ptr": "*fp32", "V": "i32",
             "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "clip_low": "fp32",
             "clip_high": "fp32", "clip_c": "fp32", "beta": "fp32", "ignore_index": "i64",
-            "HAS_REF": "constexpr", "DUAL_CLIP": "constexpr", "KL_IW": "constexpr",
-            "NEED_GRAD": "constexpr", "BLOCK": "constexpr"},
-            dict(zip(("HAS_REF", "DUAL_CLIP", "KL_IW", "NEED_GRAD"), flags, strict=True), **c),
-            **w)  # fmt: skip
+            "scale": "fp32", "inv_cap": "fp32", "HAS_REF": "constexpr",
+            "DUAL_CLIP": "constexpr", "KL_IW": "constexpr", "NEED_GRAD": "constexpr",
+            "BLOCK": "constexpr", "SLOPE": "constexpr"},
+            dict(zip(("HAS_REF", "DUAL_CLIP", "KL_IW", "NEED_GRAD", "SLOPE"), flags, strict=True),
+                 **c), **w)  # fmt: skip
     for has_norm in (True, False):
         _compile(row_cols._grad_cols_kernel, {
             "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
             "lse_ptr": "*fp32", "norm_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32",
             "g_ent_ptr": "*fp32", "W": "i32", "v_lo": "i32", "V": "i32", "norm_stride": "i32",
             "stride_z": "i64", "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64",
-            "HAS_NORM": "constexpr", "HAS_ENT": "constexpr", "BLOCK": "constexpr"},
-            {"HAS_NORM": has_norm, "HAS_ENT": True, **c}, **w)  # fmt: skip
+            "scale": "fp32", "inv_cap": "fp32", "HAS_NORM": "constexpr", "HAS_ENT": "constexpr",
+            "BLOCK": "constexpr", "SLOPE": "constexpr"},
+            {"HAS_NORM": has_norm, "HAS_ENT": True, "SLOPE": has_norm, **c}, **w)  # fmt: skip
     _compile(row_cols._policy_terms_kernel, {
         "logp_ptr": "*fp32", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "tw_ptr": "*fp32", "ref_ptr": "*fp32", "loss_ptr": "*fp32", "clipped_ptr": "*fp32",

@@ -33,6 +33,16 @@ void check_labels(const Tensor& labels, const Tensor& z) {
   TORCH_CHECK(labels.scalar_type() == at::kLong, "labels: expected int64");
 }
 
+// The logit transform's slope for the gradient kernels (row_kernels.h): the scale a and
+// 1 / s (0: no softcap; softcap <= 0 means none).
+template <typename T>
+mrtpo::LogitCap<T> logit_cap(double logit_scale, double softcap) {
+  mrtpo::LogitCap<T> cap;
+  cap.scale = static_cast<T>(logit_scale);
+  cap.inv_cap = softcap > 0 ? static_cast<T>(1.0 / softcap) : T(0);
+  return cap;
+}
+
 template <typename T>
 const T* opt_ptr(const std::optional<Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? t->data_ptr<T>() : nullptr;
@@ -80,7 +90,7 @@ std::tuple<Tensor, Tensor, Tensor> stats(const Tensor& z, const Tensor& labels, 
 
 void grad_(Tensor& z, const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& ent,
            const Tensor& g_lp, const std::optional<Tensor>& g_ent, double inv_t,
-           int64_t ignore_index) {
+           int64_t ignore_index, double logit_scale, double softcap) {
   check_chunk(z, "z");
   check_labels(labels, z);
   check_rows(lse, z, "lse");
@@ -98,17 +108,19 @@ void grad_(Tensor& z, const Tensor& labels, const Tensor& lse, const std::option
     float* zp = z.data_ptr<float>();
     const float* en = use_ent ? ent->data_ptr<float>() : nullptr;
     const float* ge = use_ent ? g_ent->data_ptr<float>() : nullptr;
+    const auto cap = logit_cap<float>(logit_scale, softcap);
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
       bad += mrtpo::grad_rows_f32(zp, V, static_cast<float>(inv_t), lab, ignore_index, en,
-                                  g_lp.data_ptr<float>(), ge, b, e);
+                                  g_lp.data_ptr<float>(), ge, b, e, cap);
     });
   } else {
     double* zp = z.data_ptr<double>();
     const double* en = use_ent ? ent->data_ptr<double>() : nullptr;
     const double* ge = use_ent ? g_ent->data_ptr<double>() : nullptr;
+    const auto cap = logit_cap<double>(logit_scale, softcap);
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
       bad += mrtpo::grad_rows<double>(zp, V, inv_t, lab, ignore_index, en,
-                                      g_lp.data_ptr<double>(), ge, b, e);
+                                      g_lp.data_ptr<double>(), ge, b, e, cap);
     });
   }
   raise_bad_labels(bad.load(), V, ignore_index);
@@ -176,7 +188,8 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
                                            const std::optional<Tensor>& ref_lp, double inv_t,
                                            double clip_low, double clip_high, double beta,
                                            int64_t ignore_index, bool need_grad,
-                                           double clip_ratio_c, bool kl_iw) {
+                                           double clip_ratio_c, bool kl_iw, double logit_scale,
+                                           double softcap) {
   check_chunk(z, "z");
   check_labels(labels, z);
   check_rows(old_lp, z, "old_logprobs");
@@ -191,6 +204,7 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
   const int64_t* lab = labels.data_ptr<int64_t>();
   std::atomic<int64_t> bad{0};
   if (z.scalar_type() == at::kFloat) {
+    const auto cap = logit_cap<float>(logit_scale, softcap);
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
       bad += mrtpo::policy_rows_f32(z.data_ptr<float>(), V, static_cast<float>(inv_t), lab, ignore_index,
                              old_lp.data_ptr<float>(), adv.data_ptr<float>(),
@@ -198,16 +212,18 @@ std::tuple<Tensor, Tensor, Tensor> policy_(Tensor& z, const Tensor& labels, cons
                              static_cast<float>(clip_low), static_cast<float>(clip_high),
                              static_cast<float>(beta), static_cast<float>(clip_ratio_c), kl_iw,
                              need_grad, loss.data_ptr<float>(),
-                             logp.data_ptr<float>(), clipped.data_ptr<float>(), b, e);
+                             logp.data_ptr<float>(), clipped.data_ptr<float>(), b, e, cap);
     });
   } else {
+    const auto cap = logit_cap<double>(logit_scale, softcap);
     at::parallel_for(0, C, kGrain, [&](int64_t b, int64_t e) {
       bad += mrtpo::policy_rows<double>(z.data_ptr<double>(), V, inv_t, lab, ignore_index,
                                  old_lp.data_ptr<double>(), adv.data_ptr<double>(),
                                  weight.data_ptr<double>(), opt_ptr<double>(ref_lp), clip_low,
                                  clip_high, beta, clip_ratio_c, kl_iw, need_grad,
                                  loss.data_ptr<double>(),
-                                 logp.data_ptr<double>(), clipped.data_ptr<double>(), b, e);
+                                 logp.data_ptr<double>(), clipped.data_ptr<double>(), b, e,
+                                 cap);
     });
   }
   raise_bad_labels(bad.load(), V, ignore_index);
@@ -222,7 +238,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("labels"), py::arg("inv_t"), py::arg("ignore_index"), py::arg("with_ent"));
   m.def("grad_", &grad_, "overwrite each row of logits with dL/dlogits", py::arg("z"),
         py::arg("labels"), py::arg("lse"), py::arg("ent"), py::arg("g_lp"), py::arg("g_ent"),
-        py::arg("inv_t"), py::arg("ignore_index"));
+        py::arg("inv_t"), py::arg("ignore_index"), py::arg("logit_scale") = 1.0,
+        py::arg("softcap") = 0.0);
   m.def("js", &js, "JS distance between rows of zp and zq", py::arg("zp"), py::arg("zq"),
         py::arg("inv_t"), py::arg("lse_p"));
   m.def("js_many", &js_many, "JS distance of each stacked Q stream's rows to P's (stream 0)",
@@ -232,5 +249,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ref_lp"), py::arg("inv_t"), py::arg("clip_low"), py::arg("clip_high"),
         py::arg("beta"), py::arg("ignore_index"), py::arg("need_grad"),
         py::arg("clip_ratio_c") = std::numeric_limits<double>::infinity(),
-        py::arg("kl_iw") = false);
+        py::arg("kl_iw") = false, py::arg("logit_scale") = 1.0, py::arg("softcap") = 0.0);
 }

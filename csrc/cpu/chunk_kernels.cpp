@@ -12,8 +12,9 @@ MRTPO_CLONES int64_t stats_rows_f32(const float* z, int64_t V, float inv_t,
 
 MRTPO_CLONES int64_t grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                                    int64_t ignore_index, const float* ent, const float* g_lp,
-                                   const float* g_ent, int64_t begin, int64_t end) {
-  return grad_rows<float>(z, V, inv_t, labels, ignore_index, ent, g_lp, g_ent, begin, end);
+                                   const float* g_ent, int64_t begin, int64_t end,
+                                   const LogitCap<float>& cap) {
+  return grad_rows<float>(z, V, inv_t, labels, ignore_index, ent, g_lp, g_ent, begin, end, cap);
 }
 
 MRTPO_CLONES void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t,
@@ -32,10 +33,10 @@ MRTPO_CLONES int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int
                                      const float* weight, const float* ref_lp, float clip_low,
                                      float clip_high, float beta, float clip_c, bool kl_iw,
                                      bool need_grad, float* loss, float* logp, float* clipped,
-                                     int64_t begin, int64_t end) {
+                                     int64_t begin, int64_t end, const LogitCap<float>& cap) {
   return policy_rows<float>(z, V, inv_t, labels, ignore_index, old_lp, adv, weight, ref_lp,
                             clip_low, clip_high, beta, clip_c, kl_iw, need_grad, loss, logp,
-                            clipped, begin, end);
+                            clipped, begin, end, cap);
 }
 
 }  // namespace mrtpo

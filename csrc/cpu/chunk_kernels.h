@@ -37,12 +37,12 @@ MRTPO_INLINE int64_t stats_rows(const T* z, int64_t V, T inv_t, const int64_t* l
 template <typename T>
 MRTPO_INLINE int64_t grad_rows(T* z, int64_t V, T inv_t, const int64_t* labels,
                                int64_t ignore_index, const T* ent, const T* g_lp, const T* g_ent,
-                               int64_t begin, int64_t end) {
+                               int64_t begin, int64_t end, const LogitCap<T>& cap) {
   int64_t bad = 0;
   for (int64_t r = begin; r < end; ++r) {
     const int64_t y = classify_label(labels[r], V, ignore_index);
     bad += y == kBadLabel;
-    row_grad(z + r * V, V, inv_t, y, ent ? ent[r] : T(0), g_lp[r], g_ent ? g_ent[r] : T(0));
+    row_grad(z + r * V, V, inv_t, y, ent ? ent[r] : T(0), g_lp[r], g_ent ? g_ent[r] : T(0), cap);
   }
   return bad;
 }
@@ -89,14 +89,15 @@ MRTPO_INLINE int64_t policy_rows(T* z, int64_t V, T inv_t, const int64_t* labels
                                  int64_t ignore_index, const T* old_lp, const T* adv,
                                  const T* weight, const T* ref_lp, T clip_low, T clip_high,
                                  T beta, T clip_c, bool kl_iw, bool need_grad, T* loss,
-                                 T* logp, T* clipped, int64_t begin, int64_t end) {
+                                 T* logp, T* clipped, int64_t begin, int64_t end,
+                                 const LogitCap<T>& cap) {
   int64_t bad = 0;
   for (int64_t r = begin; r < end; ++r) {
     const int64_t y = classify_label(labels[r], V, ignore_index);
     bad += y == kBadLabel;
     const PolicyOut o = row_policy(z + r * V, V, inv_t, y, old_lp[r], adv[r], weight[r],
                                    ref_lp != nullptr, ref_lp ? ref_lp[r] : T(0), clip_low,
-                                   clip_high, beta, clip_c, kl_iw, need_grad);
+                                   clip_high, beta, clip_c, kl_iw, need_grad, cap);
     loss[r] = static_cast<T>(o.loss);
     logp[r] = static_cast<T>(o.logp);
     clipped[r] = static_cast<T>(o.clipped);
@@ -110,7 +111,8 @@ int64_t stats_rows_f32(const float* z, int64_t V, float inv_t, const int64_t* la
                        int64_t begin, int64_t end);
 int64_t grad_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                       int64_t ignore_index, const float* ent, const float* g_lp,
-                      const float* g_ent, int64_t begin, int64_t end);
+                      const float* g_ent, int64_t begin, int64_t end,
+                      const LogitCap<float>& cap);
 void js_rows_f32(const float* zp, const float* zq, int64_t V, float inv_t, float* stat_p,
                  bool have_stat_p, float* out, int64_t begin, int64_t end);
 void js_many_rows_f32(const float* z, int64_t S, int64_t C, int64_t V, float inv_t, float* out,
@@ -119,6 +121,7 @@ int64_t policy_rows_f32(float* z, int64_t V, float inv_t, const int64_t* labels,
                      int64_t ignore_index, const float* old_lp, const float* adv,
                         const float* weight, const float* ref_lp, float clip_low,
                         float clip_high, float beta, float clip_c, bool kl_iw, bool need_grad,
-                        float* loss, float* logp, float* clipped, int64_t begin, int64_t end);
+                        float* loss, float* logp, float* clipped, int64_t begin, int64_t end,
+                        const LogitCap<float>& cap);
 
 }  // namespace mrtpo

@@ -27,6 +27,14 @@
 //            JSD = sum / 2, d = sqrt(JSD / ln 2) clamped to [0, 1]              (3-5 passes)
 //   policy:  stats, then the clipped-surrogate gradient dL/dlogp times the token weight,
 //            written into the row as dL/dz (exp(a - m) kept from the sum pass)  (3 passes)
+//
+// Logit scaling and final-logit softcapping (LogitCap): the driver transforms each chunk
+// in place before these kernels read it, z = s tanh(a r / s) (or z = a r without a cap)
+// of the raw logits r = h W^T + b, so every kernel sees z and the temperature as before.
+// The gradient kernels (row_grad, row_policy) return dL/dr = dL/dz dz/dr with the slope
+//   dz/dr = a (1 - (z / s)^2) = a (1 - z/s)(1 + z/s)   (a without a cap)
+// formed from the z they read, just before they overwrite it: no extra pass, no buffer.
+// Inactive (a = 1, no cap): the loops are the ones without the slope, bit for bit.
 #pragma once
 
 #include <cmath>
@@ -44,6 +52,21 @@
 namespace mrtpo {
 
 constexpr double kLn2 = 0.69314718055994530942;
+
+// The LM head's logit transform whose slope the gradient kernels apply (see the header).
+template <typename T>
+struct LogitCap {
+  T scale = T(1);    // a, the logit scale
+  T inv_cap = T(0);  // 1 / s, 0 without a softcap
+  bool active() const { return scale != T(1) || inv_cap != T(0); }
+};
+
+// dz/dr at a transformed logit z: a (1 - z/s)(1 + z/s), which is a when inv_cap = 0.
+template <typename T>
+MRTPO_INLINE T cap_slope(T z, T scale, T inv_cap) {
+  const T t = z * inv_cap;
+  return scale * ((T(1) - t) * (T(1) + t));
+}
 
 // x = (z - M) / tau as (z/2 - M/2) (2/tau): halving is exact, so this is one rounded
 // difference times the scale (no FMA can fold a rounded max into it, the max entry gives
@@ -154,10 +177,11 @@ MRTPO_INLINE RowStats row_stats(const T* z, int64_t V, T inv_t, int64_t label, b
   return r;
 }
 
-// In place: z <- dL/dz for L = g_lp logp + g_ent H. An ignored row or a bad label:
+// In place: z <- dL/dz for L = g_lp logp + g_ent H (dL/dr with an active cap). An ignored row or a bad label:
 // the row is zeros. An undefined row (NaN / +inf / all -inf) becomes NaN.
 template <typename T>
-MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_lp, T g_ent) {
+MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_lp, T g_ent,
+                           const LogitCap<T>& cap) {
   if (!label_in_row(label, V)) {
     for (int64_t v = 0; v < V; ++v) z[v] = 0;
     return;
@@ -171,6 +195,25 @@ MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_l
   const T log_s = static_cast<T>(sh.log_s);
   const T c_ent = g_ent * inv_t;
   const T c_lp = g_lp * inv_t;
+  if (cap.active()) {  // dL/dr = dL/dz * slope(z), the slope from z before it is overwritten
+    const T a = cap.scale, ic = cap.inv_cap;
+    const T slope_y = cap_slope(z[label], a, ic);
+    if (g_ent != 0) {
+#pragma omp simd
+      for (int64_t v = 0; v < V; ++v) {
+        const T lp = shifted(z[v], m, inv_t) - log_s;
+        const T p = vexp(lp);
+        const T dz = p > T(0) ? -p * (c_lp + c_ent * (lp + ent)) : T(0);
+        z[v] = dz * cap_slope(z[v], a, ic);
+      }
+    } else {
+#pragma omp simd
+      for (int64_t v = 0; v < V; ++v)
+        z[v] = -vexp(shifted(z[v], m, inv_t) - log_s) * c_lp * cap_slope(z[v], a, ic);
+    }
+    z[label] += c_lp * slope_y;
+    return;
+  }
   if (g_ent != 0) {
 #pragma omp simd
     for (int64_t v = 0; v < V; ++v) {
@@ -243,7 +286,8 @@ MRTPO_INLINE double kl_k3(double d) {
   return d * d * poly;
 }
 
-// Clipped surrogate for one token; with need_grad, z <- token_weight * dL/dz in place.
+// Clipped surrogate for one token; with need_grad, z <- token_weight * dL/dz in place
+// (dL/dr with an active cap).
 // An ignored row or a bad label: gradient 0; a bad label: loss and logp NaN.
 // clip_c: the dual clip (a token with A < 0 has its loss capped at -A clip_c, gradient 0
 // where the cap binds; +inf: none). kl_iw: the k3 term times the ratio r (not detached),
@@ -252,7 +296,8 @@ MRTPO_INLINE double kl_k3(double d) {
 template <typename T>
 MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old_lp, T adv,
                                   T weight, bool has_ref, T ref_lp, T clip_low, T clip_high,
-                                  T beta, T clip_c, bool kl_iw, bool need_grad) {
+                                  T beta, T clip_c, bool kl_iw, bool need_grad,
+                                  const LogitCap<T>& cap) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   if (!label_in_row(label, V)) {
     if (need_grad)
@@ -268,7 +313,9 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   }
   T s = 0;
   const T x_label = shifted(z[label], m, inv_t);
-  if (need_grad) {
+  // with an active cap the gradient pass needs z itself (its slope), so e is not kept
+  const bool keep_e = need_grad && !cap.active();
+  if (keep_e) {
     // keep e_v = exp(x_v) in the row: the gradient pass needs p_v = e_v / s
 #pragma omp simd reduction(+ : s)
     for (int64_t v = 0; v < V; ++v) {
@@ -294,9 +341,9 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   const bool clipped = ua > ca;
   double loss = -(clipped ? ca : ua);
   double dlogp = clipped ? 0.0 : -a * ratio;
-  const double cap = -a * static_cast<double>(clip_c);  // -inf when clip_c = inf, a > 0
-  if (a < 0 && loss > cap) {
-    loss = cap;
+  const double dual_cap = -a * static_cast<double>(clip_c);  // -inf: clip_c = inf, a > 0
+  if (a < 0 && loss > dual_cap) {
+    loss = dual_cap;
     dlogp = 0.0;
   }
   if (has_ref && beta != 0) {
@@ -318,9 +365,18 @@ MRTPO_INLINE PolicyOut row_policy(T* z, int64_t V, T inv_t, int64_t label, T old
   if (need_grad) {
     const T g = static_cast<T>(dlogp * static_cast<double>(weight)) * inv_t;
     const T c = -g / s;
+    if (keep_e) {
 #pragma omp simd
-    for (int64_t v = 0; v < V; ++v) z[v] *= c;
-    z[label] += g;
+      for (int64_t v = 0; v < V; ++v) z[v] *= c;
+      z[label] += g;
+    } else {  // dL/dr = (g [v == y] - g p_v) slope(z_v), p_v = exp(x_v) / s
+      const T sc = cap.scale, ic = cap.inv_cap;
+      const T slope_y = cap_slope(z[label], sc, ic);
+#pragma omp simd
+      for (int64_t v = 0; v < V; ++v)
+        z[v] = c * vexp(shifted(z[v], m, inv_t)) * cap_slope(z[v], sc, ic);
+      z[label] += g * slope_y;
+    }
   }
   return o;
 }

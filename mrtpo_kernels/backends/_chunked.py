@@ -20,8 +20,12 @@ GEMMs (N d V multiply-adds each over the call):
     token chunk where the kernel has js_many).
 
 The row kernel ``kern`` a backend binds these drivers to follows ``contract.RowKernel``
-(backends/contract.py): its methods see contiguous fp32 chunks of raw logits, and its
-optional abilities (GRAD_OUT, JS_MANY, GRAD_COLS, NORM) are flags the drivers read. The LM
+(backends/contract.py): its methods see contiguous fp32 chunks of logits, and its
+optional abilities (GRAD_OUT, JS_MANY, GRAD_COLS, NORM) are flags the drivers read.
+The linear ops' logit transform (``LogitCap``: logit scaling, final-logit softcapping) is
+applied by the Head to each chunk right after its GEMM (kept logits included), so the row
+kernels read the transformed logits z; the gradient kernels get the cap's keywords
+(``cap_kwargs``) and multiply their dL/dz by the slope dz/dr in the same pass. The LM
 head's GEMMs are in _lm_head.py, what the log-probs forward keeps for its backward in
 _saved_state.py; this module walks the tokens (and, in low-memory mode, the vocabulary).
 """
@@ -31,9 +35,9 @@ from __future__ import annotations
 import torch
 
 from .. import settings
-from .._types import acc_dtype
+from .._types import LogitCap, acc_dtype
 from . import _lm_head
-from ._lm_head import Head, fp32_logits, upcast
+from ._lm_head import Head, apply_logit_cap_, cap_kwargs, fp32_logits, upcast
 from ._saved_state import kept_from, kept_rows, low_memory_for, norm_buffer, norm_rows, takes_norm
 
 # The public ops these drivers implement (entry points: mrtpo_kernels/_catalog.py).
@@ -115,11 +119,13 @@ def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     return balanced(n - k, max(chunk_rows(v), k))
 
 
-def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent):
-    """(logp, entropy, lse, saved): ``saved`` is what the backward needs (above)."""
+def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent,
+                        logit_scale=1.0, softcap=0.0):  # fmt: skip
+    """(logp, entropy, lse, saved): ``saved`` is what the backward needs (above); kept
+    logits are stored transformed (z), as the backward's row kernels read them."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    head = Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias, LogitCap(logit_scale, softcap))
     inv_t = 1.0 / temperature
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
@@ -173,13 +179,14 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
 
 def linear_logprobs_bwd(
     kern, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index,
-    saved=None,
+    saved=None, logit_scale=1.0, softcap=0.0,
 ):  # fmt: skip
     """(dh, dW, db); ``saved``: the forward's fourth output (or None: recompute all)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
-    head = Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias, LogitCap(logit_scale, softcap))
+    ckw = cap_kwargs(head.cap)
     if _low_memory(kern, weight):
         norm = None
         if saved is not None and saved.numel() == 2 * n and takes_norm(kern):
@@ -195,6 +202,7 @@ def linear_logprobs_bwd(
         kern.grad_(
             z, labels[a:b], lse[a:b], None if ent is None else ent[a:b], g_logp[a:b],
             None if g_ent is None else g_ent[a:b], inv_t, ignore_index, **_out(g, 0, b - a),
+            **ckw,
         )  # fmt: skip
 
     return _run_backward(
@@ -339,6 +347,7 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
     Memory: the chunk (MRTPO_CHUNK_BYTES), in 16-bit mode a 16-bit gradient chunk of the
     same shape, and the fp32 dh accumulator (none for fp32)."""
     nkw = {} if norm is None else {"norm": norm}
+    nkw.update(cap_kwargs(head.cap))
     n, v = hidden.shape[0], weight.shape[0]
     acc = acc_dtype(hidden)
     cols = max(1, min(v, settings.chunk_bytes() // (4 * max(n, 1))))
@@ -370,12 +379,14 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
     return dh32.to(hidden.dtype), dw, db
 
 
-def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
+def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature, logit_scale=1.0,
+                       softcap=0.0):  # fmt: skip
     acc = acc_dtype(hidden_p)
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     v = weight.shape[0]
+    cap = LogitCap(logit_scale, softcap)
     if kern.JS_MANY:
-        return _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature)
+        return _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature, cap)
     w32, b32 = upcast(weight), upcast(bias)
     inv_t = 1.0 / temperature
     out = hidden_p.new_empty((k, n), dtype=acc)
@@ -384,17 +395,17 @@ def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature):
     buf_q = _buffer(c, n, v, hidden_p, acc)
     for s, e in balanced(n, c):
         # P's logits = h_p[s:e] W^T (+ b), fp32: once per chunk, for all K streams
-        zp = fp32_logits(hidden_p[s:e], w32, b32, buf_p)
+        zp = apply_logit_cap_(fp32_logits(hidden_p[s:e], w32, b32, buf_p), cap)
         lse_p = None
         for j in range(k):
             # stream j's logits = h_q[j, s:e] W^T (+ b), fp32
-            zq = fp32_logits(hidden_q[j, s:e], w32, b32, buf_q)
+            zq = apply_logit_cap_(fp32_logits(hidden_q[j, s:e], w32, b32, buf_q), cap)
             d, lse_p = kern.js(zp, zq, inv_t, lse_p)
             out[j, s:e] = d
     return out
 
 
-def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
+def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature, cap):
     """Per chunk of C tokens: the 1 + K streams' hidden rows stacked (P first) into one
     (1 + K) C x d operand, one GEMM into an fp32 scratch of (1 + K) C x V (C sized so it
     fits MRTPO_JS_SCRATCH_BYTES), then kern.js_many for the K distances."""
@@ -404,7 +415,7 @@ def _js_stacked(kern, hidden_p, hidden_q, weight, bias, temperature):
     out = hidden_p.new_empty((k, n), dtype=acc)
     if n == 0 or k == 0:
         return out
-    head = Head(kern, hidden_p, weight, bias)
+    head = Head(kern, hidden_p, weight, bias, cap)
     streams = 1 + k
     c = min(n, js_chunk_rows(v, k))
     a_buf = hidden_p.new_empty(streams * c * d)
@@ -491,7 +502,7 @@ def linear_policy_loss(
     settings (``PolicyLossSettings``), handed to the row kernel as they are."""
     acc = acc_dtype(hidden)
     n, v = hidden.shape[0], weight.shape[0]
-    head = Head(kern, hidden, weight, bias)
+    head = Head(kern, hidden, weight, bias, cfg.logit_cap)
     ref_logp = _none_if_empty(ref_logp)
     if need_grad and _low_memory(kern, weight):
         return _policy_by_vocab(
@@ -545,5 +556,5 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old_logp, advanta
     loss = (per_tok * token_weight).sum()
     dh, dw, db = _backward_by_vocab(
         kern, head, hidden, weight, bias, labels, lse, None, g, None, inv_t, ignore_index, norm
-    )
+    )  # the head's cap: the slope in its grad_cols_
     return loss, logp, clipped, dh, dw, db

@@ -11,6 +11,11 @@ states and a bf16 head runs in oneDNN's bf16 mode for fp32 matmuls (``cpu_bf16_l
 the upcast operands hold bf16 values, so rounding them to bf16 changes nothing, and the
 products are accumulated and written in fp32, which is what out_dtype=float32 computes.
 The gradient GEMMs keep fp32 operands (the logit gradient is not a bf16 value).
+
+The logit transform (``LogitCap``: logit scaling, final-logit softcapping) is applied here,
+in place on each fp32 block of logits a GEMM wrote (``apply_logit_cap_``), so the row
+kernels always read the transformed logits z; their gradient kernels multiply by the slope
+dz/dr (the cap's ``slope``), formed from the z they read.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import functools
 import torch
 
 from .. import settings
+from .._types import LogitCap
+
+NO_CAP = LogitCap()
 
 
 def upcast(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -39,6 +47,23 @@ def fp32_logits(
     if b32 is None:
         return torch.mm(h32, w32.t(), out=out)
     return torch.addmm(b32, h32, w32.t(), out=out)
+
+
+def apply_logit_cap_(z: torch.Tensor, cap: LogitCap) -> torch.Tensor:
+    """z <- softcap tanh(scale z / softcap) (z <- scale z without a cap), in place on an
+    fp32 (or float64) block of raw logits; nothing for the identity. Elementwise in PyTorch
+    ops (vectorized, threaded on the CPU): the multiply by scale / softcap rounds once."""
+    if cap.softcap:
+        z.mul_(cap.scale / cap.softcap).tanh_().mul_(cap.softcap)
+    elif cap.scale != 1.0:
+        z.mul_(cap.scale)
+    return z
+
+
+def cap_kwargs(cap: LogitCap) -> dict:
+    """The row kernels' keywords for the slope of an active cap; none for the identity (the
+    kernels' plain path, and no keyword an older kernel would not know)."""
+    return {"logit_scale": cap.scale, "softcap": cap.softcap} if cap.active else {}
 
 
 LOW = (torch.bfloat16, torch.float16)  # 16-bit input dtypes
@@ -138,9 +163,10 @@ class Head:
     operands (the weight upcast once when it is not fp32) and the gradient overwrites the
     fp32 logits in place. With bf16 operands on the CPU (``bf16_operands``) the logits GEMM
     upcasts the head block by block into one small reused buffer; the whole fp32 copy
-    (``w``) is made only if a backward asks for it."""
+    (``w``) is made only if a backward asks for it. ``cap``: the logit transform, applied
+    to every block of logits it returns."""
 
-    def __init__(self, kern, hidden, weight, bias):
+    def __init__(self, kern, hidden, weight, bias, cap: LogitCap = NO_CAP):
         dt = hidden.dtype
         self.low = kern.GRAD_OUT and dt in LOW and f32_out_supported(hidden.device, dt)
         self.dtype = dt
@@ -149,6 +175,7 @@ class Head:
         self._w = weight if self.low else (None if self.bf16_operands else upcast(weight))
         self.b32 = upcast(bias)
         self._block = None  # the reused fp32 block of the head (bf16 operands)
+        self.cap = cap
 
     @property
     def w(self) -> torch.Tensor:
@@ -158,7 +185,12 @@ class Head:
         return self._w
 
     def logits(self, h, buf, w=None, b32=None):
-        """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head)."""
+        """fp32 logits of rows h into buf[:rows] (columns of w, default the whole head),
+        transformed by the cap (z, not r, when it is active)."""
+        return apply_logit_cap_(self._raw_logits(h, buf, w, b32), self.cap)
+
+    def _raw_logits(self, h, buf, w=None, b32=None):
+        """fp32 logits r = h W^T (+ b) of rows h into buf[:rows]."""
         b32 = self.b32 if b32 is None else b32
         if self.bf16_operands:
             if w is None:

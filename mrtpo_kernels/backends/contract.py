@@ -10,8 +10,10 @@
 Conventions of every entry point: inputs are already validated, flattened and contiguous;
 returned per-token quantities are float32 (float64 for float64 inputs); gradients of the
 hidden states come back in the hidden states' dtype, those of weight and bias in float32
-(the caller casts). tests/test_dispatch.py checks every backend that loads against these
-classes.
+(the caller casts). The linear ops' logit transform (``logit_scale``, ``softcap``;
+_types.LogitCap) reaches an entry point only where it is active, as keywords (softcap 0:
+none); the identity calls every entry point exactly as before the transform existed.
+tests/test_dispatch.py checks every backend that loads against these classes.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Backend(Protocol):
 class LinearLogprobsEntryPoints(Protocol):
     def linear_logprobs_fwd(
         self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        temperature: float, ignore_index: int, with_entropy: bool,
+        temperature: float, ignore_index: int, with_entropy: bool, logit_scale: float = 1.0,
+        softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         """hidden (N, d), weight (V, d), bias (V,) | None, labels (N,) int64 ->
         (logp (N,), entropy (N,) or (0,), lse (N,), saved): lse the log-normalizer of
@@ -66,6 +69,7 @@ class LinearLogprobsEntryPoints(Protocol):
         self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
         lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
         temperature: float, ignore_index: int, saved: Tensor | None = None,
+        logit_scale: float = 1.0, softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """entropy and grad_entropy (N,) or (0,) -> (grad_hidden (N, d), grad_weight (V, d)
         fp32, grad_bias (V,) fp32 or (0,)). saved: the forward's, or None (then the
@@ -93,7 +97,7 @@ class LogprobsFromLogitsEntryPoints(Protocol):
 class LinearJSDistanceEntryPoints(Protocol):
     def linear_js_distance(
         self, hidden_p: Tensor, hidden_q: Tensor, weight: Tensor, bias: Tensor | None,
-        temperature: float,
+        temperature: float, logit_scale: float = 1.0, softcap: float = 0.0,
     ) -> Tensor:  # fmt: skip
         """hidden_p (N, d), hidden_q (K, N, d) -> distances (K, N)."""
         ...
@@ -116,7 +120,8 @@ class LinearPolicyLossEntryPoints(Protocol):
         (0,), grad_bias (V,) fp32 or (0,)): loss = sum_t token_weight[t] L_t and its
         gradient, computed in the same pass (only with need_grad). ``cfg``: the scalar
         settings, one value built by the custom op (temperature, clip range, beta,
-        ignore_index, the dual clip clip_ratio_c, inf for none, kl_importance_weight)."""
+        ignore_index, the dual clip clip_ratio_c, inf for none, kl_importance_weight, the
+        logit transform's logit_scale and softcap)."""
         ...
 
 
@@ -151,8 +156,12 @@ def entry_point_names(protocol: type) -> tuple[str, ...]:
 
 @runtime_checkable
 class RowKernel(Protocol):
-    """What the chunk driver calls, on row slices of a contiguous fp32 chunk z of raw
-    logits (before the temperature; inv_t = 1 / temperature).
+    """What the chunk driver calls, on row slices of a contiguous fp32 chunk z of logits
+    (before the temperature; inv_t = 1 / temperature). With a logit transform (LogitCap)
+    the driver has already transformed z (z = softcap tanh(scale r / softcap) of the raw
+    logits r); the gradient methods then get ``logit_scale`` and ``softcap`` (grad_,
+    grad_cols_: keywords; policy_: in cfg) and return dL/dr = dL/dz scale (1 - (z /
+    softcap)^2) (scale without a cap), the slope formed from the z they read.
 
     The optional abilities are flags, False here; a kernel that has one sets it and
     defines its methods (the driver reads the flags, never probes for methods):
@@ -187,9 +196,11 @@ class RowKernel(Protocol):
 
     def grad_(
         self, z: Tensor, labels: Tensor, lse: Tensor, ent: Tensor | None, g_logp: Tensor,
-        g_ent: Tensor | None, inv_t: float, ignore_index: int,
+        g_ent: Tensor | None, inv_t: float, ignore_index: int, logit_scale: float = 1.0,
+        softcap: float = 0.0,
     ) -> None:  # fmt: skip
-        """dL/dz for upstream g_logp (and g_ent), written over z (or into ``out=``)."""
+        """dL/dz for upstream g_logp (and g_ent), written over z (or into ``out=``); dL/dr
+        with an active logit transform."""
         ...
 
     def js(
@@ -216,7 +227,7 @@ class RowKernel(Protocol):
     def grad_cols_(
         self, z: Tensor, labels: Tensor, lse: Tensor, ent: Tensor | None, g_logp: Tensor,
         g_ent: Tensor | None, inv_t: float, ignore_index: int, v_lo: int, vocab: int,
-        out: Tensor | None = None,
+        out: Tensor | None = None, logit_scale: float = 1.0, softcap: float = 0.0,
     ) -> None:  # fmt: skip
         """GRAD_COLS: dL/dz for the vocabulary columns [v_lo, v_lo + z.shape[1]) of all
         rows (of a vocabulary of ``vocab``), over z or into ``out``."""

@@ -41,7 +41,9 @@ class _CppChunkKernel(RowKernel):
         return logp, (ent if with_ent else None), lse
 
     @staticmethod
-    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index):
+    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, **cap):
+        """``cap``: logit_scale and softcap of an active logit transform (the kernel
+        multiplies dL/dz by dz/dr in its write pass, row_kernels.h); none for the identity."""
         dt = z.dtype
         _C.grad_(
             z,
@@ -52,6 +54,7 @@ class _CppChunkKernel(RowKernel):
             None if g_ent is None else g_ent.to(dt).contiguous(),
             inv_t,
             ignore_index,
+            **cap,
         )
 
     @staticmethod
@@ -66,6 +69,8 @@ class _CppChunkKernel(RowKernel):
     @staticmethod
     def policy_(z, labels, old_logp, advantages, token_weight, ref_logp, cfg, need_grad):
         dt = z.dtype
+        cap = cfg.logit_cap
+        ckw = {"logit_scale": cap.scale, "softcap": cap.softcap} if cap.active else {}
         return _C.policy_(
             z,
             labels.contiguous(),
@@ -81,6 +86,7 @@ class _CppChunkKernel(RowKernel):
             need_grad,
             cfg.clip_ratio_c,
             cfg.kl_importance_weight,
+            **ckw,
         )
 
 

@@ -55,6 +55,16 @@ def _nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
+def _times_slope(grad, z, logit_scale, softcap):
+    """dL/dr = dL/dz dz/dr for the logit transform z = softcap tanh(scale r / softcap):
+    dz/dr = scale (1 - z/softcap)(1 + z/softcap), scale without a cap (z the transformed
+    logits the kernel read); grad itself for the identity."""
+    if softcap:
+        t = z / softcap
+        return grad.mul_((1.0 - t) * (1.0 + t)).mul_(logit_scale)
+    return grad.mul_(logit_scale) if logit_scale != 1.0 else grad
+
+
 class _TorchChunkKernel(RowKernel):
     """The row-kernel contract (contract.RowKernel) in PyTorch ops; no optional ability."""
 
@@ -77,7 +87,8 @@ class _TorchChunkKernel(RowKernel):
         return logp, ent, lse
 
     @staticmethod
-    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index):
+    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, logit_scale=1.0,
+              softcap=0.0):  # fmt: skip
         # dlogp/dz = onehot - p ; dH/dz = -p (log p + H) ; both times 1/tau for the logits.
         # The row's max and sum are recomputed (the saved lse is rounded at large |z / tau|).
         valid, use, safe = _label_masks(labels, ignore_index, z.shape[-1])
@@ -93,7 +104,7 @@ class _TorchChunkKernel(RowKernel):
         grad.scatter_add_(-1, safe.unsqueeze(-1), g)
         grad = torch.where(use[:, None], grad, torch.zeros_like(grad))
         grad = torch.where((use & ~ok)[:, None], _nan_like(grad), grad)
-        z.copy_(grad.mul_(inv_t))
+        z.copy_(_times_slope(grad.mul_(inv_t), z, logit_scale, softcap))
 
     @staticmethod
     def js(zp, zq, inv_t, lse_p):
@@ -128,7 +139,8 @@ class _TorchChunkKernel(RowKernel):
             grad.scatter_add_(-1, safe[:, None], g[:, None])
             grad = torch.where(use[:, None], grad, torch.zeros_like(grad))
             grad = torch.where((use & ~ok)[:, None], _nan_like(grad), grad)
-            z.copy_(grad.mul_(inv_t))
+            cap = cfg.logit_cap
+            z.copy_(_times_slope(grad.mul_(inv_t), z, cap.scale, cap.softcap))
         return per_tok, logp, clipped
 
 

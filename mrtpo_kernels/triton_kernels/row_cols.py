@@ -12,7 +12,17 @@ import triton
 import triton.language as tl
 
 from ._common import check_device, interpreting
-from .row_math import _clip_c, _f32, _norm, _policy_terms, _row_offset, _warps, row_block
+from .row_math import (
+    _cap_slope,
+    _clip_c,
+    _f32,
+    _norm,
+    _policy_terms,
+    _row_offset,
+    _warps,
+    cap_args,
+    row_block,
+)
 
 # --------------------------------------------------------------------------- low-memory mode
 # The column kernel cannot recompute a row's max and sum (the row is split over vocabulary
@@ -40,9 +50,12 @@ def _grad_cols_kernel(
     stride_out,
     inv_t,
     ignore_index,
+    scale,
+    inv_cap,
     HAS_NORM: tl.constexpr,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLOPE: tl.constexpr,
 ):
     """dz on the columns [v_lo, v_lo + W) of a row (the row is split over vocabulary chunks,
     so its max and sum cannot be recomputed here): log p = (z/2 - M/2)(2/tau) - log s from
@@ -75,6 +88,8 @@ def _grad_cols_kernel(
         if HAS_ENT:
             grad -= e * tl.where(p > 0.0, p * (lp + ent), 0.0)
         grad = tl.where(use, grad * inv_t, 0.0)
+        if SLOPE:  # z the transformed logits: dL/dr = dL/dz dz/dr (row_math._write_grad)
+            grad = grad * _cap_slope(z, scale, inv_cap)
         tl.store(o_ptr + cols, grad.to(o_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -131,8 +146,9 @@ def _policy_terms_kernel(
 
 
 def grad_cols_(
-    z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None, norm=None
-):
+    z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None, norm=None,
+    logit_scale=1.0, softcap=0.0,
+):  # fmt: skip
     """dL/dz of vocabulary columns [v_lo, v_lo + z.shape[1]) of every row, from the saved lse
     (and entropy), in place or into ``out``. With ``norm``, the (2, rows) raw max and log s
     that ``stats(..., norm=)`` wrote for these rows, log p is formed from them instead of
@@ -166,6 +182,7 @@ def grad_cols_(
         HAS_ENT=has_ent,
         BLOCK=block,
         num_warps=_warps(block),
+        **cap_args(logit_scale, softcap),
     )
 
 

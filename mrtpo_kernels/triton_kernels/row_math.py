@@ -105,10 +105,15 @@ def _write_grad(
     use,
     ok,
     inv_t,
+    scale,
+    inv_cap,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLOPE: tl.constexpr = False,
 ):
-    """Second pass: dz over the row into out (same row, any float dtype)."""
+    """Second pass: dz over the row into out (same row, any float dtype). SLOPE: the row
+    holds transformed logits z = softcap tanh(scale r / softcap) (``LogitCap``), and the
+    gradient written is dL/dr = dL/dz ``_cap_slope(z)``."""
     two_inv_t = 2.0 * inv_t
     g_use = tl.where(use, g, 0.0)
     e_use = tl.where(use, e, 0.0)
@@ -122,8 +127,26 @@ def _write_grad(
         if HAS_ENT:
             grad -= e_use * tl.where(p > 0.0, p * (lp + ent), 0.0)
         grad = tl.where(use, grad * inv_t, 0.0)
+        if SLOPE:
+            grad = grad * _cap_slope(z, scale, inv_cap)
         grad = tl.where(use & (ok == 0), float("nan"), grad)
         tl.store(out_ptr + cols, grad.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _cap_slope(z, scale, inv_cap):
+    """dz/dr of the logit transform at the transformed logit z: scale (1 - z/s)(1 + z/s),
+    which is scale without a cap (inv_cap = 0)."""
+    t = z * inv_cap
+    return scale * ((1.0 - t) * (1.0 + t))
+
+
+def cap_args(logit_scale: float, softcap: float) -> dict:
+    """The slope's kernel arguments: scale, 1 / softcap (0: no cap) and SLOPE, False for the
+    identity (the kernels compiled without it, as before the transform existed)."""
+    active = logit_scale != 1.0 or softcap != 0.0
+    inv_cap = 1.0 / softcap if softcap else 0.0
+    return {"scale": float(logit_scale), "inv_cap": float(inv_cap), "SLOPE": bool(active)}
 
 
 @triton.jit

@@ -61,6 +61,7 @@ from .row_math import (
     _target_x,
     _warps,
     _write_grad,
+    cap_args,
     row_block,
 )
 
@@ -196,8 +197,11 @@ def _grad_rows_kernel(
     stride_out,
     inv_t,
     ignore_index,
+    scale,
+    inv_cap,
     HAS_ENT: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLOPE: tl.constexpr,
 ):
     r = tl.program_id(0)
     row_ptr = z_ptr + _row_offset(r, stride_z)
@@ -224,8 +228,11 @@ def _grad_rows_kernel(
         use,
         ok,
         inv_t,
+        scale,
+        inv_cap,
         HAS_ENT=HAS_ENT,
         BLOCK=BLOCK,
+        SLOPE=SLOPE,
     )
 
 
@@ -250,11 +257,14 @@ def _policy_rows_kernel(
     clip_c,
     beta,
     ignore_index,
+    scale,
+    inv_cap,
     HAS_REF: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     KL_IW: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLOPE: tl.constexpr,
 ):
     r = tl.program_id(0)
     row_ptr = z_ptr + _row_offset(r, stride_z)
@@ -303,8 +313,11 @@ def _policy_rows_kernel(
             use,
             ok,
             inv_t,
+            scale,
+            inv_cap,
             HAS_ENT=False,
             BLOCK=BLOCK,
+            SLOPE=SLOPE,
         )
 
 
@@ -498,9 +511,11 @@ class TritonRowKernel:
         return logp, (ent if with_ent else None), lse
 
     @staticmethod
-    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, out=None):
+    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, out=None,
+              logit_scale=1.0, softcap=0.0):  # fmt: skip
         """dL/dz over z in place, or into ``out`` (same rows). The row's max and sum are
-        recomputed from z (lse is not read: it is rounded at large |z / tau|)."""
+        recomputed from z (lse is not read: it is rounded at large |z / tau|). With a logit
+        transform (logit_scale, softcap; z the transformed logits), dL/dr."""
         check_device("z", z)
         rows, v = z.shape
         if rows == 0:
@@ -524,6 +539,7 @@ class TritonRowKernel:
             HAS_ENT=has_ent,
             BLOCK=block,
             num_warps=_warps(block),
+            **cap_args(logit_scale, softcap),
         )
 
     @staticmethod
@@ -567,6 +583,7 @@ class TritonRowKernel:
             NEED_GRAD=bool(need_grad),
             BLOCK=block,
             num_warps=_warps(block),
+            **cap_args(cfg.logit_scale, cfg.softcap),
         )
         return loss, logp, clipped
 
