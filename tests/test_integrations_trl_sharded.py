@@ -29,6 +29,7 @@ ENGINES = ("ddp", "fsdp2", "fsdp2-keep", "fsdp1")
 # rank 1's rows name no span (only rank 0 replays); rank 1's completions are EOS alone
 CASES = ("rank1-no-spans", "rank1-eos-only")
 DEADLINE_S = 240
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate")
 
 
 def _cpu_fsdp_shim():
@@ -66,29 +67,35 @@ def _cpu_fsdp_shim():
     FSDP1.__init__ = fsdp1_cpu
 
 
-def _engine_args(engine: str) -> dict:
+def engine_env(engine: str) -> dict:
+    """The environment ``accelerate launch --config_file examples/accelerate/<engine>.yaml``
+    gives each process (Accelerate's own launcher code), with the CPU's two differences:
+    no mixed precision, no sync_module_states (Accelerate looks for a GPU for it; both
+    ranks build the same model from one seed). "fsdp2-keep": fsdp2.yaml with
+    fsdp_reshard_after_forward false."""
     if engine == "ddp":
         return {}
-    layer = {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
-    if engine == "fsdp1":
-        # no sync_module_states: Accelerate looks for a GPU for it (both ranks built the
-        # same model from one seed)
-        return dict(
-            fsdp="full_shard auto_wrap",
-            fsdp_config=dict(layer, version=1, sync_module_states=False),
-        )
-    return dict(fsdp="full_shard auto_wrap",
-                fsdp_config=dict(layer, version=2,
-                                 reshard_after_forward=engine == "fsdp2"))  # fmt: skip
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = os.path.join(EXAMPLES, f"{engine.split('-')[0]}.yaml")
+    args = launch_command_parser().parse_args(["--config_file", path, "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = {k: v for k, v in prepare_multi_gpu_env(args).items()
+           if k.startswith(("FSDP_", "ACCELERATE_USE_FSDP"))}  # fmt: skip
+    env.update(FSDP_SYNC_MODULE_STATES="false")
+    if engine == "fsdp2-keep":
+        env.update(FSDP_RESHARD_AFTER_FORWARD="false")
+    return env
 
 
-def _config(output_dir: str, engine: str):
+def _config(output_dir: str):
     """The two-process tests' step (test_integrations_trl_distributed), two steps."""
     return trl.GRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=6, num_generations=4,
         max_completion_length=6, max_steps=2, learning_rate=1e-2, beta=0.0,
         mask_truncated_completions=True, temperature=1.3, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, **_engine_args(engine),
+        save_strategy="no", use_cpu=True, bf16=False, seed=0,
     )  # fmt: skip
 
 
@@ -160,10 +167,11 @@ def _rank_main(rank: int, port: int, out: str, engines):
         for engine in engines:
             AcceleratorState._reset_state()
             for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_USE_FSDP"))]:
-                del os.environ[key]  # an FSDP run's settings (TrainingArguments writes them)
+                del os.environ[key]  # the previous run's engine
+            os.environ.update(engine_env(engine))
             torch.manual_seed(0)
             model, tok = tiny_model()
-            config = _config(os.path.join(out, f"{name}-{engine}"), engine)
+            config = _config(os.path.join(out, f"{name}-{engine}"))
             t0 = time.perf_counter()
             trainer = Trainer(
                 model=model, reward_funcs=[says_word, bye, length], args=config,
@@ -357,3 +365,43 @@ def test_fully_shard_replay_lockstep_forward_order_and_memory(sharded_runs):
             assert r["replay_peak"] + r["head_bytes"] <= r["train_peak"] + head, r
             if reshard:
                 assert r["replay_peak"] < r["full_bytes"]
+
+
+# --------------------------------------------------------------------------- fast checks
+
+
+def test_zero3_is_refused_naming_the_setting():
+    from types import SimpleNamespace
+
+    from mrtpo.integrations.trl_trainer import _refuse_zero3
+
+    def accelerator(stage):
+        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    for stage in (None, 1, 2):
+        _refuse_zero3(accelerator(stage))
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        _refuse_zero3(accelerator(3))
+
+
+def test_replicated_models_replay_unwrapped():
+    from test_integrations_trl_replay import tiny_model
+
+    from mrtpo.integrations.engine import engine_sharding, sharded_replay
+
+    model, _ = tiny_model()
+    assert engine_sharding(model) is None
+    with sharded_replay(model) as lm:  # no collective, the unwrapped model replays
+        assert lm is None
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp2-keep", "fsdp1"])
+def test_example_configs_launch_the_engine_the_docs_name(engine):
+    env = engine_env(engine)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    assert env["FSDP_VERSION"] == engine[4]
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+    assert env["FSDP_RESHARD_AFTER_FORWARD"] == ("false" if engine == "fsdp2-keep" else "true")
+    if engine == "fsdp1":
+        assert env["FSDP_SHARDING_STRATEGY"] == "FULL_SHARD"

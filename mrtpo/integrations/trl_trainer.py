@@ -633,6 +633,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         for key, value in options.items():
             setattr(self, key, value)
         self.relevance_fn = relevance_fn
+        _refuse_zero3(self.accelerator)
         text_config = self.model.config.get_text_config()
         for name in _REFUSED_MODEL_SETTINGS:
             value = getattr(text_config, name, None)
@@ -1145,6 +1146,19 @@ def _router_aux_loss(model, out, attention_mask):
         or config.num_local_experts  # fmt: skip
     top_k = getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
     return fn(router_logits, experts, top_k, attention_mask)
+
+
+def _refuse_zero3(accelerator) -> None:
+    """DeepSpeed ZeRO-3 is refused: the fused loss reads the LM head after the model's
+    forward, where ZeRO-3 has already released it (FSDP1/FSDP2 keep the head's unit
+    gathered until the backward; the replay itself gathers the head through DeepSpeed)."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        raise ValueError(
+            "deepspeed zero_stage=3: MRTPOGRPOTrainer's fused loss reads the LM head after "
+            "the model's forward, where ZeRO-3 has released it; use ZeRO-2 or FSDP "
+            "(fsdp_version 1 or 2), or TRL's GRPOTrainer (docs/trl.md, 'Sharded engines')"
+        )
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> float:
