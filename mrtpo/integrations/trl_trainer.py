@@ -806,7 +806,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
     def _log_group_stats(self, rewards, g, mode):
         """MRTPO's own GDPO statistics of the step (the rewards gathered over processes, so
         no collective): per reward, the mean over groups of its group std (the std MRTPO
-        divides by; a missing reward counts 0, as in the advantages) and the share of
+        divides by with scale_rewards "group"; a missing reward counts 0, as in the
+        advantages) and the share of
         groups where it does not vary (its advantage is 0 there); and the share of groups
         where no reward varies (MRTPO's advantage is 0 for the whole group)."""
         r = torch.nan_to_num(rewards.detach().double(), nan=0.0)
