@@ -106,6 +106,58 @@ def lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, getattr(head, "bias", None)
 
 
+# The config fields that transform a Hugging Face model's logits after its LM head, in the
+# order its forward applies them (then generation divides by the temperature): Cohere and
+# Cohere2 multiply by ``logit_scale``, Granite (and GraniteMoe) divide by
+# ``logits_scaling``, Gemma 2 and 3 cap with ``final_logit_softcapping``.
+LOGIT_SCALE_FIELDS = ("logit_scale", "logits_scaling")
+SOFTCAP_FIELD = "final_logit_softcapping"
+# multipliers whose place in the model's forward the fused head does not know: refused
+UNSUPPORTED_LOGIT_FIELDS = ("lm_head_multiplier", "output_multiplier")
+
+
+def logit_transform(model) -> dict:
+    """The LM head's logit transform of ``model`` as the fused ops' keywords: ``{"logit_scale":
+    s, "softcap": c}`` for ``linear_logprobs``, ``linear_js_distance`` and
+    ``linear_policy_loss``, read from its (text) config: ``logit_scale`` (Cohere, Cohere2)
+    multiplies, ``logits_scaling`` (Granite) divides (s = 1 / it), ``final_logit_softcapping``
+    (Gemma 2, Gemma 3) caps; ``{}`` where the config sets none (the plain head, bit for
+    bit). A config that sets ``lm_head_multiplier`` or ``output_multiplier`` is refused
+    (ValueError), as is a value the ops would refuse."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in UNSUPPORTED_LOGIT_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(
+                f"model.config.{name}: the fused LM head supports logit_scale, "
+                f"logits_scaling and final_logit_softcapping; a model with {name}={value} "
+                "is not supported"
+            )
+    scale = 1.0
+    for name in LOGIT_SCALE_FIELDS:
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not (math.isfinite(value) and value != 0):
+            raise ValueError(f"model.config.{name}: expected a finite non-zero number, got "
+                             f"{value}")  # fmt: skip
+        scale = scale * (float(value) if name == "logit_scale" else 1.0 / float(value))
+    cap = getattr(config, SOFTCAP_FIELD, None)
+    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"model.config.{SOFTCAP_FIELD}: expected None or a positive finite "
+                         f"number, got {cap!r}")  # fmt: skip
+    out = {}
+    if scale != 1.0:
+        out["logit_scale"] = scale
+    if cap is not None:
+        out["softcap"] = float(cap)
+    return out
+
+
 def last_hidden(model, input_ids, attention_mask) -> torch.Tensor:
     """(B, L, d) last hidden states for left/right-padded input; positions count only the
     tokens the attention mask keeps, so padding does not shift them."""
@@ -339,6 +391,7 @@ def warm_start(
     foreach = None if micro_batch is None else False
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=foreach)
     weight_fn = lambda: lm_head(model)
+    head_kw = logit_transform(model)  # the model's logit scale / softcap, if any
     model.train()
     losses = []
     order: list[int] = []
@@ -368,7 +421,7 @@ def warm_start(
                 h = last_hidden(model, ids, mask)[:, :-1]
             w, b = weight_fn()
             keep = labels != -100
-            logp = linear_logprobs(h[keep], w, labels[keep], bias=b)
+            logp = linear_logprobs(h[keep], w, labels[keep], bias=b, **head_kw)
             # one forward: the batch's mean, as before; several: each part's share of it
             loss = -logp.mean() if len(parts) == 1 else -logp.sum() / n_kept
             loss.backward()

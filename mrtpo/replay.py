@@ -35,7 +35,7 @@ import torch
 
 from mrtpo_kernels import ADVANTAGE_DEFAULTS, gdpo_advantages, linear_js_distance, linear_logprobs
 
-from .model import lm_head
+from .model import lm_head, logit_transform
 from .prompting import ChatPrompter, Span, merge_spans
 from .spans import is_chat_prompt, normalize_spans, prompt_without_spans
 from .teacher_forcing import forward_after_prefix, forward_shared_prompts, teacher_batch
@@ -256,13 +256,17 @@ class CallableLM:
 
     ``hidden(input_ids, attention_mask, position_ids)`` returns the (B, L, d) hidden states
     after the final norm (what the LM head reads) for left-padded (B, L) input;
-    ``weight`` (V, d) and ``bias`` (V,) or None are the LM head. Such a model is run on whole
-    prompt + response rows (no key/value cache to share a prompt between rows).
+    ``weight`` (V, d) and ``bias`` (V,) or None are the LM head; ``logit_scale`` and
+    ``softcap`` its logit transform (``mrtpo_kernels.linear_logprobs``; defaults: none).
+    Such a model is run on whole prompt + response rows (no key/value cache to share a
+    prompt between rows).
     """
 
     hidden: Callable
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    logit_scale: float = 1.0
+    softcap: float | None = None
 
 
 def _head(model):
@@ -274,6 +278,15 @@ def _head(model):
             f"{type(model).__name__}"
         )
     return lm_head(model)
+
+
+def _head_transform(model) -> dict:
+    """The head's logit transform as the fused ops' keywords (mrtpo.model.logit_transform
+    reads a Hugging Face model's config); ``{}`` for none."""
+    if isinstance(model, CallableLM):
+        kw = {} if model.logit_scale == 1.0 else {"logit_scale": model.logit_scale}
+        return kw | ({} if model.softcap is None else {"softcap": model.softcap})
+    return logit_transform(model)
 
 
 def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device, *, prefixes=None,
@@ -418,6 +431,7 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     ):
         raise ValueError(f"max_tokens: expected a positive int or None, got {max_tokens!r}")
     weight, bias = _head(model)
+    head_kw = _head_transform(model)  # logit scale / softcap: the model's own distribution
     device = weight.device
     js_head = None  # (weight, bias, hidden dtype) for the JS, made at its first use
     pad_id = 0 if pad_id is None else int(pad_id)
@@ -459,7 +473,7 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
         labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
         labels = labels.to(device)
-        lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature)
+        lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature, **head_kw)
         old[idx] = lp.float()
         if hidden_p is not None:
             hidden_p[idx] = hp
@@ -516,14 +530,14 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
                 js_head = _js_head(weight, bias)
             js_w, js_b, js_dt = js_head
             d = linear_js_distance(grp.hp.to(js_dt), grp.hq.to(js_dt), js_w, bias=js_b,
-                                   temperature=temperature)  # fmt: skip
+                                   temperature=temperature, **head_kw)  # fmt: skip
             # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
             dist[used_t[:, None], grp.sel[None, :]] = torch.where(cover, d[:, :n_g].float(), 0.0)
             if ratio is not None:
                 lab_g, lp_g = labels[grp.local], lp[grp.local]
                 for s_, j in enumerate(grp.streams):
                     lq = linear_logprobs(grp.hq[s_], weight, lab_g, bias=bias,
-                                         temperature=temperature)[:n_g]  # fmt: skip
+                                         temperature=temperature, **head_kw)[:n_g]  # fmt: skip
                     delta = (lq - lp_g[:n_g]).abs().float()
                     ratio[j, grp.sel] = torch.where(cover[s_], delta, 0.0)
     return _Core(dist, old, ratio, hidden_p, replayed)

@@ -46,7 +46,14 @@ from .config import TrainConfig
 from .heldout import check_eval_split, eval_due, evaluate_heldout, match_schedule
 from .initial_model import initial_folder
 from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
-from .model import default_model, gradient_checkpointing, lm_head, load_model, save_model
+from .model import (
+    default_model,
+    gradient_checkpointing,
+    lm_head,
+    load_model,
+    logit_transform,
+    save_model,
+)
 from .model_folder import check_model_folder
 from .pretrained import stored_dtype
 from .prompting import ChatPrompter
@@ -379,8 +386,9 @@ class Trainer:
             labels = torch.cat([torch.tensor(r) for r in ro.responses]).to(self.device)
             with torch.no_grad():
                 ref_logp = linear_logprobs(
-                    h_ref, w_ref, labels, bias=b_ref, temperature=cfg.temperature
-                ).cpu()
+                    h_ref, w_ref, labels, bias=b_ref, temperature=cfg.temperature,
+                    **logit_transform(self.ref),
+                ).cpu()  # fmt: skip
         t2 = time.perf_counter()
         upd = self._update(ro, rep.old_logprobs.detach().float().cpu(), adv, ref_logp, lengths)
         t3 = time.perf_counter()
@@ -412,6 +420,7 @@ class Trainer:
         starts = torch.zeros(n + 1, dtype=torch.long)
         starts[1:] = torch.cumsum(lengths, 0)
         weight_bias = lambda: lm_head(self.model)
+        head_kw = logit_transform(self.model)  # the model's logit scale / softcap, if any
         stats = {"loss": [], "clip_fraction": [], "mean_ratio": [], "kl": [], "grad_norm": []}
         self.model.eval()  # no dropout: the loss must see the rollout policy's distribution
         for _ in range(cfg.ppo_epochs):
@@ -446,6 +455,7 @@ class Trainer:
                         clip_high=cfg.clip_high,
                         ref_logprobs=None if ref_logp is None else ref_logp[idx].to(self.device),
                         beta=cfg.kl_beta,
+                        **head_kw,
                     )
                     share = idx.numel() / mb_tokens
                     (loss * share).backward()

@@ -189,6 +189,8 @@ def fused_policy_loss(
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
     use_bias_correction_kl: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ):
     """GRPOTrainer's clipped loss with the LM head fused in: no (B, T, V) logits.
 
@@ -217,6 +219,9 @@ def fused_policy_loss(
             token is multiplied by the importance ratio exp(logp - old), not detached, as
             TRL does; ``linear_policy_loss(kl_importance_weight=True)`` computes it in the
             same single fused pass (gradient in the forward).
+        logit_scale, softcap: the model's logit transform before the temperature
+            (``mrtpo.model.logit_transform`` reads them from its config: Cohere's
+            logit_scale, Granite's 1 / logits_scaling, Gemma's final_logit_softcapping).
 
     Returns:
         (loss, metrics) as ``linear_policy_loss``: a scalar with gradients to hidden, weight
@@ -246,7 +251,8 @@ def fused_policy_loss(
             old_per_token_logps = linear_logprobs(
                 hidden.detach(), lm_head_weight.detach(), labels,
                 bias=None if lm_head_bias is None else lm_head_bias.detach(),
-                temperature=temperature, ignore_index=ignore_index,
+                temperature=temperature, ignore_index=ignore_index, logit_scale=logit_scale,
+                softcap=softcap,
             )  # fmt: skip
     else:
         check_tensor("old_per_token_logps", old_per_token_logps, ndim=2, floating=True)
@@ -270,6 +276,7 @@ def fused_policy_loss(
         clip_high=epsilon_high, ignore_index=ignore_index, aggregation=LOSS_TYPES[loss_type],
         ref_logprobs=ref_per_token_logps if beta != 0.0 else None, beta=beta,
         norm_len=norm_len, kl_importance_weight=bool(use_bias_correction_kl),
+        logit_scale=logit_scale, softcap=softcap,
     )  # fmt: skip
 
     # The library averages over sequences that have a token; TRL averages over all B rows

@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - the trl extra is not installed
 
 from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevance
 
+from ..model import logit_transform
 from ..spans import score_and_spans, span_list
 from .common import consecutive_group_ids
 from .engine import sharded_replay
@@ -556,9 +557,10 @@ def _fields_of(value, i: int) -> dict:
 # --------------------------------------------------------------------------- the trainer
 
 # TRL settings the fused loss path reproduces; any other value goes to TRL's own loss code,
-# fed by fused log-probs (see MRTPOGRPOTrainer).
-_REFUSED_MODEL_SETTINGS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                           "lm_head_multiplier", "output_multiplier")  # fmt: skip
+# fed by fused log-probs (see MRTPOGRPOTrainer). The model's logit transform (Gemma's
+# final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling) goes to the fused
+# ops (mrtpo.model.logit_transform); these multipliers are refused there.
+_REFUSED_MODEL_SETTINGS = ("lm_head_multiplier", "output_multiplier")
 
 
 class MRTPOGRPOTrainer(GRPOTrainer):
@@ -601,7 +603,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
     TRL's own ``_compute_loss`` on those fused log-probs, so nothing is dropped. A MoE
     model's router aux loss (``router_aux_loss_coef``) is taken from the decoder's router
     logits with the architecture's own ``load_balancing_loss_func`` and added as TRL adds
-    it. Multimodal inputs and logit scaling/softcapping are refused.
+    it. The model's logit scaling and final-logit softcapping (Gemma 2 / 3, Cohere, Cohere2,
+    Granite) are read from its config and applied by the fused ops as the model applies
+    them. Multimodal inputs are refused.
 
     With ``beta > 0`` TRL loads its reference model from the policy's name; a policy
     passed as a model TRL cannot load by name (built in code, or converted and saved
@@ -634,14 +638,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             setattr(self, key, value)
         self.relevance_fn = relevance_fn
         _refuse_zero3(self.accelerator)
-        text_config = self.model.config.get_text_config()
-        for name in _REFUSED_MODEL_SETTINGS:
-            value = getattr(text_config, name, None)
-            if value is not None and value != 1.0:
-                raise ValueError(
-                    f"model.config.{name}: the fused LM head computes plain "
-                    f"logits / temperature; a model with {name}={value} is not supported"
-                )
+        # the fused ops' logit_scale / softcap, as the model's forward applies them (a
+        # setting in _REFUSED_MODEL_SETTINGS raises here)
+        self._mrtpo_head_kw = logit_transform(self.model)
         if self.mrtpo_advantages:
             _check_scale_rewards(self.scale_rewards)
             aggregation = getattr(self.args, "multi_objective_aggregation", None)
@@ -1005,7 +1004,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
             out = linear_logprobs(hidden, weight, labels, bias=bias,
                                   temperature=self.temperature,
-                                  return_entropy=compute_entropy)  # fmt: skip
+                                  return_entropy=compute_entropy,
+                                  **self._mrtpo_head_kw)  # fmt: skip
             if compute_entropy:
                 logps.append(out[0])
                 ents.append(out[1])
@@ -1059,6 +1059,7 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             max_completion_length=self.max_completion_length,
             token_normalizer=token_normalizer, lm_head_bias=bias,
             use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
+            **self._mrtpo_head_kw,
         )  # fmt: skip
         if self.loss_type != "dapo":
             loss = loss / accumulation
@@ -1077,7 +1078,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         logp, entropy = linear_logprobs(hidden.detach(), weight.detach(), labels,
                                         bias=None if bias is None else bias.detach(),
                                         temperature=self.temperature,
-                                        return_entropy=True)  # fmt: skip
+                                        return_entropy=True,
+                                        **self._mrtpo_head_kw)  # fmt: skip
         old = inputs.get("old_per_token_logps")
         old = logp if old is None else old
         ratio = torch.exp(logp - old)
