@@ -203,9 +203,8 @@ def main(argv=None):
         print(f"processes: {state.num_processes} ({state.distributed_type.value}, "
               f"backend {state.backend or 'none'})")  # fmt: skip
     for h in logs if trainer.accelerator.is_main_process else []:
-        rel = " ".join(f"{k.split('/')[-1]} {'-' if v is None else format(v, '.4f')}"
-                       for k, v in h.items()
-                       if k.startswith("mrtpo/relevance/"))  # None: every pair skipped
+        rel = " ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in h.items()
+                       if k.startswith("mrtpo/relevance/"))  # fmt: skip
         secs = h.get("mrtpo/replay_seconds", float("nan"))
         print(f"step {h['step']}: loss {h['loss']:.4f} reward {h.get('reward', float('nan')):.3f}"
               f" replay {secs:.3f}s relevance {rel}")  # fmt: skip

@@ -328,26 +328,30 @@ def constant_with_spans(prompts, completions, **kw):  # names spans, never varie
 
 
 def test_trl_replay_metrics_per_reward_with_skipped_pairs(tmp_path):
-    """Issue 41, item 14: ``mrtpo/relevance/<reward>`` was averaged over replayed pairs only,
-    so a reward that named spans could be missing from the log with the default skip. Now
-    every reward that named a span has the key (None: named, every pair skipped, not
-    measured), and the pairs replayed and skipped are logged per reward too."""
-    torch.manual_seed(0)
-    model, tok = tiny_model()
-    ds = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, "topic": WORDS * 2})
-    config = trl_trainer.MRTPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to=[],
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, logging_steps=1,
-        temperature=1.3,
-    )  # fmt: skip
-    trainer = trl_trainer.MRTPOGRPOTrainer(
-        model=model, reward_funcs=[says_word, constant_with_spans, length], args=config,
-        train_dataset=ds, processing_class=tok, reward_spans=[word_spans, None, None],
-    )  # fmt: skip
-    trainer.train()
-    h = trainer.state.log_history[0]
-    rep = trainer.last_replay["replay"]
+    """Issue 41, item 14: ``mrtpo/relevance/<reward>`` is averaged over replayed pairs only,
+    so with the default skip it was missing for a reward that named spans, which the
+    metrics table did not say, and nothing logged told why. The pairs replayed and skipped
+    are now logged per reward (the table documents all three): a reward whose every pair
+    was skipped has no relevance and all its pairs under skipped; one that named none has
+    0 and 0; with ``mrtpo_replay_all`` every pair is replayed and measured."""
+    logs = []
+    for replay_all in (False, True):
+        torch.manual_seed(0)
+        model, tok = tiny_model()
+        ds = datasets.Dataset.from_dict({"prompt": PROMPTS * 2, "topic": WORDS * 2})
+        config = trl_trainer.MRTPOConfig(
+            output_dir=str(tmp_path / f"out{replay_all}"), per_device_train_batch_size=8,
+            num_generations=4, max_completion_length=6, max_steps=1, learning_rate=1e-2,
+            report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+            logging_steps=1, temperature=1.3, mrtpo_replay_all=replay_all,
+        )  # fmt: skip
+        trainer = trl_trainer.MRTPOGRPOTrainer(
+            model=model, reward_funcs=[says_word, constant_with_spans, length], args=config,
+            train_dataset=ds, processing_class=tok, reward_spans=[word_spans, None, None],
+        )  # fmt: skip
+        trainer.train()
+        logs.append((trainer.state.log_history[0], trainer.last_replay["replay"]))
+    (h, rep), (h_all, rep_all) = logs
     b = rep.has_info.shape[0]
     assert rep.has_info[:, :2].all() and not rep.has_info[:, 2].any()
     pairs = rep.replayed_pairs
@@ -356,14 +360,20 @@ def test_trl_replay_metrics_per_reward_with_skipped_pairs(tmp_path):
     assert h["mrtpo/replay/pairs/says_word"] == int(pairs[:, 0].sum())
     assert h["mrtpo/replay/skipped/says_word"] == b - int(pairs[:, 0].sum())
     assert h["mrtpo/replay/pairs/constant_with_spans"] == 0
-    assert h["mrtpo/replay/skipped/constant_with_spans"] == b
+    assert h["mrtpo/replay/skipped/constant_with_spans"] == b  # named spans, all skipped
     assert h["mrtpo/replay/pairs/length"] == 0 and h["mrtpo/replay/skipped/length"] == 0
     assert h["mrtpo/replay/pairs"] == int(pairs.sum())
     assert h["mrtpo/replay/skipped"] == 2 * b - int(pairs.sum())
     assert h["mrtpo/relevance/says_word"] > 0
-    assert "mrtpo/relevance/constant_with_spans" in h  # named spans: present ...
-    assert h["mrtpo/relevance/constant_with_spans"] is None  # ... not measured
+    assert "mrtpo/relevance/constant_with_spans" not in h  # not measured
     assert "mrtpo/relevance/length" not in h  # named none
+    # mrtpo_replay_all: every pair with spans replayed, so measured
+    assert bool(rep_all.replayed_pairs[:, :2].all())
+    assert h_all["mrtpo/replay/pairs/constant_with_spans"] == b
+    assert h_all["mrtpo/replay/skipped/constant_with_spans"] == 0
+    assert h_all["mrtpo/replay/skipped"] == 0
+    assert h_all["mrtpo/relevance/constant_with_spans"] > 0
+    assert "mrtpo/relevance/length" not in h_all
 
 
 def test_trl_completions_table_carries_the_trained_advantages(tmp_path):

@@ -901,10 +901,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         the tokens of the pairs replayed, over every process. ``named``: this process's
         pairs with spans; ``spans``: its (B, K) spans (None: none named).
 
-        ``mrtpo/relevance/<reward>`` is logged in every step where that reward named a span
-        on some process: the mean relevance over the tokens of its pairs replayed, or NaN
-        when every one was skipped (TRL's ``log`` leaves NaN out of its average over the
-        logging window, and logs None when nothing else is left: named, not measured)."""
+        ``mrtpo/relevance/<reward>``: the mean relevance over the tokens of that reward's
+        pairs replayed, absent in a step where none was (it named no span, or every pair
+        it named was skipped: ``mrtpo/replay/skipped/<reward>`` tells which)."""
         dev = self.accelerator.device
         k = len(self.reward_func_names)
         local = torch.zeros(4 + 4 * k, dtype=torch.float64, device=dev)
@@ -932,10 +931,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             replayed, named_j = float(tot[6 + 4 * j]), float(tot[7 + 4 * j])
             metrics[f"mrtpo/replay/pairs/{name}"].append(replayed)
             metrics[f"mrtpo/replay/skipped/{name}"].append(named_j - replayed)
-            if count > 0:
+            if count > 0:  # measured: absent when no pair of it was replayed
                 metrics[f"mrtpo/relevance/{name}"].append(rel / count)
-            elif named_j > 0:  # named spans, none replayed: not measured this step
-                metrics[f"mrtpo/relevance/{name}"].append(float("nan"))
 
     # ------------------------------------------------------------ log-probs
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
