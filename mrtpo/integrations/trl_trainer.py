@@ -59,6 +59,9 @@ class MRTPOConfig(GRPOConfig):
     ``bf16`` left unset is False where no bf16 GPU exists (TRL's True is refused there
     unless ``use_cpu``), and ``use_cpu`` is True where no accelerator exists, so that a
     script runs unchanged on a CPU, in one process or several (``torchrun``).
+    Activation checkpointing keeps TRL's default (on), set under transformers' current name
+    ``activation_checkpointing`` (TRL's default under the deprecated ``gradient_checkpointing``
+    made every config print a FutureWarning); passing either name works as in TRL.
     ``multi_objective_aggregation`` defaults to "normalize_then_sum" (GDPO's: each reward
     normalized in its group, then summed), the aggregation MRTPO's advantages use, so that
     TRL's own advantage (its completions table) and ``frac_reward_zero_std`` follow it too;
