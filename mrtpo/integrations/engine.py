@@ -71,8 +71,9 @@ def _inner(model):
 
 @contextlib.contextmanager
 def _gathered_head(model, inner, sharding):
-    """The LM head's full weight (V, d) and bias or None, gathered by the engine: a copy
-    (no gradient) that outlives the gather; on every rank the same collectives."""
+    """The LM head's full weight (V, d) and bias or None, gathered by the engine, without
+    gradient: on FSDP2 its unit's unsharded tensors, held through the replay; on FSDP1 and
+    ZeRO-3 a copy out of the gather. The same collectives on every rank."""
     head = inner.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"model: {type(inner).__name__} has no output embeddings (LM head)")
