@@ -89,7 +89,8 @@ def fill_mrtpo_relevance(
 ):
     """Fill ``mrtpo_relevance`` (bs, K, response_length) and ``mrtpo_has_info`` (bs, K) of a
     verl batch with ``mrtpo.replay.replay_relevance`` run on ``model`` (the actor's Hugging
-    Face module, unsharded or inside ``FSDP.summon_full_params``).
+    Face module, or the ``EngineLM`` of ``mrtpo.integrations.engine.sharded_replay`` on a
+    sharded engine).
 
     ``data`` is a ``DataProto`` in verl's padded layout (``prompts`` (bs, P) left-padded,
     ``responses`` (bs, T), ``attention_mask`` (bs, P + T)) or the TensorDict verl 0.9's
@@ -239,24 +240,29 @@ def replay_options(config) -> dict | None:
 
 def worker_compute_relevance(worker, data):
     """The body of the actor worker's ``compute_mrtpo_relevance``: the replay on this rank's
-    rows of ``data`` (verl's remove-padding TensorDict) with the actor's module, under
-    ``FSDP.summon_full_params`` when it is FSDP-wrapped. Options come from the worker's
-    config (``actor_rollout_ref.mrtpo.replay``; see ``replay_options``); the temperature from
-    the batch (``temperature``, which verl sets from the rollout config)."""
+    rows of ``data`` (verl's remove-padding TensorDict) with the actor's module. On FSDP
+    (1 or 2) every rank runs the replay's forwards through the wrapped module in lockstep,
+    dummy forwards where it has fewer, and gathers only the LM head
+    (``mrtpo.integrations.engine.sharded_replay``; docs/trl.md, "Sharded engines"). Options
+    come from the worker's config (``actor_rollout_ref.mrtpo.replay``; see
+    ``replay_options``); the temperature from the batch (``temperature``, which verl sets
+    from the rollout config)."""
+    from .engine import sharded_replay
+
     options = replay_options(worker.config) or {}
     actor = worker.actor
     module = actor.engine.module
     tokenizer = actor.model_config.tokenizer
     temperature = _temperature(data, worker)
     inner = getattr(module, "module", module)  # FSDP1 / DDP keep the model under .module
-    ctx = _full_params(module)
-    was_training = inner.training
-    inner.eval()
+    was_training = module.training
+    module.eval()
     try:
-        with ctx:
-            fill_mrtpo_relevance(data, inner, tokenizer, temperature=temperature, **options)
+        with sharded_replay(module) as lm:
+            fill_mrtpo_relevance(data, inner if lm is None else lm, tokenizer,
+                                 temperature=temperature, **options)  # fmt: skip
     finally:
-        inner.train(was_training)
+        module.train(was_training)
     from tensordict import TensorDict
 
     return TensorDict(
@@ -277,18 +283,6 @@ def _temperature(data, worker) -> float:
         rollout = config_value(worker.config, "rollout", None)
         value = config_value(rollout, "temperature", 1.0)
     return float(value)
-
-
-def _full_params(module):
-    import contextlib
-
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return contextlib.nullcontext()
-    if isinstance(module, FSDP):
-        return FSDP.summon_full_params(module, writeback=False, recurse=True)
-    return contextlib.nullcontext()
 
 
 _WORKER_CLASS = None

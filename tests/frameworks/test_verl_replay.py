@@ -178,7 +178,7 @@ def test_example_config_switches_the_replay_on():
 
 def test_worker_method_on_an_fsdp_module():
     """The actor's module as verl holds it, wrapped by FSDP (one gloo rank on the CPU): the
-    worker replays under summon_full_params and gives the same relevance."""
+    worker replays through the engine (sharded_replay) and gives the same relevance."""
     import os
     import socket
 
@@ -247,3 +247,79 @@ def test_driver_hook_around_verls_own_old_log_prob_step(monkeypatch):
     rel = data.batch[verl.RELEVANCE_KEY]
     torch.testing.assert_close(rel.transpose(0, 1), want.relevance, rtol=1e-5, atol=1e-6)
     assert torch.equal(data.batch[verl.HAS_INFO_KEY], want.has_info)
+
+
+def _two_rank_main(rank: int, port: int, out: str, kind: str):
+    """One rank of a two-process gloo group: the actor's module sharded (FSDP1 with one unit
+    per decoder layer, or FSDP2's fully_shard on each layer and the root); rank 0's rows
+    name spans, rank 1's none (it replays nothing and runs fewer forwards)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        tok, model = _setup()
+        data, raw, spans, responses = _batch(tok)
+        if rank == 1:
+            data.non_tensor_batch["mrtpo_spans"] = np.array(
+                [[[], []] for _ in spans] + [None], dtype=object)[:-1]  # fmt: skip
+        layer_cls = type(model.model.layers[0])
+        if kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            module = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False,
+                          auto_wrap_policy=ModuleWrapPolicy({layer_cls}))  # fmt: skip
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (2,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            module = fully_shard(model, mesh=mesh)
+        td = left_right_2_no_padding(data.to_tensordict())
+        got = verl.worker_compute_relevance(_worker(module, tok), td)
+        torch.save({k: got[k] for k in (verl.RELEVANCE_KEY, verl.HAS_INFO_KEY)},
+                   os.path.join(out, f"{kind}.rank{rank}.pt"))  # fmt: skip
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_worker_method_on_a_sharded_module_two_ranks_one_without_spans(kind, tmp_path):
+    """Two gloo ranks, the module sharded with one unit per decoder layer, rank 1's rows
+    naming no span: no hang (each layer's forward is a collective; the replay runs them in
+    lockstep, mrtpo.integrations.engine), and rank 0's relevance is the unsharded one."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_two_rank_main, args=(port, str(tmp_path), kind), nprocs=2,
+                             join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 180
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{kind}: the two-rank replay hung")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    tok, model = _setup()
+    _, raw, spans, responses = _batch(tok)
+    want = _want(model, tok, raw, spans, responses)
+    r0, r1 = (torch.load(tmp_path / f"{kind}.rank{r}.pt") for r in (0, 1))
+    torch.testing.assert_close(r0[verl.RELEVANCE_KEY].transpose(0, 1), want.relevance,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert torch.equal(r0[verl.HAS_INFO_KEY], want.has_info)
+    assert not r1[verl.HAS_INFO_KEY].any() and not r1[verl.RELEVANCE_KEY].any()
