@@ -96,8 +96,8 @@ def recording_class(records):
                                 out={k: v for k, v in out.items()}, replay=self._last))  # fmt: skip
             return out
 
-        def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None):
-            self._last = super()._mrtpo_replay(inputs, output, spans, mode, replay_mask)
+        def _mrtpo_replay(self, inputs, output, spans, mode, replay_mask=None, **kw):
+            self._last = super()._mrtpo_replay(inputs, output, spans, mode, replay_mask, **kw)
             return self._last
 
     return Recording
