@@ -7,7 +7,9 @@ One step:
    default), cut after the first end-of-turn token.
 2. Every verifier scores every response: rewards (n, K) and each verdict's prompt spans.
 3. Contrastive replay (``mrtpo.replay``): the with-information forward gives the old
-   log-probs; the forwards without each reward's spans give the relevance d (K, N). Under
+   log-probs (only where the policy moves during the update, ``separate_old_forward``;
+   otherwise the update's own, detached); the forwards without each reward's spans give
+   the relevance d (K, N). Under
    mrtpo only the pairs whose GDPO advantage A_k is not 0 are replayed
    (``replay_mask_from_rewards``; the token advantages are the same bit for bit), and the
    relevance metrics are over those pairs.
@@ -58,7 +60,7 @@ from .model_folder import check_model_folder
 from .pretrained import stored_dtype
 from .prompting import ChatPrompter
 from .relevance_modes import relevance_mode, step_mode
-from .replay import contrastive_replay, replay_mask_from_rewards
+from .replay import ReplayResult, contrastive_replay, replay_mask_from_rewards
 from .report import pair_status, plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
 from .tasks import load_task
@@ -79,6 +81,18 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} was asked for but CUDA is not available")
     return dev
+
+
+def separate_old_forward(cfg: TrainConfig) -> bool:
+    """Whether the update needs the rollout policy's log-probs from a no-grad forward of
+    their own: where the policy moves between the rollout and a forward of the update,
+    i.e. several PPO epochs (``ppo_epochs``) or several optimizer steps per epoch
+    (``minibatches``). With one of each the update's only optimizer step comes after all of
+    its forwards, which therefore run the rollout's weights: the old log-probs are then the
+    update's own, detached (one head pass over its hidden states, no model forward; the
+    importance ratio is exactly 1), and a GDPO or GRPO step runs no replay forward at all
+    (MRTPO's replay still runs, for the JS)."""
+    return cfg.ppo_epochs > 1 or cfg.minibatches > 1
 
 
 def oracle_relevance(task, ro, lengths) -> torch.Tensor:
@@ -186,6 +200,10 @@ class Trainer:
     """One training run: loads the task (refusing one it cannot use before ``cfg.out`` is
     touched), prepares ``cfg.out`` (before any model is built), then loads or builds the
     model and, with ``cfg.resume``, the checkpoint."""
+
+    # an internal switch (tests, benchmarks): True takes the old log-probs from the replay's
+    # no-grad forward even where ``separate_old_forward`` says the update's own are the same
+    force_old_forward = False
 
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
         try:
@@ -325,6 +343,7 @@ class Trainer:
             ro = generate_rollouts(self.model, self.prompter, self.task, examples, cfg, self.device)
         t1 = time.perf_counter()
         want_replay = cfg.algo == "mrtpo" or cfg.replay_for_baselines
+        own_old = not (self.force_old_forward or separate_old_forward(cfg))
         mode = step_mode(cfg.algo, cfg.relevance)
         has_info = torch.tensor([[len(s) > 0 for s in row] for row in ro.spans], dtype=torch.bool)
         has_info = has_info.reshape(len(ro.spans), self.k)
@@ -335,21 +354,23 @@ class Trainer:
             moving = replay_mask_from_rewards(
                 ro.rewards, ro.group_ids, has_info=has_info, whole_rows=mode.mixes_rewards
             )
-        with self._amp():
-            rep = contrastive_replay(
-                self.model,
-                self.prompter,
-                [ex.prompt for ex in ro.examples],
-                ro.prompt_ids,
-                ro.responses,
-                ro.spans,
-                temperature=cfg.temperature,
-                micro_batch=cfg.micro_batch * 2,
-                replay=want_replay,
-                control=mode.control_spans(ro.examples, ro.spans),
-                pointwise=mode.pointwise,
-                replay_mask=moving,
-            )
+        rep = ReplayResult(None, None, None, 0)  # no forward: nothing replayed, no old log-probs
+        if want_replay or not own_old:
+            with self._amp():
+                rep = contrastive_replay(
+                    self.model,
+                    self.prompter,
+                    [ex.prompt for ex in ro.examples],
+                    ro.prompt_ids,
+                    ro.responses,
+                    ro.spans,
+                    temperature=cfg.temperature,
+                    micro_batch=cfg.micro_batch * 2,
+                    replay=want_replay,
+                    control=mode.control_spans(ro.examples, ro.spans),
+                    pointwise=mode.pointwise,
+                    replay_mask=moving,
+                )
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
         relevance = mode.relevance(
@@ -390,7 +411,8 @@ class Trainer:
                     **logit_transform(self.ref),
                 ).cpu()  # fmt: skip
         t2 = time.perf_counter()
-        upd = self._update(ro, rep.old_logprobs.detach().float().cpu(), adv, ref_logp, lengths)
+        old_logp = None if own_old else rep.old_logprobs.detach().float().cpu()
+        upd = self._update(ro, old_logp, adv, ref_logp, lengths)
         t3 = time.perf_counter()
         self.step += 1
         # credit and relevance diagnostics over the pairs replayed (a skipped pair's
@@ -415,6 +437,9 @@ class Trainer:
         return row
 
     def _update(self, ro, old_logp, adv, ref_logp, lengths):
+        """PPO epochs over minibatches. ``old_logp`` (N,) the rollout policy's log-probs, or
+        None where the update's forwards run the rollout's weights (``separate_old_forward``
+        False): each micro-batch's own log-probs, detached, from its hidden states."""
         cfg = self.cfg
         n = len(ro.responses)
         starts = torch.zeros(n + 1, dtype=torch.long)
@@ -443,11 +468,20 @@ class Trainer:
                     with self._amp(), ckpt:
                         hidden = response_hidden(self.model, tb)
                     w, b = weight_bias()
+                    if old_logp is None:  # the same policy: ratio exactly 1
+                        with torch.no_grad():
+                            old_mb = linear_logprobs(
+                                hidden.detach(), w.detach(), tb.labels,
+                                bias=None if b is None else b.detach(),
+                                temperature=cfg.temperature, **head_kw,
+                            ).float()  # fmt: skip
+                    else:
+                        old_mb = old_logp[idx].to(self.device)
                     loss, met = linear_policy_loss(
                         hidden,
                         w,
                         tb.labels,
-                        old_logp[idx].to(self.device),
+                        old_mb,
                         adv[idx].to(self.device),
                         bias=b,
                         temperature=cfg.temperature,

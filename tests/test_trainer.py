@@ -719,3 +719,104 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path, monkeypatch):
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     assert not any("forward" in layer.__dict__ for layer in decoder_layers(b.model))
+
+
+def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, **kw):
+    """A run of the mixed task (group size 4, one response per micro-batch); counts the
+    replay's calls and the decoder forwards inside them (a hook on the first layer).
+    ``force``: the old path (``Trainer.force_old_forward``). ``same_batching_old``: the
+    forced path's old log-probs from a no-grad forward batched as the update's (one row per
+    forward), instead of the replay's packed one."""
+    import mrtpo.trainer as trainer_mod
+    from mrtpo.model import decoder_layers, lm_head, logit_transform
+    from mrtpo.teacher_forcing import forward_responses
+    from mrtpo_kernels import linear_logprobs
+
+    base = dict(steps=2, group_size=4, micro_batch=1, minibatches=1)
+    cfg = tiny_config(tmp_path / name, **{**base, **kw})
+    cfg.cache_dir = str(tmp_path / "cache")  # one warm start for every run
+    tr = Trainer(cfg, task=mixed_task())
+    tr.force_old_forward = force
+    seen = {"calls": 0, "forwards": 0, "in_replay": False}
+
+    def hook(*_):
+        seen["forwards"] += seen["in_replay"]
+
+    decoder_layers(tr.model)[0].register_forward_hook(hook)
+    real = trainer_mod.contrastive_replay
+
+    def replay(model, prompter, texts, prompt_ids, responses, *a, **k):
+        seen["calls"] += 1
+        seen["in_replay"] = True
+        try:
+            out = real(model, prompter, texts, prompt_ids, responses, *a, **k)
+        finally:
+            seen["in_replay"] = False
+        if same_batching_old:
+            h = forward_responses(model, prompt_ids, responses, prompter.tokenizer.pad_token_id,
+                                  micro_batch=1, device=tr.device)  # fmt: skip
+            w, b = lm_head(model)
+            labels = torch.cat([torch.tensor(r) for r in responses])
+            out.old_logprobs = linear_logprobs(
+                h, w, labels, bias=b, temperature=cfg.temperature, **logit_transform(model)
+            )
+        return out
+
+    trainer_mod.contrastive_replay = replay
+    try:
+        tr.run(progress=False)
+    finally:
+        trainer_mod.contrastive_replay = real
+    return tr, seen
+
+
+@pytest.mark.parametrize("algo", ["gdpo", "mrtpo"])
+def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path, algo):
+    """One PPO epoch, one minibatch: the update's only optimizer step follows all of its
+    forwards, so the old log-probs are its own, detached (importance ratio exactly 1, no
+    clipping), and GDPO (--no-baseline-replay) runs no replay forward (MRTPO's still runs,
+    for the JS). Against the
+    old path (the separate no-grad forward, Trainer.force_old_forward):
+    - where that forward is batched as the update's (one row per forward), the same
+      arithmetic as the update's grad forward: ratio exactly 1 there too, and the weights
+      after the steps equal bit for bit;
+    - the replay's own forward (packed rows, the prompt's key/value cache shared by its
+      group, chunks of 2 x micro_batch rows) sums in another order, so its log-probs differ
+      from the update's in the last bits (float32 ulps), the ratio is 1 +- ~1e-7 and the
+      gradients scale by it: the weights agree to 1e-6 (lr / 200), not bit for bit."""
+    kw = {"algo": algo, "replay_for_baselines": False}
+    new, seen_new = _counted_run(tmp_path, "new", **kw)
+    same, seen_same = _counted_run(tmp_path, "same", force=True, same_batching_old=True, **kw)
+    old, seen_old = _counted_run(tmp_path, "old", force=True, **kw)
+    for tr in (new, same):
+        assert all(r["mean_ratio"] == 1.0 and r["clip_fraction"] == 0.0 for r in tr.metrics)
+    # the separate forward runs on the old path only (MRTPO's replay runs on both)
+    assert seen_new["calls"] == (2 if algo == "mrtpo" else 0)
+    assert seen_old["calls"] == seen_same["calls"] == 2
+    assert seen_old["forwards"] > 0
+    if algo == "mrtpo":
+        assert seen_new["forwards"] == seen_old["forwards"]
+    keys = ("loss", "grad_norm", "all_pass", "replay/pairs")
+    for rn, rs in zip(new.metrics, same.metrics):
+        assert all(rn[k] == rs[k] for k in keys)
+    for (na, pa), (_, pb), (_, pc) in zip(
+        new.model.named_parameters(), same.model.named_parameters(), old.model.named_parameters()
+    ):
+        assert torch.equal(pa, pb), na
+        torch.testing.assert_close(pa, pc, rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"ppo_epochs": 2}, {"minibatches": 2}], ids=["epochs", "mb"])
+def test_the_old_logprob_forward_runs_where_the_policy_moves(tmp_path, kw):
+    """Several PPO epochs or several minibatches per step: the policy moves before a later
+    forward of the update, so the old log-probs come from the separate no-grad forward (the
+    replay's with-information forward, run once per step) and the ratio is not held at 1."""
+    from mrtpo.trainer import separate_old_forward
+
+    tr, seen = _counted_run(
+        tmp_path, "moving", algo="gdpo", replay_for_baselines=False, micro_batch=2, **kw
+    )
+    assert separate_old_forward(tr.cfg)
+    assert seen["calls"] == 2 and seen["forwards"] > 0
+    assert any(r["mean_ratio"] != 1.0 for r in tr.metrics)  # the second pass sees new weights
+    assert not separate_old_forward(replace(tr.cfg, ppo_epochs=1, minibatches=1))
