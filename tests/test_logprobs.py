@@ -708,6 +708,39 @@ def test_gpu_overlap_rows_matches_the_serial_driver(monkeypatch):
         assert torch.equal(a, b)
 
 
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_triton_logit_cap(dtype):
+    """The Triton path on the GPU (bf16: the 16-bit GEMMs and the separate 16-bit gradient
+    buffer, ``out=``, which the interpreter never takes) with Gemma 2's cap and a scale:
+    log-probs, entropy and their gradients within the budget of plain PyTorch in the same
+    dtype against float64."""
+    n, v, d = 1024, 32003, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h64 = torch.randn(n, d, generator=g, device="cuda", dtype=torch.float64)
+    w64 = torch.randn(v, d, generator=g, device="cuda", dtype=torch.float64) * (8 / d**0.5)
+    lab = torch.randint(0, v, (n,), generator=g, device="cuda")
+    kw = dict(temperature=0.9, logit_scale=0.5, softcap=30.0)
+    up = torch.randn(n, generator=g, device="cuda", dtype=torch.float64)
+
+    def grads(fn, h, w):
+        h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        lp, en = fn(h, w)
+        ((lp.double() * up).sum() + en.double().sum()).backward()
+        return [lp.detach(), en.detach(), h.grad, w.grad]
+
+    got = grads(lambda h, w: mk.linear_logprobs(h, w, lab, return_entropy=True,
+                                                backend="triton", **kw), h64.to(dtype),
+                w64.to(dtype))  # fmt: skip
+    ref = lambda h, w: R.linear_logprobs_ref(h, w, lab, return_entropy=True, **kw)  # noqa: E731
+    want = grads(ref, h64, w64)
+    same = grads(ref, h64.to(dtype), w64.to(dtype))
+    for name, o, wt, sm in zip(("logp", "entropy", "dh", "dw"), got, want, same, strict=True):
+        err = (o.double() - wt).abs().max().item()
+        budget = 2 * (sm.double() - wt).abs().max().item() + 1e-4 * max(1.0, wt.abs().max().item())
+        assert err <= budget, f"{name}: {err:.3e} > {budget:.3e}"
+
+
 def test_mutated_op_arguments_have_no_default():
     """A mutated custom-op argument with a default broke every traced backward under torch
     2.11 (test_gpu_torch_compile_fullgraph on the H200, IndexError): before 2.12 the
