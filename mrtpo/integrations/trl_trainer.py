@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - the trl extra is not installed
 
 from mrtpo_kernels import ADVANTAGE_DEFAULTS, linear_logprobs, specific_relevance
 
-from ..model import logit_transform
+from ..model import UNSUPPORTED_LOGIT_FIELDS, logit_transform
 from ..spans import score_and_spans, span_list
 from .common import consecutive_group_ids
 from .engine import sharded_replay
@@ -563,7 +563,7 @@ def _fields_of(value, i: int) -> dict:
 # fed by fused log-probs (see MRTPOGRPOTrainer). The model's logit transform (Gemma's
 # final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling) goes to the fused
 # ops (mrtpo.model.logit_transform); these multipliers are refused there.
-_REFUSED_MODEL_SETTINGS = ("lm_head_multiplier", "output_multiplier")
+_REFUSED_MODEL_SETTINGS = UNSUPPORTED_LOGIT_FIELDS
 
 
 class MRTPOGRPOTrainer(GRPOTrainer):
