@@ -405,3 +405,71 @@ def test_example_configs_launch_the_engine_the_docs_name(engine):
     assert env["FSDP_RESHARD_AFTER_FORWARD"] == ("false" if engine == "fsdp2-keep" else "true")
     if engine == "fsdp1":
         assert env["FSDP_SHARDING_STRATEGY"] == "FULL_SHARD"
+
+
+# --------------------------------------------------------------------------- ZeRO-3
+# The replay on a DeepSpeed ZeRO-3 engine (MRTPOGRPOTrainer refuses ZeRO-3 for its fused
+# loss; the replay itself is ready): skipped where DeepSpeed is not installed (it is not in
+# requirements.txt). DeepSpeed's CPU accelerator talks gloo here.
+
+
+def _zero3_rank_main(rank: int, port: int, out: str):
+    _join_group(rank, port)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import copy
+
+    import deepspeed
+    from test_integrations_trl_replay import PROMPTS, quoted, tiny_model, user_text
+
+    from mrtpo.integrations.engine import engine_sharding, sharded_replay
+    from mrtpo.replay import replay_relevance
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    base, tok = tiny_model()
+    model = copy.deepcopy(base)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_allow_untested_optimizer": True}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=model.parameters())  # fmt: skip
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    spans = [[[quoted(user_text(p), 0)], [quoted(user_text(p), 1)]] for p in prompts]
+    gen = torch.Generator().manual_seed(1)
+    responses = [torch.randint(3, len(tok), (n,), generator=gen).tolist() for n in (5, 3, 6, 1)]
+    engine.eval()
+    rep = None
+    with torch.no_grad(), sharded_replay(engine) as lm:
+        if rank == 0:  # rank 1 has nothing to replay
+            rep = replay_relevance(lm, prompts, responses, spans, tokenizer=tok,
+                                   temperature=1.0)  # fmt: skip
+    plain = replay_relevance(base.eval(), prompts, responses, spans, tokenizer=tok,
+                             temperature=1.0)  # fmt: skip
+    torch.save(dict(sharding=engine_sharding(engine), forwards=lm.lockstep.forwards,
+                    relevance=None if rep is None else rep.relevance, plain=plain.relevance),
+               os.path.join(out, f"zero3.rank{rank}.pt"))  # fmt: skip
+    torch.distributed.barrier()
+
+
+@pytest.mark.slow
+def test_replay_on_a_zero3_engine(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    ctx = mp.start_processes(_zero3_rank_main, args=(_free_port(), str(tmp_path)),
+                             nprocs=WORLD, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 240
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("the replay on ZeRO-3 hung (ranks ran different collectives)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0, r1 = (torch.load(tmp_path / f"zero3.rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["sharding"] == r1["sharding"] == "zero3"
+    assert r0["forwards"] == r1["forwards"] > 0
+    torch.testing.assert_close(r0["relevance"], r0["plain"], rtol=1e-5, atol=1e-6)
+    assert bool(r0["relevance"].any())
