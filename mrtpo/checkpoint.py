@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .model_folder import _fsync_dir, _fsync_tree  # one implementation for every publish
+
 KILL_ENV = "MRTPO_TEST_KILL_AT"
 KILL_POINTS = (
     "metrics_torn",  # half of a metrics row written
@@ -70,29 +72,6 @@ def kill_point(name: str, step: int) -> None:
     point, _, at = spec.partition(":")
     if point == name and (not at or int(at) == step):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_file(Path(dirpath) / name)
-        _fsync_dir(Path(dirpath))
 
 
 def write_atomic(path: Path, text: str) -> None:
