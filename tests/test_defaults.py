@@ -44,9 +44,13 @@ def test_policy_loss_keyword_defaults_come_from_the_settings(fn):
     d, got = mk.POLICY_LOSS_DEFAULTS, _defaults(fn)
     shared = {f.name for f in dataclasses.fields(d)} & set(got)
     assert {"clip_low", "clip_high", "beta", "kl_importance_weight"} <= shared
-    for name in shared - {"clip_ratio_c"}:  # the public keyword's "none" is None, not inf
+    # the public keywords' "none" is None where the settings hold inf (clip_ratio_c) or 0
+    # (softcap, LogitCap's "no cap")
+    for name in shared - {"clip_ratio_c", "softcap"}:
         assert got[name] == getattr(d, name), name
     assert got["clip_ratio_c"] is None
+    if "softcap" in shared:
+        assert got["softcap"] is None and d.softcap == 0.0 and not d.logit_cap.active
 
 
 @pytest.mark.parametrize(
