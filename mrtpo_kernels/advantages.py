@@ -211,7 +211,9 @@ def _batch_stats(s, w, eps_batch, mag):
     mu = torch.where(flat, x[0], mu)
     sd = torch.where(flat | (tot <= 1), torch.zeros_like(var), var.sqrt())
     denom = sd + eps_batch / cs
-    seq = torch.where(denom > 0, (x - mu) / denom, torch.zeros_like(x))
+    # flat: every S counts as equal, so each sequence advantage is 0, not its last bits over
+    # eps_batch (S equal in exact arithmetic but apart by rounding gave ~1e-10 at eps 1e-6)
+    seq = torch.where((denom > 0) & ~flat, (x - mu) / denom, torch.zeros_like(x))
     return seq, mu * cs, sd * cs
 
 

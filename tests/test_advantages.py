@@ -946,3 +946,16 @@ def test_gpu_reallocate_matches_reference():
     ref, _ = mrtpo_token_advantages_ref(rewards.double().cpu(), gid.cpu(), spans, **kw)
     _within_budget(ours.token.cpu(), torch.cat(ref), plain.token.cpu(), atol=1e-5)
     assert _err(ours.allocation, plain.allocation) <= 1e-4
+
+
+def test_sequence_advantage_is_zero_where_every_s_counts_as_equal():
+    # the two rewards cancel in S (equal in exact arithmetic, apart by rounding in the last
+    # bits at these magnitudes): the batch is flat, so each sequence advantage is 0 as in the
+    # reference, not the rounding over eps_batch (it was ~1e-10, found by test_fuzz_long)
+    r = torch.tensor([[7.5e29, 5e29], [2.5e29, 1e30]], dtype=torch.float64)
+    gid = torch.tensor([0, 0])
+    got = mk.gdpo_advantages(r, gid, eps=1e-6)
+    ref = R.gdpo_advantages_ref(r, gid, eps=1e-6)
+    assert torch.equal(ref.sequence, torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(got.sequence, ref.sequence)
+    assert float(got.std) == 0.0
