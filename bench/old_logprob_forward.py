@@ -9,8 +9,8 @@ the order swapped every step, one thread, so that both see the same load; the re
 the load (``uptime``) before and after, per step each arm's phases, and the ratio of the
 median step times (the first step of each left out, a warm-up).
 
-    python -m bench.old_logprob_forward --steps 8 --cache-dir /tmp/olf-cache \
-        --out /tmp/olf --record bench/results/old-logprob-forward-DATE.md
+    python -m bench.old_logprob_forward --steps 8 --cache-dir runs/olf-cache \
+        --out runs/olf --record bench/results/old-logprob-forward-DATE.md
 
 The built-in tiny model on the default task (``constraints``: 8 prompts x 8 samples, 32
 new tokens, micro-batches of 16).
