@@ -79,27 +79,42 @@ def _digest() -> str:
 
 def db_path(cache_dir: str | os.PathLike | None = None) -> str:
     """Path of the built-in shop database, building it first if it is not there yet."""
+    return build_readonly_db("shop", _digest(), SCHEMA_SQL.read_text(), _rows(), cache_dir)
+
+
+def build_readonly_db(
+    name: str,
+    digest: str,
+    schema_sql: str,
+    rows: dict[str, list[tuple]],
+    cache_dir: str | os.PathLike | None = None,
+) -> str:
+    """Path of the SQLite database ``name-digest.sqlite`` under ``cache_dir`` (else
+    ``$MRTPO_DATA_DIR``, else a per-user temporary folder), built first from ``schema_sql`` and
+    ``rows`` (table -> row tuples) when it is not there: written to a temporary file, made
+    read-only, then renamed into place (atomic: concurrent builders write the same content).
+    One builder for every built-in database (the shop's and sql-real's)."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
     default = pathlib.Path(tempfile.gettempdir()) / f"mrtpo-data-{uid}"
     root = pathlib.Path(cache_dir or os.environ.get("MRTPO_DATA_DIR") or default)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f"shop-{_digest()}.sqlite"
+    path = root / f"{name}-{digest}.sqlite"
     if path.is_file():
         return str(path)
-    fd, tmp = tempfile.mkstemp(prefix="shop-", suffix=".tmp", dir=root)
+    fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".tmp", dir=root)
     os.close(fd)
     try:
         conn = sqlite3.connect(tmp)
         try:
-            conn.executescript(SCHEMA_SQL.read_text())
-            for table, rows in _rows().items():
-                marks = ",".join("?" * len(rows[0]))
-                conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+            conn.executescript(schema_sql)
+            for table, table_rows in rows.items():
+                marks = ",".join("?" * len(table_rows[0]))
+                conn.executemany(f"INSERT INTO {table} VALUES ({marks})", table_rows)
             conn.commit()
         finally:
             conn.close()
         os.chmod(tmp, 0o444)
-        os.replace(tmp, path)  # atomic: concurrent builders write the same content
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -29,11 +29,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import pathlib
 import random
-import sqlite3
-import tempfile
 
+from mrtpo.data.shop import build_readonly_db
 from mrtpo.verifiers import Example
 from mrtpo.verifiers.sql_sandbox import run_readonly
 
@@ -208,31 +206,7 @@ def db_path(db: str, cache_dir: str | os.PathLike | None = None) -> str:
     """Path of database ``db``, building it first if it is not there yet."""
     if db not in SCHEMAS:
         raise ValueError(f"db: expected one of {DATABASES}, got {db!r}")
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    default = pathlib.Path(tempfile.gettempdir()) / f"mrtpo-data-{uid}"
-    root = pathlib.Path(cache_dir or os.environ.get("MRTPO_DATA_DIR") or default)
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{db}-{_digest(db)}.sqlite"
-    if path.is_file():
-        return str(path)
-    fd, tmp = tempfile.mkstemp(prefix=f"{db}-", suffix=".tmp", dir=root)
-    os.close(fd)
-    try:
-        conn = sqlite3.connect(tmp)
-        try:
-            conn.executescript(schema_sql(db))
-            for table, table_rows in rows(db).items():
-                marks = ",".join("?" * len(table_rows[0]))
-                conn.executemany(f"INSERT INTO {table} VALUES ({marks})", table_rows)
-            conn.commit()
-        finally:
-            conn.close()
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, path)  # atomic: concurrent builders write the same content
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return str(path)
+    return build_readonly_db(db, _digest(db), schema_sql(db), rows(db), cache_dir)
 
 
 def _q(value: str) -> str:
