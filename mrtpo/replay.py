@@ -160,14 +160,6 @@ def _bool_matrix(value, name: str, b: int, k: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bool).reshape(b, k)
 
 
-def prompt_without(prompter: ChatPrompter, prompt: str, spans, cache: dict) -> list[int]:
-    """Token ids of the templated prompt with ``spans`` removed (memoized per batch)."""
-    key = (prompt, tuple(sorted(tuple(s) for s in spans)))
-    if key not in cache:
-        cache[key] = prompter.encode(prompt, remove=spans).ids
-    return cache[key]
-
-
 @torch.no_grad()
 def contrastive_replay(
     model,

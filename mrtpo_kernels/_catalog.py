@@ -46,10 +46,6 @@ class Op:
         """The backends with a kernel for this op."""
         return tuple(self.kernels)
 
-    @property
-    def test_file(self) -> str:
-        return self.tests[0]
-
 
 _CHUNKED = "mrtpo_kernels/backends/_chunked.py"
 _TORCH = "mrtpo_kernels/backends/torch_backend.py"

@@ -1,7 +1,8 @@
 """The shared harness of the Triton interpreter checks (tests/triton_cases/_harness.py) can
 fail: a NaN of the reference is matched only by a NaN (not by a 0 or any number), a finite
 value only by a finite one within the error rule, and a run passes only with exit status
-0 and a summary line of exactly 0 failures ("10 failures" is not "0 failures")."""
+0 and a summary line of exactly 0 failures ("10 failures" is not "0 failures") after at
+least one check, and a group that runs no check fails."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_close_budget_counts_plain_pytorch_error():
         ("5 checks, 0 failures", True),
         ("0 failures", True),
         ("5 checks, 10 failures", False),  # contains "0 failures"
+        ("0 checks, 0 failures", False),  # a run that checked nothing
         ("10 failures", False),
         ("no summary", False),
     ],
@@ -65,3 +67,20 @@ def test_run_interpreted_needs_a_summary_of_zero_failures(printed, ok):
 def test_run_interpreted_needs_exit_status_zero():
     with pytest.raises(AssertionError, match="exit status 3"):
         _harness.run_interpreted("-c", "import sys; print('0 failures'); sys.exit(3)", timeout=60)
+
+
+def test_a_group_that_runs_no_check_fails(capsys):
+    def checks_one():
+        _harness.expect("probe", True, "")
+
+    def checks_nothing():  # a group whose cases were all skipped, or never written
+        pass
+
+    saved = (list(_harness.FAILURES), _harness.CHECKS[0])
+    try:
+        assert _harness.run({"one": checks_one}, []) == 0
+        assert _harness.run({"one": checks_one, "none": checks_nothing}, []) == 1
+        assert "FAIL none ran no check" in capsys.readouterr().out
+    finally:
+        _harness.FAILURES[:] = saved[0]
+        _harness.CHECKS[0] = saved[1]

@@ -120,11 +120,6 @@ def reading(text: str) -> str:
     return unicodedata.normalize("NFC", text)
 
 
-def is_invisible(ch: str) -> bool:
-    """True for a character `reading` removes."""
-    return _READ[ord(ch)] is None
-
-
 _WORDS = re.compile(r"[^\W_]+")
 
 

@@ -44,6 +44,7 @@ CHECKS = [0]
 
 # the summary line every script prints last: "<n> checks, <k> failures" (or "<k> failures")
 _SUMMARY = re.compile(r"^(?:\d+ checks, )?(\d+) failures$", re.MULTILINE)
+_COUNT = re.compile(r"^(\d+) checks, \d+ failures$", re.MULTILINE)
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -103,6 +104,8 @@ def run_interpreted(*argv, env: dict | None = None, timeout: float = 900) -> str
         with open(os.environ["MRTPO_CHECKS_LOG"], "a") as log:
             log.write(f"{' '.join(map(str, argv))[:120]!r} {last}\n")
     assert found and found[-1] == "0", f"no summary line with 0 failures:\n{out}"
+    counts = _COUNT.findall(proc.stdout)
+    assert not counts or int(counts[-1]) > 0, f"the summary counts 0 checks:\n{out}"
     return proc.stdout
 
 
@@ -257,7 +260,8 @@ class env:
 def run(groups: dict, argv: list[str]) -> int:
     """Run the named groups (all by default; a group is a function or a tuple of them),
     print one line each, the summary "<n> checks, <k> failures" and the failures; 0 when
-    every check passed, 1 otherwise, 2 for an unknown group name."""
+    every check passed, 1 otherwise (a function that ran no check is a failure), 2 for an
+    unknown group name."""
     names = list(argv) or list(groups)
     unknown = [n for n in names if n not in groups]
     if unknown:
@@ -267,11 +271,14 @@ def run(groups: dict, argv: list[str]) -> int:
         fns = groups[name] if isinstance(groups[name], tuple) else (groups[name],)
         for fn in fns:
             label = name if len(fns) == 1 else f"{name}: {fn.__name__}"
-            before, t0 = len(FAILURES), time.time()
+            before, checks, t0 = len(FAILURES), CHECKS[0], time.time()
             try:
                 fn()
             except Exception as exc:
                 FAILURES.append(f"{label} raised {type(exc).__name__}: {exc}")
+            else:
+                if CHECKS[0] == checks:  # a group that checks nothing passes nothing
+                    FAILURES.append(f"{label} ran no check")
             status = "ok" if len(FAILURES) == before else "FAIL"
             print(f"{status} {label} ({time.time() - t0:.1f} s)", flush=True)
     print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
@@ -286,6 +293,9 @@ def main(argv: list[str]) -> int:
     import importlib.util
 
     use_interpreter()
+    # the cases files import this module as plain ``_harness`` (their folder on sys.path):
+    # one copy, so that their checks and failures are the ones ``run`` counts
+    sys.modules["_harness"] = sys.modules[__name__]
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
     path = Path(argv[0]).resolve()
