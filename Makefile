@@ -14,9 +14,10 @@ export OMP_NUM_THREADS ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS): requirements.txt requirements-real.txt pyproject.toml | $(PY)
+$(DEPS): requirements.txt requirements-real.txt requirements-engines.txt pyproject.toml | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-real.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-deps --no-build-isolation -r requirements-engines.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -230,8 +230,17 @@ def relevance_for_experience(
     replay_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(relevance (K, B, A), has_info (B, K)) of an OpenRLHF ``Experience`` (or its samples)
-    in the action layout, from ``mrtpo.replay.replay_relevance`` run on ``model`` (the
-    actor's Hugging Face module, unwrapped).
+    in the action layout, from ``mrtpo.replay.replay_relevance`` run on ``model``: the
+    actor's Hugging Face module, its DeepSpeed engine, or OpenRLHF's ``Actor`` (whose
+    ``model`` is either).
+
+    On DeepSpeed ZeRO-3 (parameters partitioned) the replay runs through the engine
+    (``mrtpo.integrations.engine.sharded_replay``): the LM head gathered by DeepSpeed once,
+    the decoder forwards in lockstep over the ranks (a rank with fewer forwards runs
+    one-token dummy ones), never the whole model at once. It is then a collective: every
+    rank calls it as many times, in the same order (for instance once per step on its
+    experiences concatenated), whether or not its rows have anything to replay. ZeRO-1/2
+    and one process replay on the unwrapped module with no collective.
 
     Layout read: ``sequences`` (B, L) prompt + response, left- or right-padded, with
     ``attention_mask`` (B, L); ``action_mask`` (B, A) over the last A next-token positions
@@ -295,16 +304,20 @@ def relevance_for_experience(
                                  chat_template_kwargs=None)  # fmt: skip
     from mrtpo.replay import replay_relevance
 
+    from .engine import _inner, sharded_replay
+
     if encode is not None:
         prompt_rows = [list(encode(p)) if r is None else r for p, r in zip(prompts, prompt_rows)]
     k = len(spans[0]) if b else 0
-    rep = replay_relevance(
-        model, prompts, conts, spans, encode=encode, temperature=temperature,
-        prompt_ids=prompt_rows if check_prompt_ids else None, num_rewards=k,
-        micro_batch=micro_batch, max_tokens=max_tokens,
-        pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
-        replay_mask=replay_mask,
-    )  # fmt: skip
+    engine = _actor_engine(model)
+    with sharded_replay(engine, device=seq.device) as lm:
+        rep = replay_relevance(
+            _inner(engine) if lm is None else lm, prompts, conts, spans, encode=encode,
+            temperature=temperature, prompt_ids=prompt_rows if check_prompt_ids else None,
+            num_rewards=k, micro_batch=micro_batch, max_tokens=max_tokens,
+            pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
+            replay_mask=replay_mask,
+        )  # fmt: skip
     out = torch.zeros((k, b, a), dtype=torch.float32, device=act.device)
     for i, first in enumerate(firsts):
         if first is None:
@@ -316,3 +329,14 @@ def relevance_for_experience(
         keep = act[i, tok_idx - offset].bool()
         out[:, i, tok_idx[keep] - offset] = rel[:, keep]
     return out, rep.has_info.to(act.device)
+
+
+def _actor_engine(model):
+    """The module that runs the actor: OpenRLHF's ``Actor`` holds it as ``model`` (its
+    DeepSpeed engine after ``strategy.prepare``, or the Hugging Face module); anything else
+    is that module already."""
+    inner = getattr(model, "model", None)
+    if isinstance(model, torch.nn.Module) and not hasattr(model, "get_output_embeddings") \
+            and isinstance(inner, torch.nn.Module):  # fmt: skip
+        return inner
+    return model

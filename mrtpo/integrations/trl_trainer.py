@@ -640,7 +640,6 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         for key, value in options.items():
             setattr(self, key, value)
         self.relevance_fn = relevance_fn
-        _refuse_zero3(self.accelerator)
         # the fused ops' logit_scale / softcap, as the model's forward applies them (a
         # setting in _REFUSED_MODEL_SETTINGS raises here)
         self._mrtpo_head_kw = logit_transform(self.model)
@@ -946,7 +945,8 @@ class MRTPOGRPOTrainer(GRPOTrainer):
                                     router_aux=False):  # fmt: skip
         """The hidden states that predict the last ``logits_to_keep`` tokens, and the LM
         head's weight and bias as the forward held them (on FSDP the unsharded tensors of
-        the head's unit, through which the gradient reaches the shards). ``router_aux``: a
+        the head's unit, through which the gradient reaches the shards; on ZeRO-3 the
+        partitioned parameters, which ``_head_pass`` has DeepSpeed gather). ``router_aux``: a
         fourth element, the MoE load-balancing loss of this forward (``_router_aux_loss``)."""
         from mrtpo.model import decoder, lm_head
 
@@ -1002,10 +1002,13 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             )
             auxes += aux
             labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
-            out = linear_logprobs(hidden, weight, labels, bias=bias,
-                                  temperature=self.temperature,
-                                  return_entropy=compute_entropy,
-                                  **self._mrtpo_head_kw)  # fmt: skip
+
+            def head_pass(h, w, b, labels=labels):
+                return linear_logprobs(h, w, labels, bias=b, temperature=self.temperature,
+                                       return_entropy=compute_entropy,
+                                       **self._mrtpo_head_kw)  # fmt: skip
+
+            out = self._head_pass(model, head_pass, hidden, weight, bias)
             if compute_entropy:
                 logps.append(out[0])
                 ents.append(out[1])
@@ -1049,18 +1052,29 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             )
             if mode == "train":
                 token_normalizer = token_normalizer * accumulation / self.args.steps_per_generation
-        beta = self.beta
-        loss, _ = fused_policy_loss(
-            hidden, weight, completion_ids, mask, inputs.get("old_per_token_logps"),
-            inputs["advantages"], epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high, beta=beta,
-            ref_per_token_logps=inputs.get("ref_per_token_logps"),
-            loss_type=self.loss_type, temperature=self.temperature,
-            max_completion_length=self.max_completion_length,
-            token_normalizer=token_normalizer, lm_head_bias=bias,
-            use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
-            **self._mrtpo_head_kw,
-        )  # fmt: skip
+        labels = completion_ids.masked_fill(mask == 0, -100)
+
+        def head_pass(h, w, b):
+            loss, _ = fused_policy_loss(
+                h, w, completion_ids, mask, inputs.get("old_per_token_logps"),
+                inputs["advantages"], epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, beta=self.beta,
+                ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                loss_type=self.loss_type, temperature=self.temperature,
+                max_completion_length=self.max_completion_length,
+                token_normalizer=token_normalizer, lm_head_bias=b,
+                use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
+                **self._mrtpo_head_kw,
+            )  # fmt: skip
+            with torch.no_grad():  # the metrics TRL's _compute_loss logs, from one more pass
+                logp, entropy = linear_logprobs(h.detach(), w.detach(), labels,
+                                                bias=None if b is None else b.detach(),
+                                                temperature=self.temperature,
+                                                return_entropy=True,
+                                                **self._mrtpo_head_kw)  # fmt: skip
+            return loss, logp, entropy
+
+        loss, logp, entropy = self._head_pass(model, head_pass, hidden, weight, bias)
         if self.loss_type != "dapo":
             loss = loss / accumulation
         if self.aux_loss_enabled:  # as TRL: the coefficient times the aux loss per micro-batch
@@ -1068,18 +1082,29 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(
                 self.accelerator.gather_for_metrics(aux[0].detach()).mean().item()
             )
-        self._log_fused_metrics(hidden, weight, bias, completion_ids, mask, inputs, mode)
+        self._log_fused_metrics(logp, entropy, mask, inputs, mode)
         return loss
 
+    def _head_pass(self, model, fn, hidden, weight, bias):
+        """``fn(hidden, weight, bias)``, the fused LM head, where the engine holds the head's
+        parameters in full. Under DeepSpeed ZeRO-3 the forward has released them (``weight``
+        is a partitioned parameter): ``fn`` then runs as the head module's own forward, so
+        that ZeRO-3's hooks gather the head before it and release it after, gather it again
+        for its backward (the weight gradient reaches the partitioned parameter through
+        ZeRO-3's reduce-scatter) and release it after; the same collectives on every rank.
+        Elsewhere (one process, DDP, ZeRO-1/2, FSDP1/FSDP2, whose forward left the head's
+        unit gathered) it is ``fn`` called directly."""
+        if not _partitioned(weight):
+            return fn(hidden, weight, bias)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        return _as_module_forward(
+            head, lambda h: fn(h, head.weight, getattr(head, "bias", None)), hidden
+        )
+
     @torch.no_grad()
-    def _log_fused_metrics(self, hidden, weight, bias, completion_ids, mask, inputs, mode):
-        # The metrics TRL's _compute_loss logs, from one no-grad pass of the fused head.
-        labels = completion_ids.masked_fill(mask == 0, -100)
-        logp, entropy = linear_logprobs(hidden.detach(), weight.detach(), labels,
-                                        bias=None if bias is None else bias.detach(),
-                                        temperature=self.temperature,
-                                        return_entropy=True,
-                                        **self._mrtpo_head_kw)  # fmt: skip
+    def _log_fused_metrics(self, logp, entropy, mask, inputs, mode):
+        # The metrics TRL's _compute_loss logs, from the no-grad pass of the fused head
+        # (``logp``, ``entropy``: (B, T) of the completion tokens).
         old = inputs.get("old_per_token_logps")
         old = logp if old is None else old
         ratio = torch.exp(logp - old)
@@ -1117,7 +1142,9 @@ class _HeadCapture(torch.nn.Module):
     """The LM head's stand-in in the wrapped model's forward: returns the hidden states (the
     "logits") and keeps, in ``held``, the head's weight and bias as they are while the
     forward runs: on FSDP1/FSDP2 the unsharded tensors of the head's unit (the root's, which
-    stays gathered until the backward), not the shards that sit there outside a forward."""
+    stays gathered until the backward), not the shards that sit there outside a forward; on
+    ZeRO-3 the partitioned parameters (the head module does not run here, so DeepSpeed does
+    not gather it: ``MRTPOGRPOTrainer._head_pass`` runs the fused head as its forward)."""
 
     def __init__(self, head):
         super().__init__()
@@ -1151,17 +1178,26 @@ def _router_aux_loss(model, out, attention_mask):
     return fn(router_logits, experts, top_k, attention_mask)
 
 
-def _refuse_zero3(accelerator) -> None:
-    """DeepSpeed ZeRO-3 is refused: the fused loss reads the LM head after the model's
-    forward, where ZeRO-3 has already released it (FSDP1/FSDP2 keep the head's unit
-    gathered until the backward; the replay itself gathers the head through DeepSpeed)."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
-        raise ValueError(
-            "deepspeed zero_stage=3: MRTPOGRPOTrainer's fused loss reads the LM head after "
-            "the model's forward, where ZeRO-3 has released it; use ZeRO-2 or FSDP "
-            "(fsdp_version 1 or 2), or TRL's GRPOTrainer (docs/trl.md, 'Sharded engines')"
-        )
+def _partitioned(param) -> bool:
+    """Whether ``param`` is a DeepSpeed ZeRO-3 parameter (partitioned outside the forward of
+    its module, whatever it holds now)."""
+    return hasattr(param, "ds_id") and getattr(param, "ds_status", None) is not None
+
+
+def _as_module_forward(module: torch.nn.Module, fn, *inputs):
+    """``fn(*inputs)`` run as ``module``'s forward (through ``module.__call__``, so that the
+    hooks an engine put on the module run around it: ZeRO-3 gathers the module's
+    parameters before, releases them after, and puts its backward hooks on the inputs and
+    outputs); the module's own forward is back after."""
+    own = module.__dict__.get("forward")  # an instance attribute the module had, if any
+    module.forward = fn
+    try:
+        return module(*inputs)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def _nan_reduce(x: torch.Tensor, fn) -> float:

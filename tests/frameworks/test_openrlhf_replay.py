@@ -140,3 +140,86 @@ def test_prompt_mismatch_and_empty_rows():
     rel, info = openrlhf.relevance_for_experience(model, e, [spans[0]], tokenizer=tok,
                                                   temperature=TAU)  # fmt: skip
     assert torch.all(rel == 0) and info.shape == (1, 2)
+
+
+# --------------------------------------------------------------------------- ZeRO-3
+# OpenRLHF's actor on DeepSpeed ZeRO-3 (as its strategy prepares it: ``actor.model`` the
+# engine), two gloo processes on the CPU: rank 0's experience names spans, rank 1's names
+# none (it still joins every collective). Every parameter is partitioned (DeepSpeed keeps
+# parameters under 1e5 elements whole by default: all of the tiny model's).
+
+
+def _zero3_rank(rank: int, port: int, out: str):
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    import copy
+
+    import deepspeed
+
+    # test-only: no shared-memory all-reduce, which DeepSpeed compiles on first use
+    # (minutes): its collectives go to gloo as they are
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    actor_mod = _import_with_stubs("openrlhf.models.actor")
+    deepspeed.init_distributed(dist_backend="gloo")
+    tok, model, prompts, spans, responses = _setup()
+    base = copy.deepcopy(model)
+    actor = actor_mod.Actor(model)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=actor.model, config=config,
+                                      model_parameters=actor.model.parameters())  # fmt: skip
+    actor.model = engine  # as OpenRLHF's DeepspeedStrategy._ds_init_train_model does
+    head = engine.module.get_output_embeddings().weight
+    partitioned = head.numel() == 0 and head.ds_tensor.numel() < head.ds_numel
+    batch = Experience.concat_experiences(
+        [_sample(tok, p, r) for p, r in zip(prompts, responses)], pad_token_id=tok.pad_token_id
+    )
+    mine = spans if rank == 0 else [[[], []] for _ in spans]  # rank 1: no span anywhere
+    engine.eval()
+    rel, info = openrlhf.relevance_for_experience(actor, batch, mine, tokenizer=tok,
+                                                  temperature=TAU)  # fmt: skip
+    # a second call: the ranks stay in step call after call
+    rel2, _ = openrlhf.relevance_for_experience(actor, batch, mine, tokenizer=tok,
+                                                temperature=TAU)  # fmt: skip
+    want = openrlhf.relevance_for_experience(base.eval(), batch, spans, tokenizer=tok,
+                                             temperature=TAU)  # fmt: skip
+    torch.save(dict(rel=rel, rel2=rel2, info=info, want=want, partitioned=partitioned),
+               os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
+    torch.distributed.barrier()
+
+
+@pytest.mark.slow
+def test_replay_on_a_zero3_actor_two_ranks_one_without_spans(tmp_path):
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    pytest.importorskip("deepspeed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_zero3_rank, args=(port, str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 300
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("the replay on ZeRO-3 hung (the ranks ran different collectives)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["partitioned"] and r1["partitioned"]
+    want_rel, want_info = r0["want"]
+    assert bool((want_rel > 0).any())
+    for rel in (r0["rel"], r0["rel2"]):  # rank 0: the unsharded model's relevance
+        torch.testing.assert_close(rel, want_rel, rtol=1e-5, atol=1e-6)
+    assert torch.equal(r0["info"], want_info)
+    assert torch.all(r1["rel"] == 0) and not bool(r1["info"].any())
