@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -515,8 +516,65 @@ def test_gpu_window_dry_run(tmp_path):
     assert len(ab) == 6  # 2 ops x (default, overlap, low-memory)
     tl = [r for r in rows if r["part"] == "timeline"]
     assert len(tl) == 5 and all(r["kernels"] > 0 for r in tl)  # JS has no overlap arm
-    assert any(r["part"] == "peers" and r["name"] == "ours" and r["ms"] > 0 for r in rows)
+    peers = {r["name"]: r for r in rows if r["part"] == "peers" and "ms" in r}
+    assert peers["ours"]["ms"] > 0 and peers["ours"]["grad_ok"]
+    if _peer_wheels_present():  # their real call paths, kernels included, under the interpreter
+        assert set(peers) == {"ours", "liger_fp32_accum", "liger_default", "cce_exact",
+                              "cce_default"}, peers.keys()  # fmt: skip
+        assert all(r["grad_ok"] and r["logp_max_err"] < 1e-2 for r in peers.values()), peers
+        assert not [r for r in rows if r["part"] == "peers" and "error" in r]
     summary = (tmp_path / "summary.md").read_text()
-    for step in ("state_before", "timeline", "ab", "cublas", "rows", "peers", "state_after"):
+    steps = ["state_before", "peers", "timeline", "ab", "cublas", "rows", "state_after"]
+    if _peer_wheels_present():
+        steps.insert(0, "wheels")
+    for step in steps:
         assert f"| {step} | ok |" in summary, step
     assert "**decision**" in summary and "dry run" in summary
+    assert "GPU: none (dry run on the CPU)" in summary
+
+
+def _peer_wheels_present() -> bool:
+    """Whether .whl/ holds the pinned peer wheels (bench/peer_wheels.sh puts them there)."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "peer_wheels.sh"), "--check"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    return proc.returncode == 0
+
+
+def test_gpu_window_steps_fit_one_call():
+    """bench/gpu_window.sh's steps: their time limits add up to no more than the budget,
+    which stays under the device call's 600 s with room for the start (540 s at most), and
+    the peers run right after the machine state (early, before the long steps), as the
+    header lists them."""
+    script = open(os.path.join(ROOT, "bench", "gpu_window.sh")).read()
+    body = script.split("set -u -o pipefail")[1]
+    steps = re.findall(r"^\s*step (\w+) (\d+) ", body, flags=re.M)
+    names = [n for n, _ in steps]
+    assert names == ["wheels", "state_before", "peers", "timeline", "ab", "cublas", "rows",
+                     "state_after"]  # fmt: skip
+    budget = int(re.search(r"GPU_WINDOW_BUDGET_S:-(\d+)", body).group(1))
+    total = sum(int(s) for _, s in steps)
+    assert budget <= 540 and total <= budget - 60, (total, budget)
+    header = script.split("set -u -o pipefail")[0]
+    assert f"limits add up to {total} s" in header.replace("\n# ", " ")
+    listed = re.findall(r"^#   (\w+)\s+(\d+)  ", header, flags=re.M)
+    assert [int(s) for _, s in listed] == [int(s) for _, s in steps]
+
+
+def test_peer_wheels_check(tmp_path):
+    """bench/peer_wheels.sh --check: true only when the folder holds every pinned wheel (the
+    file names pip saves: dashes as underscores, py3-none-any)."""
+    from bench import gpu_window
+
+    script = os.path.join(ROOT, "bench", "peer_wheels.sh")
+
+    def check():
+        return subprocess.run(["bash", script, "--check", "--dest", str(tmp_path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60).returncode  # fmt: skip
+
+    assert check() == 1
+    names = [f"{k.replace('-', '_')}-{v}-py3-none-any.whl"
+             for k, v in gpu_window.PEER_WHEELS.items()]  # fmt: skip
+    (tmp_path / names[0]).write_bytes(b"")
+    assert check() == 1
+    (tmp_path / names[1]).write_bytes(b"")
+    assert check() == 0
