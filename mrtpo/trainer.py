@@ -8,7 +8,9 @@ One step:
 2. Every verifier scores every response: rewards (n, K) and each verdict's prompt spans.
 3. Contrastive replay (``mrtpo.replay``): the with-information forward gives the old
    log-probs (only where the policy moves during the update, ``separate_old_forward``;
-   otherwise the update's own, detached); the forwards without each reward's spans give
+   otherwise the update's own, detached, and the replay runs no log-prob op: the JS is the
+   only head pass over its with-information hidden states); the forwards without each
+   reward's spans give
    the relevance d (K, N). Under
    mrtpo only the pairs whose GDPO advantage A_k is not 0 are replayed
    (``replay_mask_from_rewards``; the token advantages are the same bit for bit), and the
@@ -370,6 +372,9 @@ class Trainer:
                     control=mode.control_spans(ro.examples, ro.spans),
                     pointwise=mode.pointwise,
                     replay_mask=moving,
+                    # on-policy the old log-probs are the update's own: the with-information
+                    # logits are then computed once, by the JS
+                    old_logprobs=not own_old,
                 )
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None

@@ -138,6 +138,48 @@ def test_replay_can_be_skipped():
     assert rep.relevance is None and rep.replayed == 0 and rep.old_logprobs.shape == (2,)
 
 
+def test_replay_without_old_logprobs_computes_the_with_information_logits_once(monkeypatch):
+    """old_logprobs=False (mrtpo train on-policy, where the old log-probs are the update's
+    own): no log-prob op on the with-information hidden states, so the JS is the only pass
+    of them through the LM head; the relevance (and the hidden states) are the same bit for
+    bit, and the old log-probs are None."""
+    import mrtpo.replay as replay_mod
+
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    calls = {"n": 0}
+    real = replay_mod.linear_logprobs
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(replay_mod, "linear_logprobs", counted)
+    kw = dict(temperature=0.7, micro_batch=2)
+    full = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    with_lp = calls["n"]
+    calls["n"] = 0
+    lean = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, old_logprobs=False,
+                              **kw)  # fmt: skip
+    assert with_lp == 2 and calls["n"] == 0  # one per chunk of 2 rows, then none
+    assert lean.old_logprobs is None and full.old_logprobs.shape == (9,)
+    assert torch.equal(lean.relevance, full.relevance) and lean.relevance.abs().sum() > 0
+    assert torch.equal(lean.hidden_p, full.hidden_p) and lean.replayed == full.replayed
+    # pointwise needs the log-probs still (the log-ratio), but returns no old log-probs
+    calls["n"] = 0
+    pw = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, old_logprobs=False,
+                            pointwise=True, **kw)  # fmt: skip
+    assert calls["n"] > 0 and pw.old_logprobs is None and torch.equal(pw.relevance, full.relevance)
+
+
 def test_shared_prompt_cache_equals_separate_forwards():
     """Each distinct prompt run once, its key/value cache shared by the rows after it:
     the same hidden states as one full forward per row, in the rows' order."""
