@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head, task_texts
+from mrtpo.model import (
+    TinyConfig,
+    build_tiny_model,
+    build_tokenizer,
+    decoder_layers,
+    lm_head,
+    task_texts,
+)
 from mrtpo.prompting import ChatPrompter, merge_spans
 from mrtpo.replay import CallableLM, contrastive_replay, replay_relevance
 from mrtpo.tasks import load_task
@@ -178,6 +185,44 @@ def test_replay_without_old_logprobs_computes_the_with_information_logits_once(m
     pw = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, old_logprobs=False,
                             pointwise=True, **kw)  # fmt: skip
     assert calls["n"] > 0 and pw.old_logprobs is None and torch.equal(pw.relevance, full.relevance)
+
+
+def test_replay_takes_the_with_information_hidden_states_given():
+    """hidden_p given (mrtpo train on-policy: its update's forward): the replay runs only the
+    prompts (their caches) instead of its with-information forward, and the relevance is
+    the JS of the hidden states given: bit for bit the replay's own where they are its own
+    (the same prompt caches), different where they differ; a wrong shape is a ValueError
+    naming hidden_p."""
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    kw = dict(temperature=0.7, micro_batch=2, old_logprobs=False)
+    own = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    forwards = []
+    hook = decoder_layers(model)[0].register_forward_hook(lambda m, a, o: forwards.append(1))
+    given = contrastive_replay(model, pr, texts, prompt_ids, responses, spans,
+                               hidden_p=own.hidden_p.clone(), **kw)  # fmt: skip
+    n_given = len(forwards)
+    forwards.clear()
+    contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    hook.remove()
+    assert n_given < len(forwards)  # the prompts alone, not prompt + responses
+    assert torch.equal(given.relevance, own.relevance) and own.relevance.abs().sum() > 0
+    moved = own.hidden_p + 0.5 * torch.randn_like(own.hidden_p)
+    other = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=moved,
+                               **kw)  # fmt: skip
+    assert not torch.equal(other.relevance, own.relevance)
+    assert torch.equal(other.relevance == 0, own.relevance == 0)  # the same pairs replayed
+    with pytest.raises(ValueError, match="hidden_p"):
+        contrastive_replay(model, pr, texts, prompt_ids, responses, spans,
+                           hidden_p=own.hidden_p[:-1], **kw)  # fmt: skip
 
 
 def test_shared_prompt_cache_equals_separate_forwards():
