@@ -625,6 +625,11 @@ def part_peers(torch, args, emit):
     if bound:
         emit({"part": "peers", "name": "interpreter", "options": f"libdevice {bound} bound to "
               "tl math (dry run only)"})  # fmt: skip
+    if args.device == "cpu":
+        # Cut Cross-Entropy's default sorts its logit averages in a torch.compile'd function
+        # (fullgraph), which on the CPU builds C++ for minutes: run it eagerly (the same
+        # argsort) in the dry run
+        torch.compiler.set_stance("force_eager")
     h, w, lab, up = peer_inputs(torch, args)
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     rl = ref.linear_logprobs_ref(h64, w64, lab)
