@@ -132,7 +132,7 @@ trap 'exit 130' INT TERM
 step() {
   local name=$1 secs=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))
-  [ "$DRY" = 1 ] && secs=$(( secs * 3 ))  # the interpreter is slow; the budget is not the GPU's
+  [ "$DRY" = 1 ] && secs=$(( secs * 10 ))  # the interpreter is slow; the budget is not the GPU's
   [ "$DRY" = 0 ] && [ "$secs" -gt "$left" ] && secs=$left
   echo "== $name (timeout ${secs}s): $*"
   if [ "$secs" -le 5 ]; then
