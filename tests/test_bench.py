@@ -580,3 +580,26 @@ def test_peer_wheels_check(tmp_path):
     assert check() == 1
     (tmp_path / names[1]).write_bytes(b"")
     assert check() == 0
+
+
+def test_replay_floor_runs_and_records(tmp_path):
+    """bench/replay_floor.py on the tiny model at a few tokens: both ratios per length, in the
+    CSV and the Markdown record, each beside its target and verdict."""
+    from bench import replay_floor
+
+    rec = tmp_path / "record.md"
+    assert replay_floor.main(["--out", str(tmp_path), "--models", "tiny", "--lengths", "8",
+                              "--repeats", "1", "--record", str(rec)]) == 0  # fmt: skip
+    rows = list(csv.DictReader(open(tmp_path / "replay_floor.csv")))
+    assert [r["part"] for r in rows] == ["units", "js"]
+    for r in rows:
+        assert float(r["ms_p50"]) > 0 and float(r["floor_ms_p50"]) > 0
+        ratio = float(r["ms_p50"]) / float(r["floor_ms_p50"])
+        assert float(r["ratio"]) == pytest.approx(ratio, rel=2e-2)  # rounded medians
+        assert r["verdict"] == ("met" if float(r["ratio"]) <= float(r["target"]) else "missed")
+    assert int(rows[0]["tokens"]) > 4 * 2 * 8  # every unit's prompt suffix and responses
+    assert int(rows[1]["tokens"]) == 2 * 8
+    text = rec.read_text()
+    assert "load average" in text and "| tiny | 8 | units |" in text
+    with pytest.raises(ValueError, match="--lengths"):
+        replay_floor.main(["--out", str(tmp_path), "--lengths", "0"])
