@@ -79,6 +79,7 @@ _COLUMNS.update(
     {
         "state": (
             "name",
+            "gpu_name",
             "clocks_sm",
             "clocks_max_sm",
             "clocks_mem",
@@ -120,7 +121,19 @@ _COLUMNS.update(
             "extra_mem_mb",
             "error",
         ),  # fmt: skip
-        "peers": ("name", "options", "ms", "extra_mem_mb", "vs_ours", "skipped", "error"),
+        "peers": (
+            "name",
+            "dtype",
+            "options",
+            "ms",
+            "extra_mem_mb",
+            "vs_ours",
+            "logp_max_err",
+            "dh_rel_err",
+            "dw_rel_err",
+            "skipped",
+            "error",
+        ),  # fmt: skip
         "decision": ("name", "outcome", "measured", "rule"),
     }
 )

@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # The GPU window of issue 35 (v4): every step drives a decision, and the rule of each is
 # written here before the window runs (bench/gpu_window.py's THRESHOLDS, quoted verbatim;
-# tests/test_bench.py checks they agree). About 8 minutes of command time
-# (GPU_WINDOW_BUDGET_S, default 500; each step is cut to what is left).
+# tests/test_bench.py checks they agree). The steps' time limits add up to 460 s, inside
+# GPU_WINDOW_BUDGET_S (default 540, under the device call's 600 s; each step is cut to what
+# is left), so one device call holds the whole window.
 #
+#   bash bench/peer_wheels.sh                 # here, once: the pinned peer wheels into .whl/
+#   device run, kind nvidia-h200, carry [".whl"]:  bash bench/gpu_window.sh --out "$OUT"
 #   bash bench/gpu_window.sh [--out DIR] [--dry-run]
 #
+# Ask for the H200 (kind nvidia-h200): the first record (bench/results/gpu-2026-12-04-h200.md)
+# and the cost model's fit are an H200's; the summary names the GPU and says whether its
+# timings compare with that record.
+#
 # Steps (each its own process under timeout; records appended to DIR/figures.jsonl as they
-# come, the summary rewritten after every step, so a timeout keeps what came before):
-#   wheels      peer wheels from .whl/ (Liger-Kernel, Cut Cross-Entropy), when present
-#   state       nvidia-smi clocks, power, temperature, throttle reasons: before
-#   timeline    torch.profiler, one call per op, default and MRTPO_OVERLAP_ROWS=1
-#   ab          default / overlap / low-memory backward interleaved in one process
-#   cublas      logits GEMM at 128-aligned rows and the plan's, fp32 vs bf16 out; dh, dW
-#               at K = 2048 / 4096
-#   rows        the row kernels at in-op sizes back to back (and the split-row stats kernel)
-#   peers       log-probs fwd+bwd: ours, Liger (fp32 accumulation, default), Cut
-#               Cross-Entropy (cce_exact, default)
-#   state       the same as before: after
+# come, the summary rewritten after every step, so a timeout keeps what came before), in
+# this order, limits in seconds:
+#   wheels       30  peer wheels from .whl/ (bench/peer_wheels.sh), when present
+#   state        15  nvidia-smi GPU name, clocks, power, temperature, throttle reasons: before
+#   peers       110  log-probs fwd+bwd: ours, Liger (accum_dtype=float32, default), Cut
+#                    Cross-Entropy (cce_exact / filter_eps=None, default); each one's log-probs
+#                    and gradients against float64 (early: it needs the wheels, and it is the
+#                    comparison a window exists for)
+#   timeline     90  torch.profiler, one call per op, default and MRTPO_OVERLAP_ROWS=1
+#   ab          100  default / overlap / low-memory backward interleaved in one process
+#   cublas       50  logits GEMM at 128-aligned rows and the plan's, fp32 vs bf16 out; dh, dW
+#                    at K = 2048 / 4096
+#   rows         50  the row kernels at in-op sizes back to back (and the split-row stats kernel)
+#   state        15  the same as before: after
 #
 # Decisions (the rules, fixed before any figure exists):
 #   state: clocks: an SM clock under 90% of its max, or any active throttle reason other than idle, before or after, marks every timing of the window as throttled
@@ -36,9 +46,12 @@
 # --out DIR   where results go (default $OUT); at most 8 files: summary.md, figures.jsonl,
 #             traces.tar.gz (the chrome traces), logs.tar.gz
 # --dry-run   every step on the CPU at tiny shapes under TRITON_INTERPRET=1 (profiling on
-#             the CPU's own events, nvidia-smi skipped, the peers skipped with a line where
-#             their wheels are absent): the plumbing, not the figures
-#             (run by tests/test_bench.py)
+#             the CPU's own events, nvidia-smi skipped): the plumbing, not the figures (run by
+#             tests/test_bench.py). The peers run their real call paths, kernels included,
+#             where .whl/ holds their wheels (installed into a scratch folder), in fp16 (the
+#             interpreter does no bf16 arithmetic) and with libdevice's log1p / tanh given
+#             interpreter versions (bench/gpu_window.py's interpreter_libdevice); a peer
+#             whose wheel is absent is skipped with a line
 # Environment: PYTHON (default python3), GPU_WINDOW_BUDGET_S.
 set -u -o pipefail
 
@@ -52,7 +65,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift 2 ;;
     --out=*) OUT_DIR=${1#--out=}; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,55p' "$0"; exit 0 ;;
     *) echo "gpu_window.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -61,7 +74,7 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 WORK=$(mktemp -d)
 mkdir -p "$WORK/logs" "$WORK/traces"
-BUDGET=${GPU_WINDOW_BUDGET_S:-500}
+BUDGET=${GPU_WINDOW_BUDGET_S:-540}
 START=$(date +%s)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" MRTPO_STRICT_BACKEND=1 PYTHONUNBUFFERED=1
 SUMMARY="$OUT_DIR/summary.md"
@@ -74,10 +87,25 @@ if [ "$DRY" = 1 ]; then
   WIN+=(--device cpu --n 40 --d 16 --v 3000 --chunk-mib 1 --grad-buffer-mib 1 --rounds 2)
 fi
 
+# The GPU's name, for the record, and whether its timings compare with the first window's
+# (an H200's, as is the cost model's fit).
+if [ "$DRY" = 1 ]; then
+  GPU="none (dry run on the CPU)"
+else
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  GPU=${GPU:-unknown (no nvidia-smi)}
+fi
+case "$GPU" in
+  *H200*) COMPARABLE="yes: an H200, as the first record (bench/results/gpu-2026-12-04-h200.md)" ;;
+  *) COMPARABLE="no: the first record (bench/results/gpu-2026-12-04-h200.md) and the cost model's fit are an H200's; compare within this window only" ;;
+esac
+
 write_summary() {
   {
     echo "# GPU window $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START )) s"
     [ "$DRY" = 1 ] && echo && echo "(dry run: CPU, tiny shapes; no figure here means anything)"
+    echo
+    echo "GPU: $GPU. Timings comparable with the first record: $COMPARABLE."
     echo
     echo "| step | outcome | seconds |"; echo "|---|---|---|"
     cat "$STEPS" 2>/dev/null
@@ -104,7 +132,7 @@ trap 'exit 130' INT TERM
 step() {
   local name=$1 secs=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))
-  [ "$DRY" = 1 ] && secs=$(( secs * 3 ))  # the interpreter is slow; the budget is not the GPU's
+  [ "$DRY" = 1 ] && secs=$(( secs * 10 ))  # the interpreter is slow; the budget is not the GPU's
   [ "$DRY" = 0 ] && [ "$secs" -gt "$left" ] && secs=$left
   echo "== $name (timeout ${secs}s): $*"
   if [ "$secs" -le 5 ]; then
@@ -124,15 +152,19 @@ step() {
 
 : > "$STEPS"
 write_summary
-if ls .whl/*.whl > /dev/null 2>&1 && [ "$DRY" = 0 ]; then
-  step wheels 40 "$PY" -m pip install --no-index --no-deps --target "$PWD/build/site" .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:$PWD/build/site"
+# The peers' wheels (bench/peer_wheels.sh) beside the machine's torch and triton; the dry run
+# installs them into its scratch folder, the checkout's build/ untouched.
+SITE="$PWD/build/site"
+[ "$DRY" = 1 ] && SITE="$WORK/site"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  step wheels 30 "$PY" -m pip install --quiet --no-index --no-deps --no-compile --upgrade \
+    --target "$SITE" .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
-step state_before 20 "${WIN[@]}" --part state --tag before
-step timeline 110 "${WIN[@]}" --part timeline
-step ab 110 "${WIN[@]}" --part ab
-step cublas 60 "${WIN[@]}" --part cublas
-step rows 60 "${WIN[@]}" --part rows
-step peers 100 "${WIN[@]}" --part peers
-step state_after 20 "${WIN[@]}" --part state --tag after
+step state_before 15 "${WIN[@]}" --part state --tag before
+step peers 110 "${WIN[@]}" --part peers
+step timeline 90 "${WIN[@]}" --part timeline
+step ab 100 "${WIN[@]}" --part ab
+step cublas 50 "${WIN[@]}" --part cublas
+step rows 50 "${WIN[@]}" --part rows
+step state_after 15 "${WIN[@]}" --part state --tag after
 exit $FAILED

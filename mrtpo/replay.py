@@ -38,13 +38,20 @@ from mrtpo_kernels import ADVANTAGE_DEFAULTS, gdpo_advantages, linear_js_distanc
 from .model import lm_head, logit_transform
 from .prompting import ChatPrompter, Span, merge_spans
 from .spans import is_chat_prompt, normalize_spans, prompt_without_spans
-from .teacher_forcing import forward_after_prefix, forward_shared_prompts, teacher_batch
+from .teacher_forcing import (
+    forward_after_prefix,
+    forward_shared_prompts,
+    prompt_caches,
+    teacher_batch,
+)
 
 
 @dataclass
 class ReplayResult:
     hidden_p: torch.Tensor  # (N, d) with-information hidden states
-    old_logprobs: torch.Tensor  # (N,) log-probs of the response tokens at the temperature
+    # (N,) log-probs of the response tokens at the temperature; None where not asked for
+    # (``contrastive_replay(old_logprobs=False)``)
+    old_logprobs: torch.Tensor | None
     relevance: torch.Tensor | None  # (K, N) JS distances, or None when replay was skipped
     replayed: int  # number of (response, reward) replays run, control replays included
     control: torch.Tensor | None = None  # (N,) d_ctrl (0 where no control span), if asked
@@ -175,6 +182,8 @@ def contrastive_replay(
     control: Sequence[Sequence[Span]] | None = None,
     pointwise: bool = False,
     replay_mask=None,
+    old_logprobs: bool = True,
+    hidden_p: torch.Tensor | None = None,
 ) -> ReplayResult:
     """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans:
     ``replay_relevance``'s engine on packed rows, for ``mrtpo train`` (prompts rendered by
@@ -195,6 +204,15 @@ def contrastive_replay(
         replay_mask: optional (n, K) bool (``replay_mask_from_rewards``): a pair that is
             False is not replayed and its relevance is 0; a response none of whose pairs
             is replayed gets no control replay either.
+        old_logprobs: False where the caller takes the old log-probs elsewhere (``mrtpo
+            train`` on-policy: the update's own): the with-information hidden states then
+            go to the JS alone, no log-prob op computes their logits a second time, and the
+            result's ``old_logprobs`` is None.
+        hidden_p: optional (N, d) with-information hidden states of the response tokens
+            (packed in the order of ``responses``) from a forward the caller ran anyway
+            (``mrtpo train`` on-policy: its update's, detached): the replay then runs no
+            with-information forward of its own, only each distinct prompt (for the
+            key/value caches its replays start from).
     """
     n = len(responses)
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
@@ -227,7 +245,7 @@ def contrastive_replay(
         [list(r) for r in responses], num_streams=len(streams[0]) if n else 0,
         pad_id=prompter.tokenizer.pad_token_id,
         temperature=temperature, micro_batch=micro_batch, pointwise=pointwise and replay,
-        keep_hidden=True, keep=keep,
+        keep_hidden=True, keep=keep, logprobs=old_logprobs, given_hidden=hidden_p,
     )  # fmt: skip
     if not replay or k == 0:
         return ReplayResult(core.hidden_p, core.old_logprobs, None, 0)
@@ -387,7 +405,7 @@ def _start_token(model, tokenizer=None) -> int | None:
 @dataclass
 class _Core:
     distance: torch.Tensor  # (J, N) float32
-    old_logprobs: torch.Tensor  # (N,) float32
+    old_logprobs: torch.Tensor | None  # (N,) float32, None where not asked for
     logratio: torch.Tensor | None  # (J, N)
     hidden_p: torch.Tensor | None  # (N, d)
     replayed: int
@@ -395,7 +413,7 @@ class _Core:
 
 def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
                  micro_batch, max_tokens=None, pointwise=False, keep_hidden=False,
-                 keep=None, reuse=True) -> _Core:  # fmt: skip
+                 keep=None, reuse=True, logprobs=True, given_hidden=None) -> _Core:  # fmt: skip
     """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
     ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
     forward per distinct prompt, its key/value cache shared by the responses after it), the
@@ -415,7 +433,12 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     of rows with the same kept streams, on the kept pairs only. A unit's forward and a
     kept pair's JS read only the with-information forward of the chunk and the unit's own
     rows, never which other pairs are kept. ``reuse=False``: whole prompts without spans and
-    one JS over every row and stream with a kept pair (for side-by-side benchmarks)."""
+    one JS over every row and stream with a kept pair (for side-by-side benchmarks).
+    ``logprobs=False``: no log-prob op on the with-information hidden states (unless
+    ``pointwise`` needs them), so their logits are computed once, by the JS; the old
+    log-probs are then None. ``given_hidden`` (N, d): the with-information hidden states,
+    from the caller's forward; each chunk then runs its distinct prompts alone (their
+    caches, with ``reuse``) instead of the with-information forward."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
     if max_tokens is not None and (
@@ -435,9 +458,19 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         starts.append(starts[-1] + t)
     n_tok = starts[-1]
     dist = torch.zeros((j_n, n_tok), dtype=torch.float32, device=device)
-    old = torch.zeros((n_tok,), dtype=torch.float32, device=device)
+    want_lp = logprobs or pointwise
+    old = torch.zeros((n_tok,), dtype=torch.float32, device=device) if logprobs else None
     ratio = torch.zeros((j_n, n_tok), dtype=torch.float32, device=device) if pointwise else None
     hidden_p = weight.new_empty((n_tok, weight.shape[1])) if keep_hidden else None
+    if given_hidden is not None and (
+        not isinstance(given_hidden, torch.Tensor) or given_hidden.shape != (n_tok, weight.shape[1])
+    ):
+        got = getattr(given_hidden, "shape", None)
+        got = tuple(got) if got is not None else type(given_hidden).__name__
+        raise ValueError(
+            f"hidden_p: expected a ({n_tok}, {weight.shape[1]}) tensor (one row per response "
+            f"token, the LM head's width), got {got}"
+        )
     groups: dict[tuple, list[int]] = {}
     for r in range(n):
         if lengths[r]:  # an empty response has no token: nothing to forward
@@ -460,13 +493,23 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
     for rows in chunks:
         per_fwd = len(rows)  # one forward per chunk (and per chunk of its replays)
         prefixes = {} if reuse and j_n else None  # the chunk's prompts' key/value caches
-        hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
-                          pad_id, per_fwd, device, prefixes=prefixes)  # fmt: skip
         idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
+        if given_hidden is None:
+            hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
+                              pad_id, per_fwd, device, prefixes=prefixes)  # fmt: skip
+        else:  # the caller's forward: only the prompts run here, for their caches
+            hp = given_hidden[idx.to(given_hidden.device)].to(device, weight.dtype)
+            if prefixes is not None and not isinstance(model, CallableLM):
+                prompt_caches(model, [full_ids[r] for r in rows], pad_id, micro_batch=per_fwd,
+                              device=device, prefixes=prefixes)  # fmt: skip
         labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
         labels = labels.to(device)
-        lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature, **head_kw)
-        old[idx] = lp.float()
+        lp = None
+        if want_lp:
+            lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature,
+                                 **head_kw)  # fmt: skip
+        if old is not None:
+            old[idx] = lp.float()
         if hidden_p is not None:
             hidden_p[idx] = hp
         if j_n == 0:

@@ -168,6 +168,35 @@ def forward_shared_prompts(
 
 
 @torch.no_grad()
+def prompt_caches(model, prompts, pad_id, *, micro_batch: int, device, prefixes: dict) -> None:
+    """Fill ``prefixes`` with each distinct prompt's key/value cache, as
+    ``forward_shared_prompts(prefixes=)`` does, running the prompts alone (no response): for
+    a caller that has the responses' hidden states from another forward (``mrtpo train``'s
+    update) and needs only the caches that ``forward_after_prefix`` starts from. At most
+    ``micro_batch`` prompts a forward; left empty where the model's cache is not a plain
+    per-layer key/value cache."""
+    keys = list(dict.fromkeys(tuple(p) for p in prompts if len(p)))
+    base = decoder(model)
+    for s in range(0, len(keys), micro_batch):
+        chunk = keys[s : s + micro_batch]
+        p_width = max(len(k) for k in chunk)
+        ids = torch.full((len(chunk), p_width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), p_width), dtype=torch.long)
+        for i, key in enumerate(chunk):
+            ids[i, p_width - len(key) :] = torch.as_tensor(key, dtype=torch.long)
+            mask[i, p_width - len(key) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        head = base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        kv = _plain_layers(_output_cache(head))
+        if kv is None:
+            return
+        for i, key in enumerate(chunk):
+            a = p_width - len(key)
+            prefixes[key] = [(k[i : i + 1, :, a:], v[i : i + 1, :, a:]) for k, v in kv]
+
+
+@torch.no_grad()
 def forward_after_prefix(
     model, prefix, prompt, responses, pad_id, *, device, max_piece: int = TAIL_PIECE
 ):

@@ -8,7 +8,10 @@ One step:
 2. Every verifier scores every response: rewards (n, K) and each verdict's prompt spans.
 3. Contrastive replay (``mrtpo.replay``): the with-information forward gives the old
    log-probs (only where the policy moves during the update, ``separate_old_forward``;
-   otherwise the update's own, detached); the forwards without each reward's spans give
+   otherwise the update's own, detached, and the replay runs no log-prob op: the JS is the
+   only head pass over its with-information hidden states, which under MRTPO are the
+   update's own too, from its forwards run before the replay, ``replay_from_update``); the
+   forwards without each reward's spans give
    the relevance d (K, N). Under
    mrtpo only the pairs whose GDPO advantage A_k is not 0 are replayed
    (``replay_mask_from_rewards``; the token advantages are the same bit for bit), and the
@@ -204,6 +207,11 @@ class Trainer:
     # an internal switch (tests, benchmarks): True takes the old log-probs from the replay's
     # no-grad forward even where ``separate_old_forward`` says the update's own are the same
     force_old_forward = False
+    # MRTPO on-policy (where ``separate_old_forward`` is False): the with-information hidden
+    # states come from the update's own forward, held with its graph until the advantages
+    # exist, instead of a replay forward of their own (False: the replay's forward, for the
+    # side-by-side test and benchmarks)
+    replay_from_update = True
 
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
         try:
@@ -355,6 +363,10 @@ class Trainer:
                 ro.rewards, ro.group_ids, has_info=has_info, whole_rows=mode.mixes_rewards
             )
         rep = ReplayResult(None, None, None, 0)  # no forward: nothing replayed, no old log-probs
+        held, hp_update, t_held = None, None, 0.0
+        if cfg.algo == "mrtpo" and want_replay and own_old and self.replay_from_update:
+            held, hp_update = self._update_forwards(ro)
+            t_held = time.perf_counter() - t1
         if want_replay or not own_old:
             with self._amp():
                 rep = contrastive_replay(
@@ -370,6 +382,10 @@ class Trainer:
                     control=mode.control_spans(ro.examples, ro.spans),
                     pointwise=mode.pointwise,
                     replay_mask=moving,
+                    # on-policy the old log-probs are the update's own: the with-information
+                    # logits are then computed once, by the JS
+                    old_logprobs=not own_old,
+                    hidden_p=hp_update,
                 )
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
@@ -412,7 +428,7 @@ class Trainer:
                 ).cpu()  # fmt: skip
         t2 = time.perf_counter()
         old_logp = None if own_old else rep.old_logprobs.detach().float().cpu()
-        upd = self._update(ro, old_logp, adv, ref_logp, lengths)
+        upd = self._update(ro, old_logp, adv, ref_logp, lengths, held=held)
         t3 = time.perf_counter()
         self.step += 1
         # credit and relevance diagnostics over the pairs replayed (a skipped pair's
@@ -426,8 +442,8 @@ class Trainer:
         row["replay/skipped"] = rep.skipped if have_rel else None
         row["time"] = {
             "rollout": t1 - t0,
-            "replay": t2 - t1,
-            "update": t3 - t2,
+            "replay": t2 - t1 - t_held,
+            "update": t3 - t2 + t_held,  # with its forward, where the replay took it first
             "replays": rep.replayed,
         }
         # judged: the pairs the replay ran (tokens.html labels the others and says why)
@@ -436,10 +452,47 @@ class Trainer:
         )
         return row
 
-    def _update(self, ro, old_logp, adv, ref_logp, lengths):
+    def _update_forwards(self, ro):
+        """The update's forwards, run before the replay (MRTPO on-policy: one epoch, one
+        minibatch): its micro-batches in the order ``_update`` takes them (the epoch's
+        permutation drawn here, as ``_update`` would draw it), each (rows, token indices,
+        batch, hidden states with their graph), and the (N, d) with-information hidden
+        states, detached, packed in response order, for the replay's JS. The graphs of
+        every micro-batch are held until ``_update`` runs the loss on them: the update's
+        activation memory for the whole batch at once (with ``gradient_checkpointing``, one
+        (tokens, d) input per layer) instead of one micro-batch's."""
+        cfg = self.cfg
+        n = len(ro.responses)
+        lengths = [len(r) for r in ro.responses]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        perm = torch.randperm(n).tolist()
+        self.model.eval()
+        held, hp = [], None
+        for m in range(0, n, cfg.micro_batch):
+            rows = perm[m : m + cfg.micro_batch]
+            tb = teacher_batch(
+                [ro.prompt_ids[i] for i in rows],
+                [ro.responses[i] for i in rows],
+                self.tok.pad_token_id,
+                self.device,
+            )
+            idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
+            ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
+            with self._amp(), ckpt:
+                hidden = response_hidden(self.model, tb)
+            if hp is None:
+                hp = hidden.new_empty((starts[-1], hidden.shape[-1]))
+            hp[idx.to(hp.device)] = hidden.detach()
+            held.append((rows, idx, tb, hidden))
+        return held, hp
+
+    def _update(self, ro, old_logp, adv, ref_logp, lengths, held=None):
         """PPO epochs over minibatches. ``old_logp`` (N,) the rollout policy's log-probs, or
         None where the update's forwards run the rollout's weights (``separate_old_forward``
-        False): each micro-batch's own log-probs, detached, from its hidden states."""
+        False): each micro-batch's own log-probs, detached, from its hidden states.
+        ``held``: the update's forwards, already run (``_update_forwards``; one epoch, one
+        minibatch): the loss runs on their hidden states, each graph freed after its
+        backward."""
         cfg = self.cfg
         n = len(ro.responses)
         starts = torch.zeros(n + 1, dtype=torch.long)
@@ -448,25 +501,35 @@ class Trainer:
         head_kw = logit_transform(self.model)  # the model's logit scale / softcap, if any
         stats = {"loss": [], "clip_fraction": [], "mean_ratio": [], "kl": [], "grad_norm": []}
         self.model.eval()  # no dropout: the loss must see the rollout policy's distribution
+        if held is not None and (cfg.ppo_epochs > 1 or cfg.minibatches > 1):
+            raise ValueError("held: the update's forwards can be run first only for one epoch "
+                             "of one minibatch")  # fmt: skip
         for _ in range(cfg.ppo_epochs):
-            perm = torch.randperm(n).tolist()
+            if held is None:
+                perm = torch.randperm(n).tolist()
+            else:
+                perm = [r for rows, *_ in held for r in rows]
             per_mb = math.ceil(n / cfg.minibatches)
             for s in range(0, n, per_mb):
                 mb = perm[s : s + per_mb]
                 mb_tokens = int(lengths[mb].sum())
                 self.opt.zero_grad(set_to_none=True)
-                for m in range(0, len(mb), cfg.micro_batch):
+                for j, m in enumerate(range(0, len(mb), cfg.micro_batch)):
                     rows = mb[m : m + cfg.micro_batch]
-                    tb = teacher_batch(
-                        [ro.prompt_ids[i] for i in rows],
-                        [ro.responses[i] for i in rows],
-                        self.tok.pad_token_id,
-                        self.device,
-                    )
-                    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-                    ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
-                    with self._amp(), ckpt:
-                        hidden = response_hidden(self.model, tb)
+                    if held is not None:  # run before the replay; freed after its backward
+                        _, idx, tb, hidden = held[j]
+                        held[j] = None
+                    else:
+                        tb = teacher_batch(
+                            [ro.prompt_ids[i] for i in rows],
+                            [ro.responses[i] for i in rows],
+                            self.tok.pad_token_id,
+                            self.device,
+                        )
+                        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
+                        ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
+                        with self._amp(), ckpt:
+                            hidden = response_hidden(self.model, tb)
                     w, b = weight_bias()
                     if old_logp is None:  # the same policy: ratio exactly 1
                         with torch.no_grad():

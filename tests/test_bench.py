@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -490,13 +491,15 @@ def test_gpu_window_dry_run(tmp_path):
     """bench/gpu_window.sh --dry-run: every step on the CPU at tiny shapes (the interpreter;
     profiling on CPU events; nvidia-smi and absent peers skipped with a line): each step
     ends ok, each part leaves its records and decisions in figures.jsonl, at most 8 files
-    come back, and the summary holds the decisions (about 3 minutes on an idle core)."""
+    come back, and the summary holds the decisions (about 3 minutes on an idle core; with the
+    peers' wheels in .whl/, their call paths too, about 8 minutes more)."""
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("OUT", None)
     proc = subprocess.run(
         ["bash", os.path.join(ROOT, "bench", "gpu_window.sh"), "--dry-run", "--out",
          str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+        cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=3000 if _peer_wheels_present() else 1500,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -515,8 +518,88 @@ def test_gpu_window_dry_run(tmp_path):
     assert len(ab) == 6  # 2 ops x (default, overlap, low-memory)
     tl = [r for r in rows if r["part"] == "timeline"]
     assert len(tl) == 5 and all(r["kernels"] > 0 for r in tl)  # JS has no overlap arm
-    assert any(r["part"] == "peers" and r["name"] == "ours" and r["ms"] > 0 for r in rows)
+    peers = {r["name"]: r for r in rows if r["part"] == "peers" and "grad_ok" in r}
+    assert peers["ours"]["ms"] > 0 and peers["ours"]["grad_ok"]
+    if _peer_wheels_present():  # their real call paths, kernels included, under the interpreter
+        assert set(peers) == {"ours", "liger_fp32_accum", "liger_default", "cce_exact",
+                              "cce_default"}, peers.keys()  # fmt: skip
+        assert all(r["grad_ok"] and r["logp_max_err"] < 1e-2 for r in peers.values()), peers
+        assert not [r for r in rows if r["part"] == "peers" and "error" in r]
     summary = (tmp_path / "summary.md").read_text()
-    for step in ("state_before", "timeline", "ab", "cublas", "rows", "peers", "state_after"):
+    steps = ["state_before", "peers", "timeline", "ab", "cublas", "rows", "state_after"]
+    if _peer_wheels_present():
+        steps.insert(0, "wheels")
+    for step in steps:
         assert f"| {step} | ok |" in summary, step
     assert "**decision**" in summary and "dry run" in summary
+    assert "GPU: none (dry run on the CPU)" in summary
+
+
+def _peer_wheels_present() -> bool:
+    """Whether .whl/ holds the pinned peer wheels (bench/peer_wheels.sh puts them there)."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "peer_wheels.sh"), "--check"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    return proc.returncode == 0
+
+
+def test_gpu_window_steps_fit_one_call():
+    """bench/gpu_window.sh's steps: their time limits add up to no more than the budget,
+    which stays under the device call's 600 s with room for the start (540 s at most), and
+    the peers run right after the machine state (early, before the long steps), as the
+    header lists them."""
+    script = open(os.path.join(ROOT, "bench", "gpu_window.sh")).read()
+    body = script.split("set -u -o pipefail")[1]
+    steps = re.findall(r"^\s*step (\w+) (\d+) ", body, flags=re.M)
+    names = [n for n, _ in steps]
+    assert names == ["wheels", "state_before", "peers", "timeline", "ab", "cublas", "rows",
+                     "state_after"]  # fmt: skip
+    budget = int(re.search(r"GPU_WINDOW_BUDGET_S:-(\d+)", body).group(1))
+    total = sum(int(s) for _, s in steps)
+    assert budget <= 540 and total <= budget - 60, (total, budget)
+    header = script.split("set -u -o pipefail")[0]
+    assert f"limits add up to {total} s" in header.replace("\n# ", " ")
+    listed = re.findall(r"^#   (\w+)\s+(\d+)  ", header, flags=re.M)
+    assert [int(s) for _, s in listed] == [int(s) for _, s in steps]
+
+
+def test_peer_wheels_check(tmp_path):
+    """bench/peer_wheels.sh --check: true only when the folder holds every pinned wheel (the
+    file names pip saves: dashes as underscores, py3-none-any)."""
+    from bench import gpu_window
+
+    script = os.path.join(ROOT, "bench", "peer_wheels.sh")
+
+    def check():
+        return subprocess.run(["bash", script, "--check", "--dest", str(tmp_path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60).returncode  # fmt: skip
+
+    assert check() == 1
+    names = [f"{k.replace('-', '_')}-{v}-py3-none-any.whl"
+             for k, v in gpu_window.PEER_WHEELS.items()]  # fmt: skip
+    (tmp_path / names[0]).write_bytes(b"")
+    assert check() == 1
+    (tmp_path / names[1]).write_bytes(b"")
+    assert check() == 0
+
+
+def test_replay_floor_runs_and_records(tmp_path):
+    """bench/replay_floor.py on the tiny model at a few tokens: both ratios per length, in the
+    CSV and the Markdown record, each beside its target and verdict."""
+    from bench import replay_floor
+
+    rec = tmp_path / "record.md"
+    assert replay_floor.main(["--out", str(tmp_path), "--models", "tiny", "--lengths", "8",
+                              "--repeats", "1", "--record", str(rec)]) == 0  # fmt: skip
+    rows = list(csv.DictReader(open(tmp_path / "replay_floor.csv")))
+    assert [r["part"] for r in rows] == ["units", "js"]
+    for r in rows:
+        assert float(r["ms_p50"]) > 0 and float(r["floor_ms_p50"]) > 0
+        ratio = float(r["ms_p50"]) / float(r["floor_ms_p50"])
+        assert float(r["ratio"]) == pytest.approx(ratio, rel=2e-2)  # rounded medians
+        assert r["verdict"] == ("met" if float(r["ratio"]) <= float(r["target"]) else "missed")
+    assert int(rows[0]["tokens"]) > 4 * 2 * 8  # every unit's prompt suffix and responses
+    assert int(rows[1]["tokens"]) == 2 * 8
+    text = rec.read_text()
+    assert "load average" in text and "| tiny | 8 | units |" in text
+    with pytest.raises(ValueError, match="--lengths"):
+        replay_floor.main(["--out", str(tmp_path), "--lengths", "0"])

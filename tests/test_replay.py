@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head, task_texts
+from mrtpo.model import (
+    TinyConfig,
+    build_tiny_model,
+    build_tokenizer,
+    decoder_layers,
+    lm_head,
+    task_texts,
+)
 from mrtpo.prompting import ChatPrompter, merge_spans
 from mrtpo.replay import CallableLM, contrastive_replay, replay_relevance
 from mrtpo.tasks import load_task
@@ -136,6 +143,86 @@ def test_replay_can_be_skipped():
         replay=False,
     )
     assert rep.relevance is None and rep.replayed == 0 and rep.old_logprobs.shape == (2,)
+
+
+def test_replay_without_old_logprobs_computes_the_with_information_logits_once(monkeypatch):
+    """old_logprobs=False (mrtpo train on-policy, where the old log-probs are the update's
+    own): no log-prob op on the with-information hidden states, so the JS is the only pass
+    of them through the LM head; the relevance (and the hidden states) are the same bit for
+    bit, and the old log-probs are None."""
+    import mrtpo.replay as replay_mod
+
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    calls = {"n": 0}
+    real = replay_mod.linear_logprobs
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(replay_mod, "linear_logprobs", counted)
+    kw = dict(temperature=0.7, micro_batch=2)
+    full = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    with_lp = calls["n"]
+    calls["n"] = 0
+    lean = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, old_logprobs=False,
+                              **kw)  # fmt: skip
+    assert with_lp == 2 and calls["n"] == 0  # one per chunk of 2 rows, then none
+    assert lean.old_logprobs is None and full.old_logprobs.shape == (9,)
+    assert torch.equal(lean.relevance, full.relevance) and lean.relevance.abs().sum() > 0
+    assert torch.equal(lean.hidden_p, full.hidden_p) and lean.replayed == full.replayed
+    # pointwise needs the log-probs still (the log-ratio), but returns no old log-probs
+    calls["n"] = 0
+    pw = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, old_logprobs=False,
+                            pointwise=True, **kw)  # fmt: skip
+    assert calls["n"] > 0 and pw.old_logprobs is None and torch.equal(pw.relevance, full.relevance)
+
+
+def test_replay_takes_the_with_information_hidden_states_given():
+    """hidden_p given (mrtpo train on-policy: its update's forward): the replay runs only the
+    prompts (their caches) instead of its with-information forward, and the relevance is
+    the JS of the hidden states given: bit for bit the replay's own where they are its own
+    (the same prompt caches), different where they differ; a wrong shape is a ValueError
+    naming hidden_p."""
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    kw = dict(temperature=0.7, micro_batch=2, old_logprobs=False)
+    own = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    forwards = []
+    hook = decoder_layers(model)[0].register_forward_hook(lambda m, a, o: forwards.append(1))
+    given = contrastive_replay(model, pr, texts, prompt_ids, responses, spans,
+                               hidden_p=own.hidden_p.clone(), **kw)  # fmt: skip
+    n_given = len(forwards)
+    forwards.clear()
+    contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    hook.remove()
+    assert n_given < len(forwards)  # the prompts alone, not prompt + responses
+    assert torch.equal(given.relevance, own.relevance) and own.relevance.abs().sum() > 0
+    moved = own.hidden_p + 0.5 * torch.randn_like(own.hidden_p)
+    other = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=moved,
+                               **kw)  # fmt: skip
+    assert not torch.equal(other.relevance, own.relevance)
+    assert torch.equal(other.relevance == 0, own.relevance == 0)  # the same pairs replayed
+    with pytest.raises(ValueError, match="hidden_p"):
+        contrastive_replay(model, pr, texts, prompt_ids, responses, spans,
+                           hidden_p=own.hidden_p[:-1], **kw)  # fmt: skip
 
 
 def test_shared_prompt_cache_equals_separate_forwards():

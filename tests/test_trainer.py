@@ -721,12 +721,15 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path, monkeypatch):
     assert not any("forward" in layer.__dict__ for layer in decoder_layers(b.model))
 
 
-def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, **kw):
+def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, from_update=True,
+                 **kw):  # fmt: skip
     """A run of the mixed task (group size 4, one response per micro-batch); counts the
-    replay's calls and the decoder forwards inside them (a hook on the first layer).
+    replay's calls and the decoder forwards inside them (a hook on the first layer), and all
+    decoder forwards; keeps each step's (advantages, allocation).
     ``force``: the old path (``Trainer.force_old_forward``). ``same_batching_old``: the
     forced path's old log-probs from a no-grad forward batched as the update's (one row per
-    forward), instead of the replay's packed one."""
+    forward), instead of the replay's packed one. ``from_update``:
+    ``Trainer.replay_from_update``."""
     import mrtpo.trainer as trainer_mod
     from mrtpo.model import decoder_layers, lm_head, logit_transform
     from mrtpo.teacher_forcing import forward_responses
@@ -737,13 +740,21 @@ def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, **kw):
     cfg.cache_dir = str(tmp_path / "cache")  # one warm start for every run
     tr = Trainer(cfg, task=mixed_task())
     tr.force_old_forward = force
-    seen = {"calls": 0, "forwards": 0, "in_replay": False}
+    tr.replay_from_update = from_update
+    seen = {"calls": 0, "forwards": 0, "in_replay": False, "all_forwards": 0, "adv": []}
 
     def hook(*_):
         seen["forwards"] += seen["in_replay"]
+        seen["all_forwards"] += 1
 
     decoder_layers(tr.model)[0].register_forward_hook(hook)
     real = trainer_mod.contrastive_replay
+    real_adv = trainer_mod.compute_advantages
+
+    def advantages(*a, **k):
+        out = real_adv(*a, **k)
+        seen["adv"].append(tuple(t.detach().clone() for t in out))
+        return out
 
     def replay(model, prompter, texts, prompt_ids, responses, *a, **k):
         seen["calls"] += 1
@@ -763,10 +774,12 @@ def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, **kw):
         return out
 
     trainer_mod.contrastive_replay = replay
+    trainer_mod.compute_advantages = advantages
     try:
         tr.run(progress=False)
     finally:
         trainer_mod.contrastive_replay = real
+        trainer_mod.compute_advantages = real_adv
     return tr, seen
 
 
@@ -775,7 +788,8 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path, algo
     """One PPO epoch, one minibatch: the update's only optimizer step follows all of its
     forwards, so the old log-probs are its own, detached (importance ratio exactly 1, no
     clipping), and GDPO (--no-baseline-replay) runs no replay forward (MRTPO's still runs,
-    for the JS). Against the
+    for the JS; here from its own with-information forward, Trainer.replay_from_update
+    False, so that only the old log-probs differ). Against the
     old path (the separate no-grad forward, Trainer.force_old_forward):
     - where that forward is batched as the update's (one row per forward), the same
       arithmetic as the update's grad forward: ratio exactly 1 there too, and the weights
@@ -784,7 +798,7 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path, algo
       group, chunks of 2 x micro_batch rows) sums in another order, so its log-probs differ
       from the update's in the last bits (float32 ulps), the ratio is 1 +- ~1e-7 and the
       gradients scale by it: the weights agree to 1e-6 (lr / 200), not bit for bit."""
-    kw = {"algo": algo, "replay_for_baselines": False}
+    kw = {"algo": algo, "replay_for_baselines": False, "from_update": False}
     new, seen_new = _counted_run(tmp_path, "new", **kw)
     same, seen_same = _counted_run(tmp_path, "same", force=True, same_batching_old=True, **kw)
     old, seen_old = _counted_run(tmp_path, "old", force=True, **kw)
@@ -804,6 +818,34 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path, algo
     ):
         assert torch.equal(pa, pb), na
         torch.testing.assert_close(pa, pc, rtol=0.0, atol=1e-6)
+
+
+def test_mrtpo_on_policy_takes_the_with_information_side_from_the_update_forward(tmp_path):
+    """MRTPO, one PPO epoch of one minibatch: the update's forwards run first, their hidden
+    states (detached) feed the replay's JS and so the advantages, and the loss then runs on
+    the same forwards; the replay runs only the prompts (for the caches its replays start
+    from) instead of its with-information forward. The same training as the replay's own
+    forward (Trainer.replay_from_update False): the advantages and allocation weights agree
+    to float32 rounding (the update's padded forward and the replay's packed one sum in
+    another order), the replayed pairs are the same, the weights after the steps agree to
+    1e-6 (lr / 200); fewer decoder forwards in all and inside the replay."""
+    kw = {"algo": "mrtpo", "replay_for_baselines": False}
+    new, seen_new = _counted_run(tmp_path, "from_update", **kw)
+    old, seen_old = _counted_run(tmp_path, "own_forward", from_update=False, **kw)
+    assert seen_new["calls"] == seen_old["calls"] == 2
+    assert seen_new["forwards"] < seen_old["forwards"]
+    assert seen_new["all_forwards"] < seen_old["all_forwards"]
+    assert len(seen_new["adv"]) == len(seen_old["adv"]) == 2
+    moved = 0.0
+    for (adv_n, alloc_n), (adv_o, alloc_o) in zip(seen_new["adv"], seen_old["adv"]):
+        torch.testing.assert_close(adv_n, adv_o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(alloc_n, alloc_o, rtol=1e-5, atol=1e-6)
+        moved += float((alloc_o - 1).abs().sum())
+    assert moved > 0  # the relevance moved some allocation weight off 1: the JS ran
+    for rn, ro in zip(new.metrics, old.metrics):
+        assert rn["replay/pairs"] == ro["replay/pairs"] and rn["mean_ratio"] == 1.0
+    for (na, pa), (_, pb) in zip(new.model.named_parameters(), old.model.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0.0, atol=1e-6, msg=na)
 
 
 @pytest.mark.parametrize("kw", [{"ppo_epochs": 2}, {"minibatches": 2}], ids=["epochs", "mb"])
