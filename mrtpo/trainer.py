@@ -209,9 +209,11 @@ class Trainer:
     force_old_forward = False
     # MRTPO on-policy (where ``separate_old_forward`` is False): the with-information hidden
     # states come from the update's own forward, held with its graph until the advantages
-    # exist, instead of a replay forward of their own (False: the replay's forward, for the
+    # exist, instead of a replay forward of their own. "auto": where the batch is one update
+    # micro-batch (the graphs held are then the ones the update holds anyway); True: always
+    # (the whole batch's graphs held at once); False: the replay's own forward (the
     # side-by-side test and benchmarks)
-    replay_from_update = True
+    replay_from_update = "auto"
 
     def __init__(self, cfg: TrainConfig, *, task=None, log=None):
         try:
@@ -364,7 +366,10 @@ class Trainer:
             )
         rep = ReplayResult(None, None, None, 0)  # no forward: nothing replayed, no old log-probs
         held, hp_update, t_held = None, None, 0.0
-        if cfg.algo == "mrtpo" and want_replay and own_old and self.replay_from_update:
+        from_update = self.replay_from_update
+        if from_update == "auto":
+            from_update = len(ro.responses) <= cfg.micro_batch
+        if cfg.algo == "mrtpo" and want_replay and own_old and from_update:
             held, hp_update = self._update_forwards(ro)
             t_held = time.perf_counter() - t1
         if want_replay or not own_old:

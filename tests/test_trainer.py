@@ -848,6 +848,32 @@ def test_mrtpo_on_policy_takes_the_with_information_side_from_the_update_forward
         torch.testing.assert_close(pa, pb, rtol=0.0, atol=1e-6, msg=na)
 
 
+@pytest.mark.parametrize("micro_batch,taken", [(1, False), (64, True)], ids=["split", "one"])
+def test_replay_from_update_auto_takes_the_update_forward_only_in_one_micro_batch(
+    tmp_path, monkeypatch, micro_batch, taken
+):
+    """The default ``replay_from_update = "auto"``: the with-information side comes from the
+    update's forwards where the batch is one update micro-batch (nothing held beyond what the
+    update holds), and from the replay's own forward where the update splits the batch (the
+    whole batch's graphs are not held at once)."""
+    calls = []
+    real = Trainer._update_forwards
+
+    def counted(self, ro):
+        calls.append(len(ro.responses))
+        return real(self, ro)
+
+    monkeypatch.setattr(Trainer, "_update_forwards", counted)
+    cfg = tiny_config(tmp_path / "run", algo="mrtpo", steps=1, group_size=4,
+                      micro_batch=micro_batch, minibatches=1)  # fmt: skip
+    cfg.cache_dir = str(tmp_path / "cache")
+    tr = Trainer(cfg, task=mixed_task())
+    assert tr.replay_from_update == "auto"
+    tr.run(progress=False)
+    assert bool(calls) is taken
+    assert all(n <= micro_batch for n in calls)
+
+
 @pytest.mark.parametrize("kw", [{"ppo_epochs": 2}, {"minibatches": 2}], ids=["epochs", "mb"])
 def test_the_old_logprob_forward_runs_where_the_policy_moves(tmp_path, kw):
     """Several PPO epochs or several minibatches per step: the policy moves before a later
