@@ -166,16 +166,6 @@ def logit_cap(logit_scale, softcap) -> tuple[float, float]:
     return scale, cap
 
 
-def no_logit_cap_with_process_group(logit_scale: float, softcap: float) -> None:
-    """The vocabulary-parallel path combines the shards' plain statistics: no transform yet."""
-    if logit_scale != 1.0 or softcap != 0.0:
-        raise ValueError(
-            "process_group: logit_scale and softcap are not supported with a "
-            "vocabulary-parallel head yet (got logit_scale="
-            f"{logit_scale}, softcap={softcap or None}); use the single-device head"
-        )
-
-
 def positive_finite(name: str, x) -> float:
     x = number(name, x)
     if not (x > 0 and finite(x)):

@@ -34,6 +34,13 @@ JS distance (no gradient): per chunk of tokens the shard's logits of both stream
 raw row maxima and sums by all-reduce (x in the raw-max form), the shard's part of the
 divergence summed by a third; a row with a NaN or +inf on any shard, or all -inf, gives
 NaN, never 0.
+
+The head's logit transform (``logit_scale``, ``softcap``: z = softcap tanh(scale r /
+softcap) of the raw logits r, _types.LogitCap) acts on each vocabulary entry alone, so each
+shard applies it to its own entries and everything above holds with z for r: the shard's
+kernels take it as the plain call's do (their lse_r, entropies and gradients are of z, the
+last chained through dz/dr), the raw-max form and the JS logits transform the recomputed
+r, and the label's column term is multiplied by the slope dz/dr at the label.
 """
 
 from __future__ import annotations
@@ -44,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from ._token_terms import js_terms, policy_token_terms, scaled_diff
-from ._types import acc_dtype
+from ._types import LogitCap, acc_dtype
 from .backends import _chunked
+from .backends._lm_head import NO_CAP, apply_logit_cap_
 
 # The shard's kernels: the log-probs custom ops, registered beside linear_logprobs
 # (logprobs.py, which imports this module for its process_group path: reached through the
@@ -114,11 +122,12 @@ def _half_diff(a: torch.Tensor, m: torch.Tensor, inv_t: float) -> torch.Tensor:
     return (a * 0.5 - m * 0.5) * (2.0 * inv_t)
 
 
-def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent):
+def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent, cap):
     """This shard's per-row statistics in the plain kernels' raw-max form, from its logits
-    recomputed in chunks (one more GEMM): the raw max m_r (-inf where the row is not
-    finite-valued), log s_r = log sum exp((z - m_r) / tau), the raw logit z at the mapped
-    label, the shard's entropy H_r and whether the row holds a NaN or a +inf."""
+    recomputed in chunks (one more GEMM, then the logit transform ``cap``): the raw max m_r
+    (-inf where the row is not finite-valued), log s_r = log sum exp((z - m_r) / tau), the
+    raw logit z at the mapped label, the shard's entropy H_r and whether the row holds a
+    NaN or a +inf."""
     acc = acc_dtype(h)
     n = h.shape[0]
     w32 = w.to(acc)
@@ -133,6 +142,7 @@ def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent):
         z = h[a:e].to(acc) @ w32.t()
         if b32 is not None:
             z = z + b32
+        apply_logit_cap_(z, cap)
         mx = z.amax(-1)  # NaN propagates; +inf where a +inf is
         fin = torch.isfinite(mx)
         bad[a:e] = torch.isnan(mx) | (mx == math.inf)
@@ -186,7 +196,7 @@ def _combine_raw(stats, owned, valid, inv_t, with_ent, group):
     return logp, ent, w_r, shift
 
 
-def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
+def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group, cap):
     """The shard's kernel, then the global statistics: (logp, ent|None, saved) with saved
     the tensors _grad needs. The kernel's lse_r feeds the combine where it is finite on
     every rank for every valid token (one flag, all-reduced and read on the host); else
@@ -197,11 +207,11 @@ def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
     mapped, owned, valid = local_labels(lab, v0, v_loc, ignore_index)
     mapped = mapped.contiguous()
     logp_r, ent_r, lse_r, _ = _shard_logprobs_fwd(
-        h, w, b, mapped, temperature, ignore_index, with_ent, backend
+        h, w, b, mapped, temperature, ignore_index, with_ent, backend, cap.scale, cap.softcap
     )
     odd = (valid & ~torch.isfinite(lse_r)).any().to(lse_r.dtype).reshape(1)
     if not torch.compiler.is_compiling() and bool(_all_reduce(odd, dist.ReduceOp.MAX, group)):
-        stats = _shard_raw_stats(h, w, b, mapped, valid, 1.0 / temperature, with_ent)
+        stats = _shard_raw_stats(h, w, b, mapped, valid, 1.0 / temperature, with_ent, cap)
         logp, ent, w_r, shift = _combine_raw(stats, owned, valid, 1.0 / temperature,
                                              with_ent, group)  # fmt: skip
     else:
@@ -209,10 +219,23 @@ def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
     return logp, ent, (h, w, b, mapped, owned, valid, lse_r, w_r, shift)
 
 
+def _slope_at(h, w_rows, b_rows, cap: LogitCap) -> torch.Tensor:
+    """dz/dr of the logit transform at each token's column: r = h . w_row (+ b_row), then
+    scale (1 - (z / softcap)^2) with z = softcap tanh(scale r / softcap) (scale alone
+    without a cap), as the row kernels' slope."""
+    if not cap.softcap:
+        return torch.full(h.shape[:1], cap.scale, dtype=h.dtype, device=h.device)
+    r = (h * w_rows).sum(-1)
+    if b_rows is not None:
+        r = r + b_rows
+    t = torch.tanh(r * (cap.scale / cap.softcap))
+    return cap.scale * (1.0 - t * t)
+
+
 def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     """(dh, dW_loc, db_loc) of sum_t g_logp_t logp_t + g_ent_t H_t for this shard."""
     h, w, b, mapped, owned, valid, lse_r, w_r, shift = ctx_tensors
-    temperature, ignore_index, backend, group = cfg
+    temperature, ignore_index, backend, group, cap = cfg
     acc = lse_r.dtype
     zero = torch.zeros_like(lse_r)
     g = torch.where(valid, g_logp.to(acc), zero)
@@ -229,12 +252,15 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     lab_k = torch.where(w_r == 0, torch.full_like(mapped, ignore_index), mapped).contiguous()
     dh, dw, db = _shard_logprobs_bwd(
         h, w, b, lab_k, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
-        temperature, ignore_index, 1.0, 0.0, backend, None,
+        temperature, ignore_index, cap.scale, cap.softcap, backend, None,
     )  # fmt: skip
-    # the label's column: g [v == y] where the kernel put g w_r [v == mapped]
+    # the label's column: g [v == y] where the kernel put g w_r [v == mapped], with respect
+    # to the transformed logit z; times dz/dr there for the raw logit r the GEMMs see
     c = torch.where(valid, (owned.to(acc) - w_r) * g / temperature, zero)
     col = torch.where(valid, mapped, torch.zeros_like(mapped))
     w32 = w.to(acc)
+    if cap.active:
+        c = c * _slope_at(h.to(acc), w32[col], None if b is None else b.to(acc)[col], cap)
     dh = dh.to(acc) + c[:, None] * w32[col]
     dw = dw.index_add(0, col, c[:, None] * h.to(acc))
     if b is not None:
@@ -245,12 +271,12 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
+    def forward(ctx, h, w, b, lab, temperature, ignore_index, with_ent, backend, group, cap):
         logp, ent, saved = _forward(
-            h, w, b, lab, temperature, ignore_index, with_ent, backend, group
+            h, w, b, lab, temperature, ignore_index, with_ent, backend, group, cap
         )
         ctx.save_for_backward(*saved, ent)
-        ctx.cfg = (temperature, ignore_index, backend, group)
+        ctx.cfg = (temperature, ignore_index, backend, group, cap)
         ctx.has_bias = b is not None
         ctx.set_materialize_grads(False)
         return logp, (ent if with_ent else logp.new_empty(0))
@@ -265,12 +291,16 @@ class _LinearLogprobs(torch.autograd.Function):
         dh = dh.to(h.dtype) if ctx.needs_input_grad[0] else None
         dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
         db = db.to(b.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
 
 
-def linear_logprobs(h, w, b, lab, temperature, ignore_index, with_ent, backend, group):
-    """(logp (N,), entropy (N,) or (0,)) over the sharded head; differentiable."""
-    return _LinearLogprobs.apply(h, w, b, lab, temperature, ignore_index, with_ent, backend, group)
+def linear_logprobs(h, w, b, lab, temperature, ignore_index, with_ent, backend, group,
+                    cap: LogitCap = NO_CAP):  # fmt: skip
+    """(logp (N,), entropy (N,) or (0,)) over the sharded head, whose logits are transformed
+    by ``cap`` (the identity by default); differentiable."""
+    return _LinearLogprobs.apply(
+        h, w, b, lab, temperature, ignore_index, with_ent, backend, group, cap
+    )
 
 
 class _LinearPolicyLoss(torch.autograd.Function):
@@ -281,8 +311,10 @@ class _LinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
                 group):  # fmt: skip
-        temperature, ignore_index = cfg.temperature, cfg.ignore_index
-        logp, _, saved = _forward(h, w, b, lab, temperature, ignore_index, False, backend, group)
+        temperature, ignore_index, cap = cfg.temperature, cfg.ignore_index, cfg.logit_cap
+        logp, _, saved = _forward(
+            h, w, b, lab, temperature, ignore_index, False, backend, group, cap
+        )
         valid = saved[5]
         per_tok, dlogp, clipped = policy_token_terms(
             logp, old_logp, advantages, ref_logp if ref_logp.numel() else None, cfg
@@ -292,7 +324,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
         clipped = torch.where(valid & clipped, 1.0, 0.0).to(logp.dtype)
         g = torch.where(valid, dlogp * token_weight, zero)
         ctx.save_for_backward(*saved, g)
-        ctx.cfg = (temperature, ignore_index, backend, group)
+        ctx.cfg = (temperature, ignore_index, backend, group, cap)
         ctx.has_bias = b is not None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(logp, clipped)
@@ -315,16 +347,17 @@ class _LinearPolicyLoss(torch.autograd.Function):
 def linear_policy_loss(h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
                        group):  # fmt: skip
     """(loss, logp, clipped) over the sharded head; the loss is differentiable. cfg: the
-    call's validated ``PolicyLossSettings``; backend: the log-prob kernels' backend."""
+    call's validated ``PolicyLossSettings`` (its logit transform included); backend: the
+    log-prob kernels' backend."""
     return _LinearPolicyLoss.apply(
         h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend, group
     )
 
 
 @torch.no_grad()
-def linear_js_distance(hp, hq, w, b, temperature, group):
+def linear_js_distance(hp, hq, w, b, temperature, group, cap: LogitCap = NO_CAP):
     """(K, N) JS distances between the sharded head's distributions at hp (N, d) and each
-    of hq (K, N, d)."""
+    of hq (K, N, d), the logits transformed by ``cap`` (the identity by default)."""
     acc = acc_dtype(hp)
     k, n = hq.shape[0], hp.shape[0]
     inv_t = 1.0 / temperature
@@ -340,6 +373,7 @@ def linear_js_distance(hp, hq, w, b, temperature, group):
         z = hh.to(acc) @ w32.t()
         if b32 is not None:
             z = z + b32
+        apply_logit_cap_(z, cap)
         mx = z.amax(-1)  # NaN propagates
         fin = torch.isfinite(mx)
         bad = (torch.isnan(mx) | (mx == math.inf)).to(acc)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
-from ._types import LOGIT_SCALE, SOFTCAP, TEMPERATURE, acc_dtype
+from ._types import LOGIT_SCALE, SOFTCAP, TEMPERATURE, LogitCap, acc_dtype
 
 
 def _pair_shapes(p: torch.Tensor, q: torch.Tensor, pname: str, qname: str):
@@ -94,11 +94,11 @@ def linear_js_distance(
     p2, q3, out_shape, squeeze = _pair_shapes(hidden_p, hidden_q, "hidden_p", "hidden_q")
     check.non_empty("hidden_p", p2.shape[0])
     if process_group is not None:
-        check.no_logit_cap_with_process_group(logit_scale, softcap)
         _vocab_parallel.shard_info(weight, process_group)
         out = _vocab_parallel.linear_js_distance(
             p2.detach().contiguous(), q3.detach().contiguous(), weight.detach(),
             None if bias is None else bias.detach(), temperature, process_group,
+            LogitCap(logit_scale, softcap),
         )  # fmt: skip
         return out[0].view(out_shape) if squeeze else out.view(out_shape)
     be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)

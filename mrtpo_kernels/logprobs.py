@@ -21,7 +21,7 @@ from torch import Tensor
 from . import _dispatch, _vocab_parallel
 from . import _validation as check
 from ._registration import empty_rows, keep_saved, saved_state
-from ._types import IGNORE_INDEX, LOGIT_SCALE, SOFTCAP, TEMPERATURE, acc_dtype
+from ._types import IGNORE_INDEX, LOGIT_SCALE, SOFTCAP, TEMPERATURE, LogitCap, acc_dtype
 
 
 def linear_logprobs(
@@ -74,7 +74,6 @@ def linear_logprobs(
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
-        check.no_logit_cap_with_process_group(logit_scale, softcap)
         vocab = _vocab_parallel.shard_info(weight, process_group)[2]
     check.labels_in_range(lab, vocab, ignore_index)
     be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
@@ -82,7 +81,7 @@ def linear_logprobs(
         logp, ent = _vocab_parallel.linear_logprobs(
             h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
             lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be,
-            process_group,
+            process_group, LogitCap(logit_scale, softcap),
         )  # fmt: skip
         logp = logp.view(labels.shape)
         return (logp, ent.view(labels.shape)) if return_entropy else logp

@@ -163,7 +163,6 @@ def linear_policy_loss(
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
-        check.no_logit_cap_with_process_group(logit_scale, softcap)
         vocab = _vocab_parallel.shard_info(weight, process_group)[2]
     check.labels_in_range(lab, vocab, ignore_index)
     # ignored tokens' old log-probs, advantages and reference log-probs are never read

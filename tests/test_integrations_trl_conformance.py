@@ -6,6 +6,8 @@ tests exercise, each checked against TRL's code on the same batch.
   (TRL's log-probs, TRL's loss code, TRL's aux loss), gradients included.
 - Every ``loss_type`` TRL has (the fused ones and those that run TRL's loss code on the fused
   log-probs), with reward weights: loss, gradients and metrics equal TRL's.
+- A reward model beside a reward function, on chat prompts: its scores are TRL's and the
+  loss equals TRL's.
 - ``scale_rewards`` (TRL's strings and booleans) with float-only rewards: the advantages
   that reach the loss are GDPO's with that scaling of each reward, which for "group" are
   TRL's ``normalize_then_sum``; each reward's scaled value is TRL's GRPO advantage for that
@@ -296,3 +298,81 @@ def test_scale_rewards_trains_and_refuses_unknown_values(tmp_path):
         assert records and records[0]["adv"].dim() == 2
     with pytest.raises(ValueError, match="scale_rewards"):
         make_trainer(tmp_path / "bad", trl_trainer.MRTPOGRPOTrainer, scale_rewards="std")
+
+
+# --------------------------------------------------------------------------- reward models
+
+
+def tiny_reward_model(tok, seed=1):
+    """A tiny random sequence classifier (one score) on the policy's tokenizer: a reward
+    model as TRL takes one (``AutoModelForSequenceClassification``, num_labels = 1)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=128, num_labels=1,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    with torch.no_grad():  # scores that differ between completions
+        model.score.weight.normal_(0.0, 3.0)
+    return model.eval()
+
+
+def test_reward_model_and_conversational_prompts_equal_trl(tmp_path):
+    """A reward model beside a reward function, chat prompts (TRL renders them with the
+    template), reward weights, beta > 0, num_iterations = 2 and masked truncations: the
+    reward model's scores are TRL's own (its ``_calculate_rewards``: the model scores
+    prompt + completion as TRL renders them), they reach the advantages, and the fused
+    loss, gradients and metrics equal TRL's on every batch."""
+    from test_integrations_trl import tiny_model_with_eos_bias
+
+    torch.manual_seed(0)
+    model, tok = tiny_model_with_eos_bias()
+    model.save_pretrained(tmp_path / "policy")  # beta > 0: TRL loads its reference by name
+    model.config._name_or_path = str(tmp_path / "policy")
+    rm = tiny_reward_model(tok)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=6, max_steps=2, learning_rate=1e-2, beta=0.1,
+        mask_truncated_completions=True, num_iterations=2, temperature=1.3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        reward_weights=[0.5, 1.0], multi_objective_aggregation="normalize_then_sum",
+    )  # fmt: skip
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    records, scored = [], []
+
+    class Recording(checking_class(records)):
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            scored.append((prompts, completions, out.detach().clone()))
+            return out
+
+    def reply_vowels(completions, **kwargs):  # chat completions: a list of messages each
+        return [float(sum(ch in "aeiou" for ch in c[-1]["content"])) for c in completions]
+
+    trainer = Recording(
+        model=model, reward_funcs=[rm, reply_vowels], args=args, processing_class=tok,
+        reward_processing_classes=[tok, None],
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts * 4}),
+    )  # fmt: skip
+    assert trainer.reward_funcs[0] is rm  # a model is TRL's to call, not wrapped
+    trainer.train()
+    _check_records(records)
+    assert scored
+    prompts_b, completions_b, rewards = scored[0]
+    assert isinstance(completions_b[0], list)  # conversational: messages, not text
+    from trl.data_utils import apply_chat_template
+
+    texts = [
+        apply_chat_template({"messages": p + c}, tok)["text"]
+        for p, c in zip(prompts_b, completions_b, strict=True)
+    ]
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="right",
+              add_special_tokens=False)  # fmt: skip
+    with torch.no_grad():
+        want = rm(**enc).logits[:, 0]
+    torch.testing.assert_close(rewards[:, 0], want, rtol=1e-5, atol=1e-5)
+    assert float(rewards[:, 0].std()) > 0  # the reward model moves the advantages
+    log = trainer.state.log_history[0]
+    assert all(f"rewards/{name}/mean" in log for name in trainer.reward_func_names)

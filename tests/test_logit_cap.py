@@ -315,7 +315,9 @@ def test_invalid_arguments_name_themselves(kw, match):
         mk.linear_policy_loss(h, w, lab, torch.zeros(3), torch.ones(3), **kw)
 
 
-def test_process_group_refuses_a_transform():
+def test_process_group_with_a_transform_checks_the_group():
+    """A transform reaches the vocabulary-parallel path (tests/test_process_group.py checks
+    its results): a group that cannot be one is refused there, naming process_group."""
     h, w, _, lab, _ = _case(3, 10, 4)
     with pytest.raises(ValueError, match="process_group"):
         mk.linear_logprobs(h.float(), w.float(), lab, softcap=30.0, process_group=object())

@@ -32,6 +32,7 @@ from mrtpo_kernels import (
     linear_policy_loss,
 )
 
+from ..model import logit_transform
 from .common import (
     check_tensor,
     config_value,
@@ -279,16 +280,24 @@ def logprobs_from_hidden(
     *,
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    process_group=None,
 ):
     """Per-token log-probs (and entropy) for verl's rmpad layout, never forming logits.
 
     Args:
         hidden: (N, d) or (1, N, d) last hidden states of the packed (padding-removed)
             sequences, as verl's rmpad forward gives them.
-        lm_head_weight: (V, d) (the unsharded head; a vocabulary-parallel head is not
-            supported here); lm_head_bias: optional (V,).
+        lm_head_weight: (V, d), or this rank's (V / R, d) shard of a vocabulary-parallel
+            head with ``process_group``; lm_head_bias: optional (V,) (its shard).
         labels: (N,) or (1, N) next tokens (verl's ``input_ids_rmpad_rolled``).
         temperature: the rollout temperature (verl divides the logits by it).
+        logit_scale, softcap: the model's logit transform before the temperature
+            (``mrtpo.model.logit_transform(model)`` reads them from its config: Cohere's
+            ``logit_scale``, Gemma 2 / 3's ``final_logit_softcapping``); the defaults are
+            the plain head.
+        process_group: a vocabulary-parallel head (see ``linear_logprobs``).
 
     Returns:
         log_probs of labels' shape in float32 (and entropy of that shape when asked),
@@ -308,7 +317,8 @@ def logprobs_from_hidden(
         )
     return linear_logprobs(
         hidden, lm_head_weight, labels, bias=lm_head_bias, temperature=temperature,
-        ignore_index=ignore_index, return_entropy=return_entropy,
+        ignore_index=ignore_index, return_entropy=return_entropy, logit_scale=logit_scale,
+        softcap=softcap, process_group=process_group,
     )  # fmt: skip
 
 
@@ -330,6 +340,8 @@ def policy_loss_from_hidden(
     temperature: float = POLICY_LOSS_DEFAULTS.temperature,
     lm_head_bias: torch.Tensor | None = None,
     ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
     process_group=None,
 ):
     """verl's vanilla PPO policy loss (dual clip included) with the LM head fused in.
@@ -346,7 +358,9 @@ def policy_loss_from_hidden(
             at -A clip_ratio_c (``linear_policy_loss(clip_ratio_c=...)``); None: off.
         loss_agg_mode: "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum-norm";
             the sequence modes on packed input need ``cu_seqlens``.
-        process_group: a vocabulary-parallel head (see ``linear_policy_loss``).
+        logit_scale, softcap: the model's logit transform (as ``logprobs_from_hidden``).
+        process_group: a vocabulary-parallel head (see ``linear_policy_loss``), with or
+            without a logit transform.
 
     Returns:
         (loss, metrics) as ``linear_policy_loss``; metrics["dual_clip_fraction"] is verl's
@@ -362,7 +376,8 @@ def policy_loss_from_hidden(
         temperature=temperature, clip_low=clip_ratio if low is None else low,
         clip_high=clip_ratio if high is None else high, ignore_index=ignore_index,
         aggregation=loss_agg_mode, cu_seqlens=cu_seqlens, norm_len=norm_len,
-        clip_ratio_c=clip_ratio_c, process_group=process_group,
+        clip_ratio_c=clip_ratio_c, logit_scale=logit_scale, softcap=softcap,
+        process_group=process_group,
     )  # fmt: skip
 
 
@@ -438,7 +453,9 @@ def fused_causal_lm_forward(
     fields. This forward has the same arguments and output (verl's ``CausalLMOutputForPPO``):
     the decoder runs as usual, then ``linear_logprobs`` gives the log-probs and entropies of
     the labels rolled by one (``shift_labels`` when verl passes them) without the
-    (tokens, V) logits. Install it with ``install_fused_forward(model)``.
+    (tokens, V) logits, under the model's own logit transform (its config's
+    ``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``:
+    ``mrtpo.model.logit_transform``). Install it with ``install_fused_forward(model)``.
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
@@ -460,7 +477,7 @@ def fused_causal_lm_forward(
     head = self.get_output_embeddings()
     log_probs, entropy = linear_logprobs(
         hidden, head.weight, rolled, bias=getattr(head, "bias", None), temperature=temperature,
-        return_entropy=True,
+        return_entropy=True, **logit_transform(self),
     )  # fmt: skip
     return CausalLMOutputForPPO(
         log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
@@ -475,15 +492,15 @@ def install_fused_forward(model):
     with ``use_fused_kernels=True``, installs verl's own fused forward); it sets the model
     class's forward to ``fused_causal_lm_forward``, as verl's patch does. Text models with a
     plain ``model.model`` decoder and an unsharded LM head only (verl's vision-language
-    forwards differ). Models with logit scaling or softcapping are refused.
+    forwards differ). A model whose config scales or softcaps its logits (Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, Gemma 2 / 3's
+    ``final_logit_softcapping``) gets the same transform in the fused head; a config with a
+    multiplier whose place the fused head does not know (``lm_head_multiplier``,
+    ``output_multiplier``) is refused here (ValueError), not at the first forward.
     Returns the model.
     """
     require("verl.models.transformers.dense_common", "install_fused_forward")
-    config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(f"model: config.{attr}={value} is not supported by the fused head")
+    logit_transform(model)  # refuses what the forward could not reproduce, now
     if not hasattr(model, "model") or model.get_output_embeddings() is None:
         raise ValueError("model: expected a causal LM with .model (the decoder) and an LM head")
     model.__class__.forward = fused_causal_lm_forward

@@ -3,7 +3,8 @@
 Drives verl's own entry points: `ray_trainer.compute_advantage` called as verl's trainer calls
 it, from verl's hydra config with `algorithm.adv_estimator=mrtpo`, on a real `DataProto`;
 verl's GDPO on the same batch; verl's fused-kernel model forward and its registered policy
-loss, with the log-probs from `install_fused_forward`. Skipped where verl is not installed
+loss, with the log-probs from `install_fused_forward` (models that scale or softcap their
+logits included). Skipped where verl is not installed
 (the project's main environment).
 """
 
@@ -205,10 +206,68 @@ def test_fused_forward_feeds_verls_policy_loss():
     torch.testing.assert_close(lp_m.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_install_fused_forward_refuses_softcapping():
+def _tiny_transformed(kind):
+    """A tiny float64 causal LM whose config transforms its logits: Gemma 2 caps them
+    (final_logit_softcapping, small enough to bend these logits), Cohere 2 scales them."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=64, layer_types=["full_attention"] * 2)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        cfg = transformers.Gemma2Config(final_logit_softcapping=0.5, tie_word_embeddings=False,
+                                        **common)  # fmt: skip
+        return transformers.Gemma2ForCausalLM(cfg).double()
+    cfg = transformers.Cohere2Config(logit_scale=-0.75, **common)
+    return transformers.Cohere2ForCausalLM(cfg).double()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere2"])
+def test_fused_forward_applies_the_models_logit_transform(kind):
+    """install_fused_forward on a model that softcaps (Gemma 2) or scales (Cohere 2) its
+    logits: the fused forward's log-probs, entropies and every parameter gradient equal
+    those of the model's own logits (its forward applies the transform) at the temperature
+    verl passes."""
+    model = _tiny_transformed(kind)
+    cls = model.__class__
+    original_forward = cls.forward
+    g = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 97, (2, 9), generator=g)
+    temperature = 0.7
+    weights = torch.randn(2, 9, generator=g, dtype=torch.float64)
+
+    def grads_of(logp, ent):
+        model.zero_grad()
+        ((logp * weights).sum() + 0.3 * ent.sum()).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    logits = original_forward(model, input_ids=input_ids).logits
+    raw = model.get_output_embeddings()(model.model(input_ids=input_ids)[0])
+    assert float((logits - raw).abs().max()) > 1e-2  # the transform is active here
+    logq = torch.log_softmax(logits / temperature, -1)
+    want_lp = logq.gather(-1, torch.roll(input_ids, -1, -1)[..., None])[..., 0]
+    want_ent = -(logq.exp() * logq).sum(-1)
+    want_grads = grads_of(want_lp, want_ent)
+    try:
+        verl.install_fused_forward(model)
+        out = model(input_ids=input_ids, temperature=temperature, return_dict=True)
+    finally:
+        cls.forward = original_forward
+    torch.testing.assert_close(out.log_probs, want_lp, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.entropy, want_ent, rtol=1e-10, atol=1e-10)
+    got_grads = grads_of(out.log_probs, out.entropy)
+    assert len(got_grads) == len(want_grads)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_install_fused_forward_refuses_an_unknown_multiplier():
+    """A logit multiplier whose place the fused head does not know is refused when the
+    forward is installed, naming the field."""
     model = _tiny_qwen2()
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    model.config.output_multiplier = 2.0
+    with pytest.raises(ValueError, match="output_multiplier"):
         verl.install_fused_forward(model)
 
 
