@@ -9,7 +9,7 @@ BUILT := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup build run test test-fast test-triton test-frameworks lint bench gpu-check clean docs
+.PHONY: setup build run test test-fast test-triton test-install test-frameworks lint bench gpu-check clean docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-fast: $(BUILT)
 # the Triton kernels under TRITON_INTERPRET=1 (marker triton; make test runs them too)
 test-triton: $(BUILT)
 	$(PY) -m pytest -q -ra -m "triton and not gpu"
+
+# the README's install block as written, in a bare venv on a copy of the checkout (minutes:
+# the C++ build and some 70 packages; make test skips it)
+test-install: $(DEPS)
+	MRTPO_TEST_INSTALL=1 $(PY) -m pytest -q -ra tests/test_install.py
 
 # verl and OpenRLHF pin other transformers versions than the project: their tests run in a
 # venv of their own (docs/integrations.md, "Tested inside the frameworks").
