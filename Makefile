@@ -9,7 +9,7 @@ BUILT := $(VENV)/.ext-built
 CSRC := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.cpp csrc/cuda/*.h)
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup build run test test-fast test-triton test-frameworks lint bench gpu-check clean docs
+.PHONY: setup build run test test-fast test-triton test-install test-frameworks lint bench gpu-check clean docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test-fast: $(BUILT)
 test-triton: $(BUILT)
 	$(PY) -m pytest -q -ra -m "triton and not gpu"
 
+# the README's install block as written, in a bare venv on a copy of the checkout (minutes:
+# the C++ build and some 70 packages; make test skips it)
+test-install: $(DEPS)
+	MRTPO_TEST_INSTALL=1 $(PY) -m pytest -q -ra tests/test_install.py
+
 # verl and OpenRLHF pin other transformers versions than the project: their tests run in a
 # venv of their own (docs/integrations.md, "Tested inside the frameworks").
 FVENV ?= .venv-frameworks
@@ -58,16 +63,25 @@ test-frameworks: $(FDEPS)
 	PYTHONPATH=. $(FPY) -m pytest -q -ra -o addopts= -p no:cacheprovider -W ignore::UserWarning \
 		-W ignore::FutureWarning -W ignore::DeprecationWarning tests/frameworks
 
-# the documentation site (mkdocs.yml): pinned tools in .venv, then a strict build into site/
-# (every link and reference must resolve; generated pages are computed from the code)
-DOCDEPS := $(VENV)/.docs-installed
+# the documentation site (mkdocs.yml), a strict build into site/ (every link and reference
+# must resolve; generated pages are computed from the code). It needs the docs tools and the
+# package's import surface only (torch, numpy: tools/docs_pages.py imports mrtpo_kernels and
+# mrtpo.config from the checkout), not the development build: .venv where `make setup` made it,
+# else a venv of its own. requirements-docs.txt pins every package the tools pull in, so it
+# installs with --no-deps: pip then checks nothing else in the venv (in .venv, the [real]
+# wheels installed --no-deps would fail that check: a resolver ERROR block about bfcl-eval).
+DVENV ?= $(if $(wildcard $(DEPS)),$(VENV),.venv-docs)
+DPY := $(DVENV)/bin/python
+DOCDEPS := $(DVENV)/.docs-installed
 
-$(DOCDEPS): requirements-docs.txt | $(DEPS)
-	$(PY) -m pip install -q -r requirements-docs.txt
+$(DOCDEPS): requirements-docs.txt
+	test -x $(DPY) || $(PYTHON) -m venv $(DVENV)
+	$(DPY) -m pip install -q $$(grep -E '^(torch|numpy)==' requirements.txt)
+	$(DPY) -m pip install -q --no-deps -r requirements-docs.txt
 	touch $@
 
 docs: $(DOCDEPS)
-	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(DPY) -m mkdocs build --strict --site-dir site
 
 lint: $(DEPS)
 	$(PY) -m ruff check .

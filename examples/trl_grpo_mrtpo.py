@@ -13,7 +13,8 @@ re-renders it with the chat template and teacher-forces the responses after it.
 
     python examples/trl_grpo_mrtpo.py                 # tiny model built in code, CPU
     python examples/trl_grpo_mrtpo.py --model smollm2-135m-instruct --task constraints-real \
-        --steps 20 --batch 16 --generations 8 --max-completion 48 --lr 2e-5
+        --warm-steps 30 --warm-noise 0.6 --steps 20 --batch 16 --generations 8 \
+        --max-completion 48 --lr 2e-5                 # warm-started first (cached)
     python examples/trl_grpo_mrtpo.py --model PATH    # any local Hugging Face causal LM
     torchrun --nproc_per_node 2 examples/trl_grpo_mrtpo.py   # two processes (gloo on CPU)
 
@@ -133,6 +134,19 @@ def main(argv=None):
                     help="a local model path or a built-in name (default: tiny)")  # fmt: skip
     ap.add_argument("--task", default=None,
                     help="a built-in task (mrtpo.tasks): its prompts and verifiers")  # fmt: skip
+    ap.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="with a built-in --model and a --task: first warm-start it this many "
+        "supervised steps on the task's references (built once, cached)",
+    )
+    ap.add_argument(
+        "--warm-noise",
+        type=float,
+        default=0.0,
+        help="the warm start's reference noise (as mrtpo train's --warm-noise)",
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="per-device train batch size")
     ap.add_argument("--generations", type=int, default=4)
@@ -148,6 +162,16 @@ def main(argv=None):
         help="replay pairs whose advantage is 0 too (relevance on every pair)",
     )
     args = ap.parse_args(argv)
+    if args.warm_steps < 0:
+        ap.error(f"--warm-steps: expected an int >= 0, got {args.warm_steps}")
+    if not 0.0 <= args.warm_noise <= 1.0:
+        ap.error(f"--warm-noise: expected a probability in [0, 1], got {args.warm_noise}")
+    if args.warm_steps:
+        from mrtpo.builtin_models import is_builtin
+
+        if args.task is None or not is_builtin(args.model):
+            ap.error("--warm-steps: needs a built-in --model (smollm2-135m-instruct) and a "
+                     f"--task, got --model {args.model} --task {args.task}")  # fmt: skip
 
     import datasets
 
@@ -174,7 +198,20 @@ def main(argv=None):
     else:
         from mrtpo.model import load_model
 
-        model, tok = load_model(args.model)
+        path = args.model
+        if args.warm_steps:  # the built-in model after a supervised warm start on the task
+            from mrtpo.builtin_models import user_cache_dir
+            from mrtpo.initial_model import initial_folder
+
+            path = initial_folder(
+                args.model,
+                task,
+                seed=0,
+                cache_dir=user_cache_dir(),
+                warm_steps=args.warm_steps,
+                warm_noise=args.warm_noise,
+            )
+        model, tok = load_model(path)
     # beta > 0: TRL's reference model; a model built in code (no name TRL can load) gets a
     # frozen copy of itself
     config = MRTPOConfig(

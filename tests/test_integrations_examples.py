@@ -78,3 +78,22 @@ def test_trl_example_runs_under_torchrun_two_processes(tmp_path, task):
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert [s.split(":")[0] for s in steps] == ["step 1", "step 2"]  # printed once (rank 0)
     assert all("relevance" in s and "nan" not in s for s in steps)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--warm-steps", "3"], "needs a built-in --model"),  # no model, no task
+        (["--warm-steps", "3", "--task", "constraints"], "needs a built-in --model"),
+        (["--warm-steps", "3", "--model", "smollm2-135m-instruct"], "and a --task"),
+        (["--warm-steps", "-1"], "expected an int >= 0"),
+        (["--warm-noise", "1.5"], "--warm-noise: expected a probability"),
+    ],
+)
+def test_trl_example_refuses_a_warm_start_it_cannot_do(argv, says, capsys):
+    """--warm-steps warm-starts a built-in model on a task's references; anything else is a
+    usage error naming the flag, before any model is built."""
+    with pytest.raises(SystemExit) as exc:
+        _load().main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
