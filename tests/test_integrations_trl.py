@@ -441,10 +441,21 @@ def test_a_user_set_aggregation_other_than_gdpo_is_named_in_a_warning(tmp_path):
     assert got[0].startswith("multi_objective_aggregation='sum_then_normalize' is not what "
                              "MRTPO trains with")  # fmt: skip
     assert len(_aggregation_warnings(tmp_path, trl.GRPOConfig)) == 1
-    assert _aggregation_warnings(tmp_path, trl.GRPOConfig,
-                                 multi_objective_aggregation="normalize_then_sum") == []
-    assert _aggregation_warnings(tmp_path, MRTPOConfig, mrtpo_advantages=False,
-                                 multi_objective_aggregation="sum_then_normalize") == []
+    assert (
+        _aggregation_warnings(
+            tmp_path, trl.GRPOConfig, multi_objective_aggregation="normalize_then_sum"
+        )
+        == []
+    )
+    assert (
+        _aggregation_warnings(
+            tmp_path,
+            MRTPOConfig,
+            mrtpo_advantages=False,
+            multi_objective_aggregation="sum_then_normalize",
+        )
+        == []
+    )
 
 
 # --------------------------------------------------------------------------- MRTPOConfig

@@ -695,9 +695,9 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path, monkeypatch):
     """--gradient-checkpointing recomputes the decoder's activations in the backward: the same
     run, metric for metric (the recompute is the same arithmetic), and the final weights
     equal; the trainer's model has no patched layer left after a step."""
-    from mrtpo.model import decoder_layers
-
     import torch.utils.checkpoint as ckpt
+
+    from mrtpo.model import decoder_layers
 
     calls = []
     real = ckpt.checkpoint
