@@ -58,8 +58,15 @@ FORMAT = 1
 MARK = "mrtpo-run.json"  # the trainer made this folder
 LOCK = "mrtpo-run.lock"  # flock-ed by the one process writing the folder
 # the names a run writes in out/ (a folder holding any of them without MARK is not the trainer's)
-RUN_FILES = ("config.json", "metrics.jsonl", "curves.png", "tokens.html", "checkpoint",
-             "checkpoint.tmp", "checkpoint.old")  # fmt: skip
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "curves.png",
+    "tokens.html",
+    "checkpoint",
+    "checkpoint.tmp",
+    "checkpoint.old",
+)
 # the keys of a config.json an older trainer (before MARK) wrote
 _RUN_CONFIG_KEYS = {"task", "algo", "seed", "steps", "prompts_per_step", "group_size"}
 

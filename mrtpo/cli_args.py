@@ -120,9 +120,13 @@ def add_flags(parser, default, *, skip=(), prefix: str = "", groups=None):
         help_text = md["help"]
         if value_kind(f) == "bool":
             target.add_argument(
-                flag_of(f), dest=dest, action=_StoreConst, const=not value, default=value,
+                flag_of(f),
+                dest=dest,
+                action=_StoreConst,
+                const=not value,
+                default=value,
                 help=help_text,
-            )  # fmt: skip
+            )
             continue
         if value is not None and "(default" not in help_text:
             shown = ",".join(value) if value_kind(f) == "algos" else value

@@ -38,8 +38,16 @@ def _done_path(run_cfg) -> Path:
 
 
 # the modules that only run comparisons or the command line: editing them changes no run
-_NOT_IN_RUNS = {"compare.py", "report.py", "stats.py", "cli.py", "cli_args.py", "demo.py",
-                "__main__.py", "integrations"}  # fmt: skip
+_NOT_IN_RUNS = {
+    "compare.py",
+    "report.py",
+    "stats.py",
+    "cli.py",
+    "cli_args.py",
+    "demo.py",
+    "__main__.py",
+    "integrations",
+}
 
 
 def code_fingerprint() -> str:

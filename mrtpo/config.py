@@ -382,9 +382,10 @@ class TrainConfig:
         resume_may_change=True,
     )
     overwrite: bool = setting(
-        False, "replace a run already in --out (without it, such a run is refused)",
+        False,
+        "replace a run already in --out (without it, such a run is refused)",
         resume_may_change=True,
-    )  # fmt: skip
+    )
     model: str | None = setting(
         None,
         "a local Hugging Face causal LM folder, or a built-in pretrained model's name "
@@ -534,9 +535,12 @@ class TrainConfig:
         8, "responses shown in tokens.html", lo=0, group="run", resume_may_change=True
     )
     device: str = setting(
-        "auto", "cpu, cuda, cuda:N or auto", check=check_device, group="run",
+        "auto",
+        "cpu, cuda, cuda:N or auto",
+        check=check_device,
+        group="run",
         resume_may_change=True,
-    )  # fmt: skip
+    )
     dtype: str = setting(
         "float32",
         "dtype of the weights and the optimizer state (float16 is refused: AdamW's eps "

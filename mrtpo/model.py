@@ -143,13 +143,13 @@ def logit_transform(model) -> dict:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if not (math.isfinite(value) and value != 0):
-            raise ValueError(f"model.config.{name}: expected a finite non-zero number, got "
-                             f"{value}")  # fmt: skip
+            raise ValueError(f"model.config.{name}: expected a finite non-zero number, got {value}")
         scale = scale * (float(value) if name == "logit_scale" else 1.0 / float(value))
     cap = getattr(config, SOFTCAP_FIELD, None)
     if cap is not None and not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"model.config.{SOFTCAP_FIELD}: expected None or a positive finite "
-                         f"number, got {cap!r}")  # fmt: skip
+        raise ValueError(
+            f"model.config.{SOFTCAP_FIELD}: expected None or a positive finite number, got {cap!r}"
+        )
     out = {}
     if scale != 1.0:
         out["logit_scale"] = scale
@@ -182,14 +182,19 @@ def decoder_layers(model) -> list:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # an older transformers: the layer list itself
         GradientCheckpointingLayer = ()  # noqa: N806
-    found = [m for m in model.modules() if GradientCheckpointingLayer
-             and isinstance(m, GradientCheckpointingLayer)]  # fmt: skip
+    found = [
+        m
+        for m in model.modules()
+        if GradientCheckpointingLayer and isinstance(m, GradientCheckpointingLayer)
+    ]
     if found:
         return found
     layers = getattr(decoder(model), "layers", None)
     if layers is None or not len(layers):
-        raise ValueError(f"model: {type(model).__name__} has no decoder layers to checkpoint "
-                         "(no GradientCheckpointingLayer modules, no .layers)")  # fmt: skip
+        raise ValueError(
+            f"model: {type(model).__name__} has no decoder layers to checkpoint "
+            "(no GradientCheckpointingLayer modules, no .layers)"
+        )
     return list(layers)
 
 

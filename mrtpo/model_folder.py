@@ -177,8 +177,9 @@ def _safetensors_problem(path: Path) -> str | None:
             if n <= 0 or n > 100_000_000:
                 return f"{path.name} is not a safetensors file"
             header = json.loads(f.read(n))
-        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
-                  default=0)  # fmt: skip
+        end = max(
+            (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0
+        )
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
         return f"{path.name} is not a readable safetensors file ({type(err).__name__})"
     if path.stat().st_size < 8 + n + end:

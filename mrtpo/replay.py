@@ -122,8 +122,9 @@ def replay_mask_from_rewards(
     (needs ``has_info``). For a relevance that mixes a response's rewards (``specific``: r_k
     subtracts the other rewards' d), whose pairs cannot be skipped one by one.
     """
-    g = gdpo_advantages(rewards, group_ids, weights=weights, eps=eps, nan=nan,
-                        scale_rewards=scale_rewards)  # fmt: skip
+    g = gdpo_advantages(
+        rewards, group_ids, weights=weights, eps=eps, nan=nan, scale_rewards=scale_rewards
+    )
     moves = g.per_reward != 0
     if weights is not None:
         lam = torch.as_tensor(weights, device=moves.device).reshape(1, -1)
@@ -145,8 +146,7 @@ def _bool_matrix(value, name: str, b: int, k: int) -> torch.Tensor:
         if value.is_floating_point() or value.is_complex():
             raise ValueError(f"{name}: expected a bool (B, K) tensor, got {value.dtype}")
         if tuple(value.shape) != (b, k):
-            raise ValueError(f"{name}: expected shape ({b}, {k}) (B, K), got "
-                             f"{tuple(value.shape)}")  # fmt: skip
+            raise ValueError(f"{name}: expected shape ({b}, {k}) (B, K), got {tuple(value.shape)}")
         t = value.detach().cpu()
         if t.dtype != torch.bool and bool(((t != 0) & (t != 1)).any()):
             raise ValueError(f"{name}: expected True / False (or 0 / 1) entries")
@@ -240,21 +240,34 @@ def contrastive_replay(
         return cache[text]
 
     core = _replay_core(
-        model, [list(p) for p in prompt_ids],
+        model,
+        [list(p) for p in prompt_ids],
         _stream_ids(list(prompt_texts), streams, encode, _start_token(model, prompter.tokenizer)),
-        [list(r) for r in responses], num_streams=len(streams[0]) if n else 0,
+        [list(r) for r in responses],
+        num_streams=len(streams[0]) if n else 0,
         pad_id=prompter.tokenizer.pad_token_id,
-        temperature=temperature, micro_batch=micro_batch, pointwise=pointwise and replay,
-        keep_hidden=True, keep=keep, logprobs=old_logprobs, given_hidden=hidden_p,
-    )  # fmt: skip
+        temperature=temperature,
+        micro_batch=micro_batch,
+        pointwise=pointwise and replay,
+        keep_hidden=True,
+        keep=keep,
+        logprobs=old_logprobs,
+        given_hidden=hidden_p,
+    )
     if not replay or k == 0:
         return ReplayResult(core.hidden_p, core.old_logprobs, None, 0)
     ctrl = core.distance[k] if control is not None else None
     ratio = None if core.logratio is None else core.logratio[:k]
     return ReplayResult(
-        core.hidden_p, core.old_logprobs, core.distance[:k], core.replayed, ctrl, ratio,
-        pairs, skipped,
-    )  # fmt: skip
+        core.hidden_p,
+        core.old_logprobs,
+        core.distance[:k],
+        core.replayed,
+        ctrl,
+        ratio,
+        pairs,
+        skipped,
+    )
 
 
 # --------------------------------------------------------------------------- the engine
@@ -299,8 +312,9 @@ def _head_transform(model) -> dict:
     return logit_transform(model)
 
 
-def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device, *, prefixes=None,
-                 prefix=None) -> torch.Tensor:  # fmt: skip
+def _rows_hidden(
+    model, prompts, responses, pad_id, micro_batch, device, *, prefixes=None, prefix=None
+) -> torch.Tensor:
     """(N, d) packed hidden states predicting each response token, without gradient.
 
     ``prefixes``: a dict that the with-information forward fills with each distinct
@@ -310,17 +324,23 @@ def _rows_hidden(model, prompts, responses, pad_id, micro_batch, device, *, pref
     Face models only (a ``CallableLM`` always runs whole rows)."""
     if not isinstance(model, CallableLM):
         if prefix is not None:
-            h = forward_after_prefix(model, prefix, prompts[0], responses, pad_id,
-                                     device=device)  # fmt: skip
+            h = forward_after_prefix(model, prefix, prompts[0], responses, pad_id, device=device)
         else:
-            h = forward_shared_prompts(model, prompts, responses, pad_id,
-                                       micro_batch=micro_batch, device=device,
-                                       prefixes=prefixes)  # fmt: skip
+            h = forward_shared_prompts(
+                model,
+                prompts,
+                responses,
+                pad_id,
+                micro_batch=micro_batch,
+                device=device,
+                prefixes=prefixes,
+            )
         return h.to(lm_head(model)[0].dtype)  # under autocast the decoder may give bf16
     out = [model.weight.new_empty((0, model.weight.shape[1]))]
     for s in range(0, len(prompts), micro_batch):
-        tb = teacher_batch(prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id,
-                           device)  # fmt: skip
+        tb = teacher_batch(
+            prompts[s : s + micro_batch], responses[s : s + micro_batch], pad_id, device
+        )
         pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
         h = model.hidden(tb.input_ids, tb.attention_mask, pos)
         r_width = tb.response_mask.shape[1]
@@ -392,8 +412,12 @@ def _start_token(model, tokenizer=None) -> int | None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    for source, attr in ((config, "bos_token_id"), (tokenizer, "bos_token_id"),
-                         (config, "eos_token_id"), (tokenizer, "eos_token_id")):  # fmt: skip
+    for source, attr in (
+        (config, "bos_token_id"),
+        (tokenizer, "bos_token_id"),
+        (config, "eos_token_id"),
+        (tokenizer, "eos_token_id"),
+    ):
         value = getattr(source, attr, None) if source is not None else None
         if isinstance(value, (list, tuple)):
             value = value[0] if value else None
@@ -411,9 +435,24 @@ class _Core:
     replayed: int
 
 
-def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id, temperature,
-                 micro_batch, max_tokens=None, pointwise=False, keep_hidden=False,
-                 keep=None, reuse=True, logprobs=True, given_hidden=None) -> _Core:  # fmt: skip
+def _replay_core(
+    model,
+    full_ids,
+    stream_ids,
+    responses,
+    *,
+    num_streams,
+    pad_id,
+    temperature,
+    micro_batch,
+    max_tokens=None,
+    pointwise=False,
+    keep_hidden=False,
+    keep=None,
+    reuse=True,
+    logprobs=True,
+    given_hidden=None,
+) -> _Core:
     """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
     ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
     forward per distinct prompt, its key/value cache shared by the responses after it), the
@@ -495,19 +534,31 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         prefixes = {} if reuse and j_n else None  # the chunk's prompts' key/value caches
         idx = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(device)
         if given_hidden is None:
-            hp = _rows_hidden(model, [full_ids[r] for r in rows], [responses[r] for r in rows],
-                              pad_id, per_fwd, device, prefixes=prefixes)  # fmt: skip
+            hp = _rows_hidden(
+                model,
+                [full_ids[r] for r in rows],
+                [responses[r] for r in rows],
+                pad_id,
+                per_fwd,
+                device,
+                prefixes=prefixes,
+            )
         else:  # the caller's forward: only the prompts run here, for their caches
             hp = given_hidden[idx.to(given_hidden.device)].to(device, weight.dtype)
             if prefixes is not None and not isinstance(model, CallableLM):
-                prompt_caches(model, [full_ids[r] for r in rows], pad_id, micro_batch=per_fwd,
-                              device=device, prefixes=prefixes)  # fmt: skip
+                prompt_caches(
+                    model,
+                    [full_ids[r] for r in rows],
+                    pad_id,
+                    micro_batch=per_fwd,
+                    device=device,
+                    prefixes=prefixes,
+                )
         labels = torch.as_tensor([t for r in rows for t in responses[r]], dtype=torch.long)
         labels = labels.to(device)
         lp = None
         if want_lp:
-            lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature,
-                                 **head_kw)  # fmt: skip
+            lp = linear_logprobs(hp, weight, labels, bias=bias, temperature=temperature, **head_kw)
         if old is not None:
             old[idx] = lp.float()
         if hidden_p is not None:
@@ -536,8 +587,10 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
                 by_set.setdefault(tuple(sorted(set(kept_of[a]))), []).append(a)
         else:
             by_set = {tuple(sorted({j for js in kept_of.values() for j in js})): sorted(kept_of)}
-        groups = [_JSGroup(streams, g_rows, rows, lengths, starts, hp, device)
-                  for streams, g_rows in by_set.items()]  # fmt: skip
+        groups = [
+            _JSGroup(streams, g_rows, rows, lengths, starts, hp, device)
+            for streams, g_rows in by_set.items()
+        ]
         where = {}  # (row in chunk, stream) -> (group, slot, token offset in the group)
         for grp in groups:
             for a, off in zip(grp.rows, grp.offsets):
@@ -546,8 +599,15 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
         for (j, ids), js in units.items():
             unit_rows = [rows[a] for a, _ in js]
             pre = _shared_prefix(prefixes, full_ids[unit_rows[0]], ids) if reuse else None
-            h = _rows_hidden(model, [list(ids)] * len(js), [responses[r] for r in unit_rows],
-                             pad_id, len(js), device, prefix=pre)  # fmt: skip
+            h = _rows_hidden(
+                model,
+                [list(ids)] * len(js),
+                [responses[r] for r in unit_rows],
+                pad_id,
+                len(js),
+                device,
+                prefix=pre,
+            )
             pos = 0
             for (a, kp), r in zip(js, unit_rows):
                 t = lengths[r]
@@ -564,15 +624,22 @@ def _replay_core(model, full_ids, stream_ids, responses, *, num_streams, pad_id,
             if js_head is None:  # no bf16 copy of the head where no JS runs (GDPO, all skipped)
                 js_head = _js_head(weight, bias)
             js_w, js_b, js_dt = js_head
-            d = linear_js_distance(grp.hp.to(js_dt), grp.hq.to(js_dt), js_w, bias=js_b,
-                                   temperature=temperature, **head_kw)  # fmt: skip
+            d = linear_js_distance(
+                grp.hp.to(js_dt),
+                grp.hq.to(js_dt),
+                js_w,
+                bias=js_b,
+                temperature=temperature,
+                **head_kw,
+            )
             # exactly 0 where nothing was replayed (not the JS of hidden_p against itself)
             dist[used_t[:, None], grp.sel[None, :]] = torch.where(cover, d[:, :n_g].float(), 0.0)
             if ratio is not None:
                 lab_g, lp_g = labels[grp.local], lp[grp.local]
                 for s_, j in enumerate(grp.streams):
-                    lq = linear_logprobs(grp.hq[s_], weight, lab_g, bias=bias,
-                                         temperature=temperature, **head_kw)[:n_g]  # fmt: skip
+                    lq = linear_logprobs(
+                        grp.hq[s_], weight, lab_g, bias=bias, temperature=temperature, **head_kw
+                    )[:n_g]
                     delta = (lq - lp_g[:n_g]).abs().float()
                     ratio[j, grp.sel] = torch.where(cover[s_], delta, 0.0)
     return _Core(dist, old, ratio, hidden_p, replayed)
@@ -669,8 +736,10 @@ def _rows_of(values, mask, name: str) -> list[list[int]]:
     if isinstance(values, torch.Tensor):
         check_int = values.dtype.is_floating_point or values.dtype == torch.bool
         if values.dim() != 2 or check_int:
-            raise ValueError(f"{name}: expected a (B, T) integer tensor, got {values.dtype} "
-                             f"{tuple(values.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: expected a (B, T) integer tensor, got {values.dtype} "
+                f"{tuple(values.shape)}"
+            )
         if mask is None:
             return [row.tolist() for row in values]
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(values.shape):
@@ -763,9 +832,12 @@ def replay_relevance(
     if (tokenizer is None) == (encode is None):
         raise ValueError("tokenizer, encode: give exactly one (how prompts become token ids)")
     if encode is None:
-        encode = _prompt_encoder(tokenizer, chat_template=chat_template,
-                                 add_special_tokens=add_special_tokens,
-                                 chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        encode = _prompt_encoder(
+            tokenizer,
+            chat_template=chat_template,
+            add_special_tokens=add_special_tokens,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts: expected a list (one prompt per response)")
     rows = _rows_of(responses, response_mask, "responses")
@@ -797,8 +869,10 @@ def replay_relevance(
     full = [encode_memo(p) for p in prompts]
     for i, f in enumerate(full):
         if not f and rows[i]:
-            raise ValueError(f"prompts: sample {i} renders to no token (an empty plain prompt): "
-                             "the responses need a prompt token to follow")  # fmt: skip
+            raise ValueError(
+                f"prompts: sample {i} renders to no token (an empty plain prompt): "
+                "the responses need a prompt token to follow"
+            )
     if prompt_ids is not None:
         given = _rows_of(prompt_ids, prompt_mask, "prompt_ids")
         if len(given) != b:
@@ -817,25 +891,40 @@ def replay_relevance(
     for i, r in enumerate(rows):
         for t in r:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
-                raise ValueError(f"responses: sample {i} has token id {t!r}, outside the "
-                                 f"model's vocabulary [0, {vocab})")  # fmt: skip
+                raise ValueError(
+                    f"responses: sample {i} has token id {t!r}, outside the "
+                    f"model's vocabulary [0, {vocab})"
+                )
         rows[i] = [int(t) for t in r]
     keep = None if replay_mask is None else _bool_matrix(replay_mask, "replay_mask", b, k)
-    stream_ids = _stream_ids(list(prompts), [list(r) for r in spans], encode_memo,
-                             _start_token(model, tokenizer))  # fmt: skip
-    has_info = torch.tensor([[s is not None for s in row] for row in stream_ids],
-                            dtype=torch.bool).reshape(b, k)  # fmt: skip
+    stream_ids = _stream_ids(
+        list(prompts), [list(r) for r in spans], encode_memo, _start_token(model, tokenizer)
+    )
+    has_info = torch.tensor(
+        [[s is not None for s in row] for row in stream_ids], dtype=torch.bool
+    ).reshape(b, k)
     replayed_pairs = has_info if keep is None else has_info & keep
     if pad_token_id is None and tokenizer is not None:
         pad_token_id = tokenizer.pad_token_id
-    core = _replay_core(model, full, stream_ids, rows, num_streams=k, pad_id=pad_token_id,
-                        temperature=float(temperature), micro_batch=micro_batch,
-                        max_tokens=max_tokens,
-                        keep=None if keep is None else keep.tolist())  # fmt: skip
+    core = _replay_core(
+        model,
+        full,
+        stream_ids,
+        rows,
+        num_streams=k,
+        pad_id=pad_token_id,
+        temperature=float(temperature),
+        micro_batch=micro_batch,
+        max_tokens=max_tokens,
+        keep=None if keep is None else keep.tolist(),
+    )
     device = weight.device
     if isinstance(responses, torch.Tensor):
-        mask = (torch.ones_like(responses, dtype=torch.bool) if response_mask is None
-                else response_mask.bool()).to(device)  # fmt: skip
+        mask = (
+            torch.ones_like(responses, dtype=torch.bool)
+            if response_mask is None
+            else response_mask.bool()
+        ).to(device)
     else:
         width = max((len(r) for r in rows), default=0)
         mask = torch.zeros((b, width), dtype=torch.bool, device=device)
@@ -846,6 +935,13 @@ def replay_relevance(
     relevance *= replayed_pairs.t().to(device=device, dtype=relevance.dtype)[:, :, None]
     old = torch.zeros(tuple(mask.shape), dtype=torch.float32, device=device)
     old[mask] = core.old_logprobs
-    return Replay(relevance, has_info.to(device), mask, old, core.replayed,
-                  time.perf_counter() - t0, replayed_pairs.to(device),
-                  int(has_info.sum()) - int(replayed_pairs.sum()))  # fmt: skip
+    return Replay(
+        relevance,
+        has_info.to(device),
+        mask,
+        old,
+        core.replayed,
+        time.perf_counter() - t0,
+        replayed_pairs.to(device),
+        int(has_info.sum()) - int(replayed_pairs.sum()),
+    )

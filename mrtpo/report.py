@@ -261,8 +261,18 @@ ALGO_COLORS = {"grpo": "tab:blue", "gdpo": "tab:orange", "mrtpo": "tab:green"}
 
 
 # the other variants (mrtpo:specific, ...) in order, none repeating a colour above
-_MORE_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
-                "tab:gray", "black", "gold", "navy")  # fmt: skip
+_MORE_COLORS = (
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+    "tab:gray",
+    "black",
+    "gold",
+    "navy",
+)
 
 
 def algo_colors(algos) -> dict[str, str]:
@@ -334,23 +344,32 @@ def claim_verdict(summary, steps: int) -> list[str]:
                 f"{_steps_text(m, r2)}; AUC "
                 f"difference **{m['auc_diff']:+.3f}** ({_ci(m, 'auc_ci', d3)}, p = "
                 f"{m['auc_p']:.3f})"
-                + (" (a run that never reached the target counts the step budget)"
-                   if m["censored"] else "")
+                + (
+                    " (a run that never reached the target counts the step budget)"
+                    if m["censored"]
+                    else ""
+                )
                 + (f": {_verdict_text(c)}" if m is c else "")
-            )  # fmt: skip
+            )
         w = c.get("wallclock")
         if w is not None:
             lines.append(
                 f"- {algo} / GDPO at equal wall-clock (held-out curve against training "
                 f"seconds, up to the shorter run's time): AUC difference {w['auc_diff']:+.3f} "
                 f"({_ci(w, 'auc_ci', d3)}, p = {w['auc_p']:.3f}); seconds to target "
-                + ("not compared (the start already meets the target)"
-                   if w["time_ratio"] is None else f"{w['time_ratio']:.2f}x"
-                   + ("" if w["time_ci"] is None else f" ({_ci(w, 'time_ci', r2)})"))
-                + ("" if summary["settings"].get("baseline_replay") is False else
-                   " (GDPO's runs replayed for their relevance metrics: their seconds include "
-                   "a replay that GDPO does not need; --no-baseline-replay removes it)")
-            )  # fmt: skip
+                + (
+                    "not compared (the start already meets the target)"
+                    if w["time_ratio"] is None
+                    else f"{w['time_ratio']:.2f}x"
+                    + ("" if w["time_ci"] is None else f" ({_ci(w, 'time_ci', r2)})")
+                )
+                + (
+                    ""
+                    if summary["settings"].get("baseline_replay") is False
+                    else " (GDPO's runs replayed for their relevance metrics: their seconds "
+                    "include a replay that GDPO does not need; --no-baseline-replay removes it)"
+                )
+            )
     for algo, rs in summary["runs"].items():
         if not algo.startswith("mrtpo"):
             continue
@@ -546,8 +565,15 @@ def plot_compare(summary, path: Path, args) -> Path:
         hs = [r.get("heldout") for r in rs]
         if all(hs) and len({tuple(h["steps"]) for h in hs}) == 1:
             ys = [statistics.fmean(h["curve"][i] for h in hs) for i in range(len(hs[0]["steps"]))]
-            ax.plot(hs[0]["steps"], ys, ls="--", marker="o", ms=3, color=colors[algo],
-                    label=f"{algo} held-out")  # fmt: skip
+            ax.plot(
+                hs[0]["steps"],
+                ys,
+                ls="--",
+                marker="o",
+                ms=3,
+                color=colors[algo],
+                label=f"{algo} held-out",
+            )
     ax.axhline(args.target, color="k", ls=":", lw=1, label=f"target {args.target}")
     ax.set(
         xlabel="step",

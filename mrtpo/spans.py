@@ -240,9 +240,12 @@ def _is_real_score(x) -> bool:
 
         if isinstance(x, np.bool_):
             return True
-        return (isinstance(x, np.ndarray) and x.ndim == 0
-                and (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_)
-                and not np.issubdtype(x.dtype, np.complexfloating))  # fmt: skip
+        return (
+            isinstance(x, np.ndarray)
+            and x.ndim == 0
+            and (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_)
+            and not np.issubdtype(x.dtype, np.complexfloating)
+        )
     import torch
 
     return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_complex

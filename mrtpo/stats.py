@@ -97,8 +97,10 @@ def paired_bootstrap(a, b, *, draws=4000, seed=0, diff=False):
     where a[i] and b[i] are one seed's pair: the seed indices are resampled with
     replacement, the same index for both arms."""
     if len(a) != len(b) or not a:
-        raise ValueError(f"paired_bootstrap: expected two equal non-empty lists, got {len(a)} "
-                         f"and {len(b)} values")  # fmt: skip
+        raise ValueError(
+            f"paired_bootstrap: expected two equal non-empty lists, got {len(a)} "
+            f"and {len(b)} values"
+        )
     rng = random.Random(seed)
     n, vals = len(a), []
     for _ in range(draws):

@@ -156,8 +156,17 @@ def forward_shared_prompts(
         # left padding (prompts of several lengths) needs the 2-D mask; without it the
         # responses' right padding is harmless (causal: a real token never sees a later pad)
         p_mask = None if len({len(k) for k in chunk}) == 1 else mask[owner]
-        tail = _tail_hidden(base, cache_kw, cache, p_mask, mask.sum(-1)[owner],
-                            [responses[r] for r in rows], pad_id, device, max_piece)  # fmt: skip
+        tail = _tail_hidden(
+            base,
+            cache_kw,
+            cache,
+            p_mask,
+            mask.sum(-1)[owner],
+            [responses[r] for r in rows],
+            pad_id,
+            device,
+            max_piece,
+        )
         last = head.last_hidden_state[:, -1][owner]  # predicts each response's first token
         for j, r in enumerate(rows):
             t = len(responses[r])
@@ -210,8 +219,9 @@ def forward_after_prefix(
     _check_piece(max_piece)
     n_pre = int(prefix[0][0].shape[2]) if prefix else 0
     if not 0 <= n_pre < len(prompt):
-        raise ValueError(f"prefix: expected fewer tokens than the prompt ({len(prompt)}), "
-                         f"got {n_pre}")  # fmt: skip
+        raise ValueError(
+            f"prefix: expected fewer tokens than the prompt ({len(prompt)}), got {n_pre}"
+        )
     from transformers import DynamicCache
 
     base = decoder(model)
@@ -228,8 +238,9 @@ def forward_after_prefix(
     cache = _output_cache(head)
     cache.batch_repeat_interleave(len(rows))
     p_len = torch.full((len(rows),), len(prompt), dtype=torch.long, device=device)
-    tail = _tail_hidden(base, cache_kw, cache, None, p_len, [responses[r] for r in rows],
-                        pad_id, device, max_piece)  # fmt: skip
+    tail = _tail_hidden(
+        base, cache_kw, cache, None, p_len, [responses[r] for r in rows], pad_id, device, max_piece
+    )
     last = head.last_hidden_state[0, -1:]
     return torch.cat(
         [torch.cat([last, tail[j, : len(responses[r]) - 1]]) for j, r in enumerate(rows)]
@@ -252,8 +263,13 @@ def _tail_hidden(base, cache_kw, cache, p_mask, p_len, responses, pad_id, device
     for s in range(0, r_width, max_piece):
         e = min(s + max_piece, r_width)
         kw = {} if p_mask is None else {"attention_mask": torch.cat([p_mask, rmask[:, :e]], 1)}
-        h = base(input_ids=rid[:, s:e], position_ids=rpos[:, s:e], use_cache=True,
-                 **kw, **{cache_kw: cache})  # fmt: skip
+        h = base(
+            input_ids=rid[:, s:e],
+            position_ids=rpos[:, s:e],
+            use_cache=True,
+            **kw,
+            **{cache_kw: cache},
+        )
         out.append(h.last_hidden_state)
         cache = _output_cache(h)
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)

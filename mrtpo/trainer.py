@@ -428,9 +428,13 @@ class Trainer:
             labels = torch.cat([torch.tensor(r) for r in ro.responses]).to(self.device)
             with torch.no_grad():
                 ref_logp = linear_logprobs(
-                    h_ref, w_ref, labels, bias=b_ref, temperature=cfg.temperature,
+                    h_ref,
+                    w_ref,
+                    labels,
+                    bias=b_ref,
+                    temperature=cfg.temperature,
                     **logit_transform(self.ref),
-                ).cpu()  # fmt: skip
+                ).cpu()
         t2 = time.perf_counter()
         old_logp = None if own_old else rep.old_logprobs.detach().float().cpu()
         upd = self._update(ro, old_logp, adv, ref_logp, lengths, held=held)
@@ -507,8 +511,9 @@ class Trainer:
         stats = {"loss": [], "clip_fraction": [], "mean_ratio": [], "kl": [], "grad_norm": []}
         self.model.eval()  # no dropout: the loss must see the rollout policy's distribution
         if held is not None and (cfg.ppo_epochs > 1 or cfg.minibatches > 1):
-            raise ValueError("held: the update's forwards can be run first only for one epoch "
-                             "of one minibatch")  # fmt: skip
+            raise ValueError(
+                "held: the update's forwards can be run first only for one epoch of one minibatch"
+            )
         for _ in range(cfg.ppo_epochs):
             if held is None:
                 perm = torch.randperm(n).tolist()
@@ -539,10 +544,13 @@ class Trainer:
                     if old_logp is None:  # the same policy: ratio exactly 1
                         with torch.no_grad():
                             old_mb = linear_logprobs(
-                                hidden.detach(), w.detach(), tb.labels,
+                                hidden.detach(),
+                                w.detach(),
+                                tb.labels,
                                 bias=None if b is None else b.detach(),
-                                temperature=cfg.temperature, **head_kw,
-                            ).float()  # fmt: skip
+                                temperature=cfg.temperature,
+                                **head_kw,
+                            ).float()
                     else:
                         old_mb = old_logp[idx].to(self.device)
                     loss, met = linear_policy_loss(
@@ -640,9 +648,14 @@ class Trainer:
     def evaluate(self) -> dict:
         """The held-out evaluation of the current policy (`mrtpo.heldout`)."""
         return evaluate_heldout(
-            self.model, self.prompter, self.task, self.cfg, self.device, step=self.step,
+            self.model,
+            self.prompter,
+            self.task,
+            self.cfg,
+            self.device,
+            step=self.step,
             amp=self._amp(),
-        )  # fmt: skip
+        )
 
     def _match_eval_schedule(self) -> None:
         """A resumed run's evaluations on the schedule of the run it now is, not of its

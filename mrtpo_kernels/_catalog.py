@@ -56,9 +56,14 @@ _TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton_kernels/rows.py"
 
 def _op(name, entry_points, kernels, reference, tests, bench_workloads=(), logit_cap=False):
     return Op(
-        name, entry_points, MappingProxyType(dict(kernels)), reference, tests, bench_workloads,
+        name,
+        entry_points,
+        MappingProxyType(dict(kernels)),
+        reference,
+        tests,
+        bench_workloads,
         logit_cap,
-    )  # fmt: skip
+    )
 
 
 OPS: Mapping[str, Op] = MappingProxyType(

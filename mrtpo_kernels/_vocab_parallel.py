@@ -212,8 +212,9 @@ def _forward(h, w, b, lab, temperature, ignore_index, with_ent, backend, group, 
     odd = (valid & ~torch.isfinite(lse_r)).any().to(lse_r.dtype).reshape(1)
     if not torch.compiler.is_compiling() and bool(_all_reduce(odd, dist.ReduceOp.MAX, group)):
         stats = _shard_raw_stats(h, w, b, mapped, valid, 1.0 / temperature, with_ent, cap)
-        logp, ent, w_r, shift = _combine_raw(stats, owned, valid, 1.0 / temperature,
-                                             with_ent, group)  # fmt: skip
+        logp, ent, w_r, shift = _combine_raw(
+            stats, owned, valid, 1.0 / temperature, with_ent, group
+        )
     else:
         logp, ent, w_r, shift = _combine(logp_r, ent_r, lse_r, owned, valid, with_ent, group)
     return logp, ent, (h, w, b, mapped, owned, valid, lse_r, w_r, shift)
@@ -251,9 +252,21 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
     # kernel would call an all -inf row undefined); NaN (an undefined token) still runs
     lab_k = torch.where(w_r == 0, torch.full_like(mapped, ignore_index), mapped).contiguous()
     dh, dw, db = _shard_logprobs_bwd(
-        h, w, b, lab_k, lse_r.contiguous(), ent_in, (g * w_r).contiguous(), ge_in,
-        temperature, ignore_index, cap.scale, cap.softcap, backend, None,
-    )  # fmt: skip
+        h,
+        w,
+        b,
+        lab_k,
+        lse_r.contiguous(),
+        ent_in,
+        (g * w_r).contiguous(),
+        ge_in,
+        temperature,
+        ignore_index,
+        cap.scale,
+        cap.softcap,
+        backend,
+        None,
+    )
     # the label's column: g [v == y] where the kernel put g w_r [v == mapped], with respect
     # to the transformed logit z; times dz/dr there for the raw logit r the GEMMs see
     c = torch.where(valid, (owned.to(acc) - w_r) * g / temperature, zero)
@@ -294,8 +307,9 @@ class _LinearLogprobs(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None, None, None
 
 
-def linear_logprobs(h, w, b, lab, temperature, ignore_index, with_ent, backend, group,
-                    cap: LogitCap = NO_CAP):  # fmt: skip
+def linear_logprobs(
+    h, w, b, lab, temperature, ignore_index, with_ent, backend, group, cap: LogitCap = NO_CAP
+):
     """(logp (N,), entropy (N,) or (0,)) over the sharded head, whose logits are transformed
     by ``cap`` (the identity by default); differentiable."""
     return _LinearLogprobs.apply(
@@ -309,8 +323,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
     gradient of sum_t c_t dL_t/dlogp_t logp_t through the sharded log-prob backward."""
 
     @staticmethod
-    def forward(ctx, h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
-                group):  # fmt: skip
+    def forward(
+        ctx, h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend, group
+    ):
         temperature, ignore_index, cap = cfg.temperature, cfg.ignore_index, cfg.logit_cap
         logp, _, saved = _forward(
             h, w, b, lab, temperature, ignore_index, False, backend, group, cap
@@ -344,8 +359,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return (dh, dw, db) + none
 
 
-def linear_policy_loss(h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend,
-                       group):  # fmt: skip
+def linear_policy_loss(
+    h, w, b, lab, old_logp, advantages, token_weight, ref_logp, cfg, backend, group
+):
     """(loss, logp, clipped) over the sharded head; the loss is differentiable. cfg: the
     call's validated ``PolicyLossSettings`` (its logit transform included); backend: the
     log-prob kernels' backend."""

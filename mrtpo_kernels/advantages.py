@@ -118,8 +118,16 @@ class _Units(NamedTuple):
     eps: float | torch.Tensor
 
 
-def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths,
-          scale_rewards=ADVANTAGE_DEFAULTS.scale_rewards):  # fmt: skip
+def _gdpo(
+    rewards,
+    group_ids,
+    weights,
+    eps,
+    eps_batch,
+    batch_norm,
+    lengths,
+    scale_rewards=ADVANTAGE_DEFAULTS.scale_rewards,
+):
     """Returns ((per_reward, sequence, mean, std) in the rewards' accumulation dtype, lam,
     units): ``_Units`` (see there) in that dtype; the redistribution's divisor D of
     METHOD.md section 5 is (scale + eps) in units of the unit, scale = max(sd,
@@ -173,8 +181,9 @@ def _gdpo(rewards, group_ids, weights, eps, eps_batch, batch_norm, lengths,
     seq, mu, sd = _batch_stats(s, w, eps_u, mag)
     scale = torch.maximum(sd, CANCEL_FLOOR * _uncorrelated_std(a * lam, w))
     parts = (a, seq, mu, sd) if unit is None else (a * unit, seq, mu * unit, sd * unit)
-    units = _Units(*(t.to(out) for t in (a, s, mu, sd, scale)),
-                   eps_u if unit is None else eps_u.to(out))  # fmt: skip
+    units = _Units(
+        *(t.to(out) for t in (a, s, mu, sd, scale)), eps_u if unit is None else eps_u.to(out)
+    )
     return tuple(t.to(out) for t in parts), lam.to(out), units
 
 
@@ -533,8 +542,22 @@ def mrtpo_token_advantages_op(
 
 
 @mrtpo_token_advantages_op.register_fake
-def _(per_reward, lam, has_info, relevance, cu_seqlens, mean, std, alpha, gamma, eps_batch, delta,
-      clip_min, clip_max, backend):  # fmt: skip
+def _(
+    per_reward,
+    lam,
+    has_info,
+    relevance,
+    cu_seqlens,
+    mean,
+    std,
+    alpha,
+    gamma,
+    eps_batch,
+    delta,
+    clip_min,
+    clip_max,
+    backend,
+):
     f32 = acc_dtype(relevance)
     return (
         relevance.new_empty(relevance.shape[1], dtype=f32),

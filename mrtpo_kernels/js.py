@@ -96,10 +96,14 @@ def linear_js_distance(
     if process_group is not None:
         _vocab_parallel.shard_info(weight, process_group)
         out = _vocab_parallel.linear_js_distance(
-            p2.detach().contiguous(), q3.detach().contiguous(), weight.detach(),
-            None if bias is None else bias.detach(), temperature, process_group,
+            p2.detach().contiguous(),
+            q3.detach().contiguous(),
+            weight.detach(),
+            None if bias is None else bias.detach(),
+            temperature,
+            process_group,
             LogitCap(logit_scale, softcap),
-        )  # fmt: skip
+        )
         return out[0].view(out_shape) if squeeze else out.view(out_shape)
     be = _dispatch.resolve("linear_js_distance", p2.device, p2.dtype, backend)
     out = linear_js_distance_op(
@@ -159,9 +163,11 @@ def linear_js_distance_op(
     softcap: float = 0.0,
 ) -> Tensor:
     # the logit transform (softcap 0: none) reaches the backend only where it is active
-    cap = {} if logit_scale == 1.0 and softcap == 0.0 else {
-        "logit_scale": logit_scale, "softcap": softcap
-    }  # fmt: skip
+    cap = (
+        {}
+        if logit_scale == 1.0 and softcap == 0.0
+        else {"logit_scale": logit_scale, "softcap": softcap}
+    )
     return _dispatch.get(backend, "linear_js_distance")(
         hidden_p, hidden_q, weight, bias, temperature, **cap
     )

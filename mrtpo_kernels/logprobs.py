@@ -79,10 +79,17 @@ def linear_logprobs(
     be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
     if process_group is not None:
         logp, ent = _vocab_parallel.linear_logprobs(
-            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            lab.contiguous(), temperature, int(ignore_index), bool(return_entropy), be,
-            process_group, LogitCap(logit_scale, softcap),
-        )  # fmt: skip
+            h.contiguous(),
+            weight.contiguous(),
+            None if bias is None else bias.contiguous(),
+            lab.contiguous(),
+            temperature,
+            int(ignore_index),
+            bool(return_entropy),
+            be,
+            process_group,
+            LogitCap(logit_scale, softcap),
+        )
         logp = logp.view(labels.shape)
         return (logp, ent.view(labels.shape)) if return_entropy else logp
     logp, ent, _ = linear_logprobs_fwd(
@@ -170,9 +177,15 @@ def linear_logprobs_fwd_op(
     # it is active: the identity calls the backend exactly as before it existed
     fn = _dispatch.get(backend, "linear_logprobs_fwd")
     return fn(
-        hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        ignore_index,
+        with_entropy,
         **_cap_kw(logit_scale, softcap),
-    )  # fmt: skip
+    )
 
 
 def _cap_kw(logit_scale: float, softcap: float) -> dict:
@@ -183,8 +196,18 @@ def _cap_kw(logit_scale: float, softcap: float) -> dict:
 
 
 @linear_logprobs_fwd_op.register_fake
-def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend,
-      logit_scale=1.0, softcap=0.0):  # fmt: skip
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    ignore_index,
+    with_entropy,
+    backend,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     n, v = hidden.shape[0], weight.shape[0]
     saved = _dispatch.saved_numel(backend, "linear_logprobs", n, v, weight.numel())
     return (
@@ -195,14 +218,32 @@ def _(hidden, weight, bias, labels, temperature, ignore_index, with_entropy, bac
     )
 
 
-def linear_logprobs_fwd(hidden, weight, bias, labels, temperature, ignore_index, with_entropy,
-                        backend, logit_scale=1.0, softcap=0.0):  # fmt: skip
+def linear_logprobs_fwd(
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    ignore_index,
+    with_entropy,
+    backend,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     """(logp, entropy, lse) of ``mrtpo::linear_logprobs_fwd`` (its ``saved`` goes to the
     autograd graph only)."""
     out = linear_logprobs_fwd_op(
-        hidden, weight, bias, labels, temperature, ignore_index, with_entropy, backend,
-        logit_scale, softcap,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        labels,
+        temperature,
+        ignore_index,
+        with_entropy,
+        backend,
+        logit_scale,
+        softcap,
+    )
     return out[0], out[1], out[2]
 
 
@@ -225,14 +266,38 @@ def linear_logprobs_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_bwd")
     return fn(
-        hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-        ignore_index, saved, **_cap_kw(logit_scale, softcap),
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        labels,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        temperature,
+        ignore_index,
+        saved,
+        **_cap_kw(logit_scale, softcap),
+    )
 
 
 @linear_logprobs_bwd_op.register_fake
-def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-      ignore_index, logit_scale, softcap, backend, saved):  # fmt: skip
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    temperature,
+    ignore_index,
+    logit_scale,
+    softcap,
+    backend,
+    saved,
+):
     return (
         torch.empty_like(hidden),
         weight.new_empty(weight.shape, dtype=acc_dtype(hidden)),
@@ -259,10 +324,20 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
     if g_entropy is None or not with_entropy:
         g_entropy = lse.new_empty(0)
     dh, dw, db = linear_logprobs_bwd_op(
-        hidden, weight, bias, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
-        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, *ctx.cap, backend,
+        hidden,
+        weight,
+        bias,
+        labels,
+        lse,
+        entropy,
+        g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(),
+        temperature,
+        ignore_index,
+        *ctx.cap,
+        backend,
         saved_state(ctx),
-    )  # fmt: skip
+    )
     dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
     db = db.to(bias.dtype) if has_bias and ctx.needs_input_grad[2] else None
     dh = dh if ctx.needs_input_grad[0] else None
@@ -326,8 +401,9 @@ def logprobs_from_logits_bwd_op(
 
 
 @logprobs_from_logits_bwd_op.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend,
-      saved):  # fmt: skip
+def _(
+    logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, backend, saved
+):
     return torch.empty_like(logits)
 
 
@@ -348,10 +424,17 @@ def _logits_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
     if g_entropy is None or not with_entropy:
         g_entropy = lse.new_empty(0)
     dl = logprobs_from_logits_bwd_op(
-        logits, labels, lse, entropy, g_logp.to(lse.dtype).contiguous(),
-        g_entropy.to(lse.dtype).contiguous(), temperature, ignore_index, backend,
+        logits,
+        labels,
+        lse,
+        entropy,
+        g_logp.to(lse.dtype).contiguous(),
+        g_entropy.to(lse.dtype).contiguous(),
+        temperature,
+        ignore_index,
+        backend,
         saved_state(ctx),
-    )  # fmt: skip
+    )
     return dl, None, None, None, None, None
 
 

@@ -135,9 +135,15 @@ def linear_policy_loss(
     if cu_seqlens is not None:
         check.int_tensor("cu_seqlens", cu_seqlens, ndim=1)
     check.same_device(
-        hidden=hidden, weight=weight, labels=labels, old_logprobs=old_logprobs,
-        advantages=advantages, bias=bias, ref_logprobs=ref_logprobs, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+        hidden=hidden,
+        weight=weight,
+        labels=labels,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        bias=bias,
+        ref_logprobs=ref_logprobs,
+        cu_seqlens=cu_seqlens,
+    )
     temperature = check.temperature(temperature)
     clip_low = check.non_negative("clip_low", clip_low)
     clip_high = check.non_negative("clip_high", clip_high)
@@ -154,12 +160,16 @@ def linear_policy_loss(
                 f"got {clip_ratio_c}"
             )
     cfg = PolicyLossSettings(
-        temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
+        temperature=temperature,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        beta=beta,
         ignore_index=int(ignore_index),
         clip_ratio_c=math.inf if clip_ratio_c is None else clip_ratio_c,
-        kl_importance_weight=bool(kl_importance_weight), logit_scale=logit_scale,
+        kl_importance_weight=bool(kl_importance_weight),
+        logit_scale=logit_scale,
         softcap=softcap,
-    )  # fmt: skip
+    )
     check.non_empty("hidden", h.shape[0])
     vocab = weight.shape[0]
     if process_group is not None:
@@ -201,17 +211,41 @@ def linear_policy_loss(
         # the sharded head: the log-prob kernels on the shard, combined by all-reduce
         be = _dispatch.resolve("linear_logprobs", h.device, h.dtype, backend)
         loss, logp, clipped = _vocab_parallel.linear_policy_loss(
-            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg, be, process_group,
-        )  # fmt: skip
+            h.contiguous(),
+            weight.contiguous(),
+            None if bias is None else bias.contiguous(),
+            lab.contiguous(),
+            old,
+            adv,
+            coef.contiguous(),
+            ref,
+            cfg,
+            be,
+            process_group,
+        )
     else:
         be = _dispatch.resolve("linear_policy_loss", h.device, h.dtype, backend)
         loss, logp, clipped, _, _, _ = linear_policy_loss_op(
-            h.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            lab.contiguous(), old, adv, coef.contiguous(), ref, cfg.temperature, cfg.clip_low,
-            cfg.clip_high, cfg.beta, cfg.ignore_index, bool(need_grad), cfg.clip_ratio_c,
-            cfg.kl_importance_weight, be, cfg.logit_scale, cfg.softcap,
-        )  # fmt: skip
+            h.contiguous(),
+            weight.contiguous(),
+            None if bias is None else bias.contiguous(),
+            lab.contiguous(),
+            old,
+            adv,
+            coef.contiguous(),
+            ref,
+            cfg.temperature,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.beta,
+            cfg.ignore_index,
+            bool(need_grad),
+            cfg.clip_ratio_c,
+            cfg.kl_importance_weight,
+            be,
+            cfg.logit_scale,
+            cfg.softcap,
+        )
     with torch.no_grad():
         v = valid.to(acc)
         n = v.sum().clamp(min=1.0)
@@ -264,21 +298,53 @@ def linear_policy_loss_op(
     # inf for none; kl_importance_weight: the KL term times the ratio; logit_scale and
     # softcap, 0 for none: the head's logit transform)
     cfg = PolicyLossSettings(
-        temperature=temperature, clip_low=clip_low, clip_high=clip_high, beta=beta,
-        ignore_index=ignore_index, clip_ratio_c=clip_ratio_c,
-        kl_importance_weight=kl_importance_weight, logit_scale=logit_scale, softcap=softcap,
-    )  # fmt: skip
+        temperature=temperature,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        beta=beta,
+        ignore_index=ignore_index,
+        clip_ratio_c=clip_ratio_c,
+        kl_importance_weight=kl_importance_weight,
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )
     fn = _dispatch.get(backend, "linear_policy_loss")
     return fn(
-        hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg,
+        hidden,
+        weight,
+        bias,
+        labels,
+        old_logp,
+        advantages,
+        token_weight,
+        ref_logp,
+        cfg,
         need_grad,
-    )  # fmt: skip
+    )
 
 
 @linear_policy_loss_op.register_fake
-def _(hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, temperature,
-      clip_low, clip_high, beta, ignore_index, need_grad, clip_ratio_c, kl_importance_weight,
-      backend, logit_scale=1.0, softcap=0.0):  # fmt: skip
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    old_logp,
+    advantages,
+    token_weight,
+    ref_logp,
+    temperature,
+    clip_low,
+    clip_high,
+    beta,
+    ignore_index,
+    need_grad,
+    clip_ratio_c,
+    kl_importance_weight,
+    backend,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     n = hidden.shape[0]
     v = weight.shape[0]
     f32 = acc_dtype(hidden)

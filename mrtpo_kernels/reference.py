@@ -318,9 +318,15 @@ def linear_policy_loss_ref(
 ):
     """policy_loss_ref on linear_logprobs_ref(hidden, weight, labels). All (N, ...) packed."""
     logp = linear_logprobs_ref(
-        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        logit_scale=logit_scale, softcap=softcap,
-    )  # fmt: skip
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )
     mask = labels != ignore_index
     return policy_loss_ref(
         logp,

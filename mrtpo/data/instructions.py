@@ -46,9 +46,23 @@ END_PHRASES = [
     "until next time",
 ]
 KEYWORDS = [
-    "river", "light", "green", "music", "quiet", "bright", "stone", "happy",
-    "silver", "gentle", "golden", "paper", "window", "morning", "purple", "honey",
-]  # fmt: skip
+    "river",
+    "light",
+    "green",
+    "music",
+    "quiet",
+    "bright",
+    "stone",
+    "happy",
+    "silver",
+    "gentle",
+    "golden",
+    "paper",
+    "window",
+    "morning",
+    "purple",
+    "honey",
+]
 PLACEHOLDER_NAMES = ["name", "place", "date", "time"]
 
 DEFAULT_KINDS = ("start_phrase", "keyword_include", "end_phrase")
@@ -58,15 +72,18 @@ _STRUCTURE = ("bullet_count", "paragraph_count", "sections")
 _CONFLICTS = {
     frozenset(p)
     for p in [
-        ("lowercase", "uppercase"), ("lowercase", "sections"),
-        ("uppercase", "start_phrase"), ("uppercase", "end_phrase"),
-        ("title", "start_phrase"), ("json_format", "uppercase"),
+        ("lowercase", "uppercase"),
+        ("lowercase", "sections"),
+        ("uppercase", "start_phrase"),
+        ("uppercase", "end_phrase"),
+        ("title", "start_phrase"),
+        ("json_format", "uppercase"),
         *[("json_format", k) for k in ("title", "start_phrase", "end_phrase", "quotation")],
         *[("json_format", k) for k in _STRUCTURE],
         *[("quotation", k) for k in ("title", "start_phrase", "end_phrase", *_STRUCTURE)],
         *[(a, b) for a in _STRUCTURE for b in _STRUCTURE if a != b],
     ]
-}  # fmt: skip
+}
 
 
 def compatible(kinds: list[str] | tuple[str, ...]) -> bool:

@@ -161,8 +161,10 @@ def has_info_from_spans(spans, *, num_rewards: int | None = None, device=None) -
         num_rewards: K, checked against every sample when given (needed when B = 0).
     """
     if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
-        raise ValueError(f"spans: expected a list (per sample) of lists (per reward) of spans, "
-                         f"got {type(spans).__name__}")  # fmt: skip
+        raise ValueError(
+            f"spans: expected a list (per sample) of lists (per reward) of spans, "
+            f"got {type(spans).__name__}"
+        )
     rows = []
     for i, per_reward in enumerate(spans):
         if isinstance(per_reward, (str, bytes)) or not isinstance(per_reward, Sequence):
@@ -323,11 +325,22 @@ def padded_token_advantages(
         relevance = relevance.clone()
         relevance[:, empty.to(relevance.device), 0] = 0
     out = mrtpo_token_advantages(
-        rewards, group_ids.to(rewards.device), relevance, has_info=has_info,
-        response_mask=m, weights=weights, alpha=alpha, gamma=gamma, eps=eps,
-        eps_batch=eps_batch, batch_norm=batch_norm, delta=delta, clip=clip, nan=nan,
+        rewards,
+        group_ids.to(rewards.device),
+        relevance,
+        has_info=has_info,
+        response_mask=m,
+        weights=weights,
+        alpha=alpha,
+        gamma=gamma,
+        eps=eps,
+        eps_batch=eps_batch,
+        batch_norm=batch_norm,
+        delta=delta,
+        clip=clip,
+        nan=nan,
         scale_rewards=scale_rewards,
-    )  # fmt: skip
+    )
     keep = mask.to(device=rewards.device).bool()
     token = torch.where(keep, out.token, torch.zeros_like(out.token))
     return out._replace(token=token)

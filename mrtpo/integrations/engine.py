@@ -50,8 +50,10 @@ def engine_sharding(model) -> str | None:
         return "fsdp1"
     if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in modules):
         return "fsdp2"
-    if any(hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None
-           for p in (model.parameters() if modules else ())):  # fmt: skip
+    if any(
+        hasattr(p, "ds_id") and getattr(p, "ds_status", None) is not None
+        for p in (model.parameters() if modules else ())
+    ):
         return "zero3"
     return None
 
@@ -93,11 +95,15 @@ def _gathered_head(model, inner, sharding):
             full = [p.detach().clone() for p in _head_params(head)]
     elif sharding == "fsdp2":
         with _fsdp2_head_unsharded(model, head) as copy_needed:
-            full = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-                    for p in _head_params(head)]  # fmt: skip
+            full = [
+                (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for p in _head_params(head)
+            ]
             if copy_needed:
-                full = [t.clone() if not hasattr(p, "full_tensor") else t
-                        for t, p in zip(full, _head_params(head))]  # fmt: skip
+                full = [
+                    t.clone() if not hasattr(p, "full_tensor") else t
+                    for t, p in zip(full, _head_params(head))
+                ]
             yield full[0], (full[1] if len(full) > 1 else None), copy_needed
         return
     else:
@@ -114,8 +120,11 @@ def _fsdp2_head_unsharded(model, head):
     be copied instead (it is not FSDP2's: a DTensor of another kind)."""
     from torch.distributed.fsdp import FSDPModule
 
-    owners = [m for m in model.modules()
-              if isinstance(m, FSDPModule) and any(x is head for x in m.modules())]  # fmt: skip
+    owners = [
+        m
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and any(x is head for x in m.modules())
+    ]
     if not owners:
         yield True
         return
@@ -192,12 +201,19 @@ class _Decoder:
         self._run, self._cache_kw, self._lockstep = run, cache_kw, lockstep
         self.forward = self._forward_cache if cache_kw == "cache" else self._forward_past
 
-    def _forward_cache(self, input_ids=None, attention_mask=None, position_ids=None,
-                       use_cache=None, cache=None):  # fmt: skip
+    def _forward_cache(
+        self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None, cache=None
+    ):
         return self._call(input_ids, attention_mask, position_ids, use_cache, cache)
 
-    def _forward_past(self, input_ids=None, attention_mask=None, position_ids=None,
-                      use_cache=None, past_key_values=None):  # fmt: skip
+    def _forward_past(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        use_cache=None,
+        past_key_values=None,
+    ):
         return self._call(input_ids, attention_mask, position_ids, use_cache, past_key_values)
 
     def __call__(self, **kwargs):
@@ -325,13 +341,17 @@ def sharded_replay(model, *, device=None, group=None):
         weight, bias, copied = stack.enter_context(_gathered_head(model, inner, sharding))
         inner.set_output_embeddings(torch.nn.Identity())
         stack.callback(inner.set_output_embeddings, head)
-        lm = EngineLM(_Decoder(run, cache_kw, lockstep), weight, bias,
-                      getattr(inner, "config", None))  # fmt: skip
+        lm = EngineLM(
+            _Decoder(run, cache_kw, lockstep), weight, bias, getattr(inner, "config", None)
+        )
         lm.config = getattr(inner, "config", None)  # its logit scale / softcap for the replay
         lm.sharding = sharding
         lm.lockstep = lockstep
         # bytes of the head held beside the engine's own parameters (a gathered copy)
-        lm.head_copy_bytes = (sum(t.numel() * t.element_size() for t in (weight, bias)
-                                  if t is not None) if copied else 0)  # fmt: skip
+        lm.head_copy_bytes = (
+            sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
+            if copied
+            else 0
+        )
         yield lm
         lm.dummy_forwards = lockstep.drain(dummy)

@@ -110,10 +110,22 @@ def mrtpo_token_advantages_from_experience(
         group_ids = rollout_group_ids(index, rewards.shape[0], n_samples_per_prompt)
         group_ids = group_ids.to(rewards.device)
     return padded_token_advantages(
-        rewards, group_ids, action_mask, relevance, has_info,
-        mask_name="action_mask", weights=reward_weights, alpha=alpha, gamma=gamma, eps=eps,
-        eps_batch=eps_batch, batch_norm=batch_norm, delta=delta, clip=clip, nan=nan,
-    ).token  # fmt: skip
+        rewards,
+        group_ids,
+        action_mask,
+        relevance,
+        has_info,
+        mask_name="action_mask",
+        weights=reward_weights,
+        alpha=alpha,
+        gamma=gamma,
+        eps=eps,
+        eps_batch=eps_batch,
+        batch_norm=batch_norm,
+        delta=delta,
+        clip=clip,
+        nan=nan,
+    ).token
 
 
 @torch.no_grad()
@@ -208,8 +220,9 @@ def replay_masks_for_experiences(
         gids = consecutive_group_ids(allr.shape[0], n_samples_per_prompt, allr.device)
     else:
         gids = rollout_group_ids(_cat_index(index), allr.shape[0], n_samples_per_prompt)
-    mask = replay_mask_from_rewards(allr, gids.to(allr.device), weights=reward_weights, eps=eps,
-                                    nan=nan)  # fmt: skip
+    mask = replay_mask_from_rewards(
+        allr, gids.to(allr.device), weights=reward_weights, eps=eps, nan=nan
+    )
     return list(torch.split(mask, [r.shape[0] for r in rewards]))
 
 
@@ -270,13 +283,17 @@ def relevance_for_experience(
     att = torch.ones_like(seq) if att is None else att
     check_shape("attention_mask", att, (b, width), "(B, L) like sequences")
     if act.shape[0] != b or a > width - 1:
-        raise ValueError(f"action_mask: expected (B, A) with B = {b} and A <= L - 1 = "
-                         f"{width - 1}, got {tuple(act.shape)}")  # fmt: skip
+        raise ValueError(
+            f"action_mask: expected (B, A) with B = {b} and A <= L - 1 = "
+            f"{width - 1}, got {tuple(act.shape)}"
+        )
     if prompts is None:
         prompts = list(getattr(experience, "prompts", None) or [])
     if len(prompts) != b:
-        raise ValueError(f"prompts: expected {b} (one per row; experience.prompts or "
-                         f"prompts=), got {len(prompts)}")  # fmt: skip
+        raise ValueError(
+            f"prompts: expected {b} (one per row; experience.prompts or "
+            f"prompts=), got {len(prompts)}"
+        )
     offset = width - a  # action column j is token offset + j
     prompt_rows, conts, firsts = [], [], []
     for i in range(b):
@@ -299,9 +316,12 @@ def relevance_for_experience(
     if encode is None and tokenizer is not None:
         from mrtpo.replay import _prompt_encoder
 
-        encode = _prompt_encoder(tokenizer, chat_template=False,
-                                 add_special_tokens=add_special_tokens,
-                                 chat_template_kwargs=None)  # fmt: skip
+        encode = _prompt_encoder(
+            tokenizer,
+            chat_template=False,
+            add_special_tokens=add_special_tokens,
+            chat_template_kwargs=None,
+        )
     from mrtpo.replay import replay_relevance
 
     from .engine import _inner, sharded_replay
@@ -312,12 +332,19 @@ def relevance_for_experience(
     engine = _actor_engine(model)
     with sharded_replay(engine, device=seq.device) as lm:
         rep = replay_relevance(
-            _inner(engine) if lm is None else lm, prompts, conts, spans, encode=encode,
-            temperature=temperature, prompt_ids=prompt_rows if check_prompt_ids else None,
-            num_rewards=k, micro_batch=micro_batch, max_tokens=max_tokens,
+            _inner(engine) if lm is None else lm,
+            prompts,
+            conts,
+            spans,
+            encode=encode,
+            temperature=temperature,
+            prompt_ids=prompt_rows if check_prompt_ids else None,
+            num_rewards=k,
+            micro_batch=micro_batch,
+            max_tokens=max_tokens,
             pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
             replay_mask=replay_mask,
-        )  # fmt: skip
+        )
     out = torch.zeros((k, b, a), dtype=torch.float32, device=act.device)
     for i, first in enumerate(firsts):
         if first is None:
@@ -336,7 +363,10 @@ def _actor_engine(model):
     DeepSpeed engine after ``strategy.prepare``, or the Hugging Face module); anything else
     is that module already."""
     inner = getattr(model, "model", None)
-    if isinstance(model, torch.nn.Module) and not hasattr(model, "get_output_embeddings") \
-            and isinstance(inner, torch.nn.Module):  # fmt: skip
+    if (
+        isinstance(model, torch.nn.Module)
+        and not hasattr(model, "get_output_embeddings")
+        and isinstance(inner, torch.nn.Module)
+    ):
         return inner
     return model

@@ -46,8 +46,7 @@ LOSS_TYPES = {
 
 # TRL's scale_rewards -> the GDPO variant (METHOD.md section 1): TRL's booleans are its
 # own aliases, True for "group" and False for "none"
-SCALE_REWARDS = {True: "group", False: "none", "group": "group", "batch": "batch",
-                 "none": "none"}  # fmt: skip
+SCALE_REWARDS = {True: "group", False: "none", "group": "group", "batch": "batch", "none": "none"}
 
 
 def _check_scale_rewards(scale_rewards) -> str:
@@ -162,11 +161,22 @@ def mrtpo_advantages_for_grpo(
     info_all = torch.zeros((b_all, k), dtype=torch.bool, device=dev)
     info_all[idx] = has_info.to(dev).bool()
     token = padded_token_advantages(
-        rewards_per_func, group_ids, mask_all, rel_all, info_all,
-        mask_name="completion_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
-        eps=eps, eps_batch=eps_batch, delta=delta, clip=clip, nan=nan,
+        rewards_per_func,
+        group_ids,
+        mask_all,
+        rel_all,
+        info_all,
+        mask_name="completion_mask",
+        weights=reward_weights,
+        alpha=alpha,
+        gamma=gamma,
+        eps=eps,
+        eps_batch=eps_batch,
+        delta=delta,
+        clip=clip,
+        nan=nan,
         scale_rewards=scale_rewards,
-    ).token  # fmt: skip
+    ).token
     return token[idx].float()
 
 
@@ -249,11 +259,15 @@ def fused_policy_loss(
     if old_per_token_logps is None:
         with torch.no_grad():
             old_per_token_logps = linear_logprobs(
-                hidden.detach(), lm_head_weight.detach(), labels,
+                hidden.detach(),
+                lm_head_weight.detach(),
+                labels,
                 bias=None if lm_head_bias is None else lm_head_bias.detach(),
-                temperature=temperature, ignore_index=ignore_index, logit_scale=logit_scale,
+                temperature=temperature,
+                ignore_index=ignore_index,
+                logit_scale=logit_scale,
                 softcap=softcap,
-            )  # fmt: skip
+            )
     else:
         check_tensor("old_per_token_logps", old_per_token_logps, ndim=2, floating=True)
         check_shape("old_per_token_logps", old_per_token_logps, (b, t), "(B, T)")
@@ -271,13 +285,24 @@ def fused_policy_loss(
             raise ValueError(f"max_completion_length: expected > 0, got {max_completion_length}")
 
     loss, metrics = linear_policy_loss(
-        hidden, lm_head_weight, labels, old_per_token_logps, advantages,
-        bias=lm_head_bias, temperature=temperature, clip_low=epsilon_low,
-        clip_high=epsilon_high, ignore_index=ignore_index, aggregation=LOSS_TYPES[loss_type],
-        ref_logprobs=ref_per_token_logps if beta != 0.0 else None, beta=beta,
-        norm_len=norm_len, kl_importance_weight=bool(use_bias_correction_kl),
-        logit_scale=logit_scale, softcap=softcap,
-    )  # fmt: skip
+        hidden,
+        lm_head_weight,
+        labels,
+        old_per_token_logps,
+        advantages,
+        bias=lm_head_bias,
+        temperature=temperature,
+        clip_low=epsilon_low,
+        clip_high=epsilon_high,
+        ignore_index=ignore_index,
+        aggregation=LOSS_TYPES[loss_type],
+        ref_logprobs=ref_per_token_logps if beta != 0.0 else None,
+        beta=beta,
+        norm_len=norm_len,
+        kl_importance_weight=bool(use_bias_correction_kl),
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )
 
     # The library averages over sequences that have a token; TRL averages over all B rows
     # (a row masked out entirely, as TRL does with truncated completions, still counts).

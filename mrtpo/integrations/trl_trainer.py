@@ -45,8 +45,7 @@ __all__ = ["MRTPOConfig", "MRTPOGRPOTrainer", "verifier_reward"]
 RELEVANCES = ("js", "specific")  # the --relevance modes the TRL replay can give
 # log_completions: the advantages the model trained with, per completion (TRL's own column
 # "advantage" is its per-sequence advantage, computed before MRTPO's replace it)
-TRAINED_ADVANTAGE_COLUMNS = ("mrtpo_advantage_mean", "mrtpo_advantage_min",
-                             "mrtpo_advantage_max")  # fmt: skip
+TRAINED_ADVANTAGE_COLUMNS = ("mrtpo_advantage_mean", "mrtpo_advantage_min", "mrtpo_advantage_max")
 CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 
 
@@ -93,9 +92,10 @@ class MRTPOConfig(GRPOConfig):
 
     mrtpo_alpha: float = field(
         default=ADVANTAGE_DEFAULTS.alpha,
-        metadata={"help": "MRTPO: share of each reward's advantage reallocated by relevance "
-                          "(0 = GDPO)."},
-    )  # fmt: skip
+        metadata={
+            "help": "MRTPO: share of each reward's advantage reallocated by relevance (0 = GDPO)."
+        },
+    )
     mrtpo_gamma: float = field(
         default=ADVANTAGE_DEFAULTS.gamma,
         metadata={"help": "MRTPO: sharpening exponent on the relevance (> 0)."},
@@ -106,46 +106,58 @@ class MRTPOConfig(GRPOConfig):
     )
     mrtpo_stop_credit: str = field(
         default="relevance",
-        metadata={"help": "MRTPO: allocation on the stop token of a finished completion.",
-                  "choices": CREDIT_MODES},
-    )  # fmt: skip
+        metadata={
+            "help": "MRTPO: allocation on the stop token of a finished completion.",
+            "choices": CREDIT_MODES,
+        },
+    )
     mrtpo_truncated_credit: str = field(
         default="relevance",
-        metadata={"help": "MRTPO: allocation on a completion cut at max_completion_length.",
-                  "choices": CREDIT_MODES},
-    )  # fmt: skip
+        metadata={
+            "help": "MRTPO: allocation on a completion cut at max_completion_length.",
+            "choices": CREDIT_MODES,
+        },
+    )
     mrtpo_replay_micro_batch: int = field(
         default=16, metadata={"help": "MRTPO: completions per replay chunk."}
     )
     mrtpo_replay_max_tokens: int | None = field(
         default=None,
-        metadata={"help": "MRTPO: padded prompt + completion tokens per replay chunk "
-                          "(default: no limit)."},
-    )  # fmt: skip
+        metadata={
+            "help": "MRTPO: padded prompt + completion tokens per replay chunk (default: no limit)."
+        },
+    )
     mrtpo_replay_all: bool = field(
         default=False,
-        metadata={"help": "MRTPO: replay pairs whose advantage is 0 too (relevance figures on "
-                          "every pair; the token advantages are the same)."},
-    )  # fmt: skip
+        metadata={
+            "help": "MRTPO: replay pairs whose advantage is 0 too (relevance figures on "
+            "every pair; the token advantages are the same)."
+        },
+    )
     mrtpo_advantages: bool = field(
         default=True,
         metadata={"help": "MRTPO: token advantages (False: TRL's own, fused loss only)."},
     )
     multi_objective_aggregation: str = field(
         default="normalize_then_sum",
-        metadata={"help": "TRL's aggregation of several rewards; MRTPO's advantages always "
-                          "use 'normalize_then_sum' (GDPO), the default here.",
-                  "choices": ["normalize_then_sum", "sum_then_normalize"]},
-    )  # fmt: skip
+        metadata={
+            "help": "TRL's aggregation of several rewards; MRTPO's advantages always "
+            "use 'normalize_then_sum' (GDPO), the default here.",
+            "choices": ["normalize_then_sum", "sum_then_normalize"],
+        },
+    )
     # TRL's default is True under transformers' deprecated name, which transformers >= 5
     # answers with a FutureWarning on every config: unset here, and __post_init__ gives
     # TRL's True under the current name (activation_checkpointing). Passing it still works
     # (with transformers' own warning, which the user then caused).
     gradient_checkpointing: bool | None = field(
         default=None,
-        metadata={"help": "Deprecated alias of activation_checkpointing (default: on, as in "
-                          "TRL).", "nargs": "?", "const": True},
-    )  # fmt: skip
+        metadata={
+            "help": "Deprecated alias of activation_checkpointing (default: on, as in TRL).",
+            "nargs": "?",
+            "const": True,
+        },
+    )
 
     def __post_init__(self):
         _checkpointing_default(self)
@@ -370,8 +382,10 @@ class _SpanCapture:
 
     def _split(self, out):
         outs = self._outputs(out)
-        pairs = [score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
-                 for i, v in enumerate(outs)]  # fmt: skip
+        pairs = [
+            score_and_spans(v, where=f"reward function {self.__name__!r}, sample {i}")
+            for i, v in enumerate(outs)
+        ]
         self.store[self.k] = [sp for _, sp in pairs]
         return [None if sc is None else float(sc) for sc, _ in pairs]
 
@@ -408,10 +422,14 @@ def _trl_prompt_encoder(trainer):
         if isinstance(prompt, str):
             return proc(text=[prompt])["input_ids"][0]
         out = proc.apply_chat_template(
-            conversation=[prompt], tools=trainer.tools or None, chat_template=trainer.chat_template,
-            add_generation_prompt=True, tokenize=True, return_dict=True,
+            conversation=[prompt],
+            tools=trainer.tools or None,
+            chat_template=trainer.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
             **trainer.chat_template_kwargs,
-        )  # fmt: skip
+        )
         return out["input_ids"][0]
 
     return encode
@@ -454,17 +472,24 @@ def verifier_reward(verifier, *, spans: bool = True):
 
     def reward(prompts, completions, fields=None, example_id=None, reference=None, **_):
         n = len(completions)
-        for col, values in (("fields", fields), ("example_id", example_id),
-                            ("reference", reference)):  # fmt: skip
+        for col, values in (
+            ("fields", fields),
+            ("example_id", example_id),
+            ("reference", reference),
+        ):
             if values is not None and len(values) != n:
-                raise ValueError(f"{col}: expected {n} values (one per completion), got "
-                                 f"{len(values)}")  # fmt: skip
+                raise ValueError(
+                    f"{col}: expected {n} values (one per completion), got {len(values)}"
+                )
         out = []
         for i, (prompt, completion) in enumerate(zip(prompts, completions)):
             text = _prompt_text(prompt, i)
             row = _fields_of(None if fields is None else fields[i], i)
-            where = (f"fields: row {i}" if fields is not None
-                     else f"fields: row {i} (the dataset has no 'fields' column)")  # fmt: skip
+            where = (
+                f"fields: row {i}"
+                if fields is not None
+                else f"fields: row {i} (the dataset has no 'fields' column)"
+            )
             check_fields(verifier, row, where=where)
             example = Example(
                 id=str(example_id[i]) if example_id is not None else str(i),
@@ -473,8 +498,9 @@ def verifier_reward(verifier, *, spans: bool = True):
                 reference=None if reference is None else reference[i],
             )
             verdict = verifier(example, _completion_text(completion, i))
-            out.append((float(verdict.score), list(verdict.spans)) if spans
-                       else float(verdict.score))  # fmt: skip
+            out.append(
+                (float(verdict.score), list(verdict.spans)) if spans else float(verdict.score)
+            )
         return out
 
     reward.__name__ = name
@@ -516,23 +542,31 @@ def _completion_text(completion, i: int = 0) -> str:
     sample."""
     if isinstance(completion, str):
         return completion
-    if not (isinstance(completion, (list, tuple)) and completion
-            and isinstance(completion[-1], dict)):  # fmt: skip
-        raise ValueError(f"completions: sample {i}: expected a string or a chat message "
-                         f"list, got {type(completion).__name__}")  # fmt: skip
+    if not (
+        isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict)
+    ):
+        raise ValueError(
+            f"completions: sample {i}: expected a string or a chat message "
+            f"list, got {type(completion).__name__}"
+        )
     content = completion[-1].get("content")
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, (list, tuple)):
-        raise ValueError(f"completions: sample {i}: the message content is "
-                         f"{type(content).__name__}, expected a string or a list of "
-                         "message parts")  # fmt: skip
+        raise ValueError(
+            f"completions: sample {i}: the message content is "
+            f"{type(content).__name__}, expected a string or a list of "
+            "message parts"
+        )
     texts = []
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text" \
-                and isinstance(part.get("text"), str):  # fmt: skip
+        elif (
+            isinstance(part, dict)
+            and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        ):
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -552,8 +586,9 @@ def _fields_of(value, i: int) -> dict:
         except ValueError as err:
             raise ValueError(f"fields: sample {i} is not valid JSON ({err})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"fields: sample {i}: expected a dict (or its JSON), got "
-                         f"{type(value).__name__}")  # fmt: skip
+        raise ValueError(
+            f"fields: sample {i}: expected a dict (or its JSON), got {type(value).__name__}"
+        )
     return value
 
 
@@ -667,8 +702,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             )
         for j, fn in enumerate(reward_spans):
             if fn is not None and not callable(fn):
-                raise ValueError(f"reward_spans[{j}]: expected a callable or None, got "
-                                 f"{type(fn).__name__}")  # fmt: skip
+                raise ValueError(
+                    f"reward_spans[{j}]: expected a callable or None, got {type(fn).__name__}"
+                )
         self.reward_spans = list(reward_spans)
 
     def end_training(self, settle_seconds: float = 0.25) -> None:
@@ -683,8 +719,11 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         process in the group's destructor or abort it ("terminate called without an
         active exception", exit -6) although every step trained: PyTorch's gloo backend,
         seen here about once in ten two-process runs of the TRL example."""
-        if isinstance(settle_seconds, bool) or not isinstance(settle_seconds, (int, float)) \
-                or not 0 <= settle_seconds <= 60:  # fmt: skip
+        if (
+            isinstance(settle_seconds, bool)
+            or not isinstance(settle_seconds, (int, float))
+            or not 0 <= settle_seconds <= 60
+        ):
             raise ValueError(
                 f"settle_seconds: expected a number of seconds in [0, 60], got {settle_seconds!r}"
             )
@@ -756,11 +795,17 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             relevance.to(mask.device), has_info.to(mask.device).bool(), output
         )
         output["advantages"] = mrtpo_advantages_for_grpo(
-            rewards, g, mask, relevance, has_info,
-            reward_weights=self.reward_weights.to(rewards.device), alpha=self.mrtpo_alpha,
-            gamma=gamma, scale_rewards=self.scale_rewards,
+            rewards,
+            g,
+            mask,
+            relevance,
+            has_info,
+            reward_weights=self.reward_weights.to(rewards.device),
+            alpha=self.mrtpo_alpha,
+            gamma=gamma,
+            scale_rewards=self.scale_rewards,
             process_slice=process_slice,
-        )  # fmt: skip
+        )
         if self.log_completions:
             self._log_trained_advantages(output)
         return output
@@ -854,9 +899,13 @@ class MRTPOGRPOTrainer(GRPOTrainer):
 
         group_ids = consecutive_group_ids(rewards.shape[0], g, device=rewards.device)
         moving = replay_mask_from_rewards(
-            rewards, group_ids, weights=self.reward_weights.to(rewards.device), eps=1e-4,
-            nan="zero", scale_rewards=_check_scale_rewards(self.scale_rewards),
-        )  # fmt: skip
+            rewards,
+            group_ids,
+            weights=self.reward_weights.to(rewards.device),
+            eps=1e-4,
+            nan="zero",
+            scale_rewards=_check_scale_rewards(self.scale_rewards),
+        )
         if process_slice is not None:
             moving = moving[process_slice]
         info = torch.tensor([[bool(s) for s in row] for row in spans], dtype=torch.bool)
@@ -879,20 +928,28 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         try:
             with self.accelerator.autocast():
                 rep = replay_relevance(
-                    model if lm is None else lm, [x["prompt"] for x in inputs],
-                    output["completion_ids"], spans,
-                    response_mask=output["completion_mask"], encode=_trl_prompt_encoder(self),
-                    prompt_ids=output["prompt_ids"], prompt_mask=output["prompt_mask"],
-                    temperature=self.temperature, micro_batch=self.mrtpo_replay_micro_batch,
+                    model if lm is None else lm,
+                    [x["prompt"] for x in inputs],
+                    output["completion_ids"],
+                    spans,
+                    response_mask=output["completion_mask"],
+                    encode=_trl_prompt_encoder(self),
+                    prompt_ids=output["prompt_ids"],
+                    prompt_mask=output["prompt_mask"],
+                    temperature=self.temperature,
+                    micro_batch=self.mrtpo_replay_micro_batch,
                     max_tokens=self.mrtpo_replay_max_tokens,
-                    pad_token_id=self._tokenizer.pad_token_id, replay_mask=replay_mask,
-                )  # fmt: skip
+                    pad_token_id=self._tokenizer.pad_token_id,
+                    replay_mask=replay_mask,
+                )
         finally:
             model.train(was_training)
         self.last_replay = dict(
-            prompts=[x["prompt"] for x in inputs], spans=spans,
-            completion_ids=output["completion_ids"], replay=rep,
-        )  # fmt: skip
+            prompts=[x["prompt"] for x in inputs],
+            spans=spans,
+            completion_ids=output["completion_ids"],
+            replay=rep,
+        )
         return rep
 
     def _log_replay(self, rep, mode, named: int = 0, spans=None):
@@ -938,11 +995,11 @@ class MRTPOGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------ log-probs
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        return self._completion_hidden_and_head(model, input_ids, attention_mask,
-                                                logits_to_keep)[0]  # fmt: skip
+        return self._completion_hidden_and_head(model, input_ids, attention_mask, logits_to_keep)[0]
 
-    def _completion_hidden_and_head(self, model, input_ids, attention_mask, logits_to_keep,
-                                    router_aux=False):  # fmt: skip
+    def _completion_hidden_and_head(
+        self, model, input_ids, attention_mask, logits_to_keep, router_aux=False
+    ):
         """The hidden states that predict the last ``logits_to_keep`` tokens, and the LM
         head's weight and bias as the forward held them (on FSDP the unsharded tensors of
         the head's unit, through which the gradient reaches the shards; on ZeRO-3 the
@@ -957,8 +1014,9 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         if inner is model:
             weight, bias = lm_head(model)
             with self.accelerator.autocast():
-                out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                     use_cache=False, **router)  # fmt: skip
+                out = decoder(model)(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **router
+                )
                 aux = _router_aux_loss(model, out, attention_mask) if router_aux else None
             hidden = out.last_hidden_state[:, -logits_to_keep - 1 : -1]
             return (hidden.to(weight.dtype), weight, bias) + ((aux,) if router_aux else ())
@@ -971,9 +1029,13 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         inner.set_output_embeddings(capture)
         try:
             with self.accelerator.autocast():
-                out = model(input_ids=input_ids, attention_mask=attention_mask,
-                            use_cache=False, logits_to_keep=logits_to_keep + 1,
-                            **router)  # fmt: skip
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    use_cache=False,
+                    logits_to_keep=logits_to_keep + 1,
+                    **router,
+                )
         finally:
             inner.set_output_embeddings(head)
         weight, bias = capture.held if capture.held is not None else lm_head(inner)
@@ -981,18 +1043,29 @@ class MRTPOGRPOTrainer(GRPOTrainer):
         if not router_aux:
             return hidden, weight, bias
         if getattr(out, "aux_loss", None) is None:  # the model's own forward computes it
-            raise ValueError(f"router_aux_loss_coef: {type(inner).__name__} returned no "
-                             "aux_loss with output_router_logits=True")  # fmt: skip
+            raise ValueError(
+                f"router_aux_loss_coef: {type(inner).__name__} returned no "
+                "aux_loss with output_router_logits=True"
+            )
         return hidden, weight, bias, out.aux_loss
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
-                                           logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):  # fmt: skip
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         given = [k for k, v in multimodal.items() if v is not None]
         if given:
-            raise ValueError(f"{given[0]}: multimodal inputs are not supported by the "
-                             "fused LM head (it runs the text decoder only)")  # fmt: skip
+            raise ValueError(
+                f"{given[0]}: multimodal inputs are not supported by the "
+                "fused LM head (it runs the text decoder only)"
+            )
         batch_size = batch_size or input_ids.size(0)
         logps, ents, auxes = [], [], []
         for s in range(0, input_ids.size(0), batch_size):
@@ -1004,9 +1077,15 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             labels = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
 
             def head_pass(h, w, b, labels=labels):
-                return linear_logprobs(h, w, labels, bias=b, temperature=self.temperature,
-                                       return_entropy=compute_entropy,
-                                       **self._mrtpo_head_kw)  # fmt: skip
+                return linear_logprobs(
+                    h,
+                    w,
+                    labels,
+                    bias=b,
+                    temperature=self.temperature,
+                    return_entropy=compute_entropy,
+                    **self._mrtpo_head_kw,
+                )
 
             out = self._head_pass(model, head_pass, hidden, weight, bias)
             if compute_entropy:
@@ -1039,10 +1118,12 @@ class MRTPOGRPOTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         t = completion_ids.size(1)
         hidden, weight, bias, *aux = self._completion_hidden_and_head(
-            model, torch.cat([prompt_ids, completion_ids], dim=1),
-            torch.cat([prompt_mask, inputs["completion_mask"]], dim=1), t,
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, inputs["completion_mask"]], dim=1),
+            t,
             router_aux=self.aux_loss_enabled,
-        )  # fmt: skip
+        )
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         token_normalizer = None
@@ -1056,22 +1137,34 @@ class MRTPOGRPOTrainer(GRPOTrainer):
 
         def head_pass(h, w, b):
             loss, _ = fused_policy_loss(
-                h, w, completion_ids, mask, inputs.get("old_per_token_logps"),
-                inputs["advantages"], epsilon_low=self.epsilon_low,
-                epsilon_high=self.epsilon_high, beta=self.beta,
+                h,
+                w,
+                completion_ids,
+                mask,
+                inputs.get("old_per_token_logps"),
+                inputs["advantages"],
+                epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                beta=self.beta,
                 ref_per_token_logps=inputs.get("ref_per_token_logps"),
-                loss_type=self.loss_type, temperature=self.temperature,
+                loss_type=self.loss_type,
+                temperature=self.temperature,
                 max_completion_length=self.max_completion_length,
-                token_normalizer=token_normalizer, lm_head_bias=b,
+                token_normalizer=token_normalizer,
+                lm_head_bias=b,
                 use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
                 **self._mrtpo_head_kw,
-            )  # fmt: skip
+            )
             with torch.no_grad():  # the metrics TRL's _compute_loss logs, from one more pass
-                logp, entropy = linear_logprobs(h.detach(), w.detach(), labels,
-                                                bias=None if b is None else b.detach(),
-                                                temperature=self.temperature,
-                                                return_entropy=True,
-                                                **self._mrtpo_head_kw)  # fmt: skip
+                logp, entropy = linear_logprobs(
+                    h.detach(),
+                    w.detach(),
+                    labels,
+                    bias=None if b is None else b.detach(),
+                    temperature=self.temperature,
+                    return_entropy=True,
+                    **self._mrtpo_head_kw,
+                )
             return loss, logp, entropy
 
         loss, logp, entropy = self._head_pass(model, head_pass, hidden, weight, bias)
@@ -1166,14 +1259,19 @@ def _router_aux_loss(model, out, attention_mask):
 
     router_logits = getattr(out, "router_logits", None)
     if not isinstance(router_logits, tuple) or not router_logits:
-        raise ValueError(f"router_aux_loss_coef: the decoder of {type(model).__name__} "
-                         "returned no router logits with output_router_logits=True")  # fmt: skip
+        raise ValueError(
+            f"router_aux_loss_coef: the decoder of {type(model).__name__} "
+            "returned no router logits with output_router_logits=True"
+        )
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     if fn is None:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as fn
     config = model.config.get_text_config()
-    experts = getattr(model, "num_experts", None) or getattr(config, "num_experts", None) \
-        or config.num_local_experts  # fmt: skip
+    experts = (
+        getattr(model, "num_experts", None)
+        or getattr(config, "num_experts", None)
+        or config.num_local_experts
+    )
     top_k = getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
     return fn(router_logits, experts, top_k, attention_mask)
 

@@ -137,11 +137,22 @@ def compute_mrtpo_outcome_advantage(
             f"got {group_ids.shape[0]}"
         )
     out = padded_token_advantages(
-        rewards, group_ids, response_mask, relevance, has_info,
-        mask_name="response_mask", weights=reward_weights, alpha=alpha, gamma=gamma,
-        eps=epsilon, eps_batch=epsilon_batch, batch_norm=batch_norm, delta=delta, clip=clip,
+        rewards,
+        group_ids,
+        response_mask,
+        relevance,
+        has_info,
+        mask_name="response_mask",
+        weights=reward_weights,
+        alpha=alpha,
+        gamma=gamma,
+        eps=epsilon,
+        eps_batch=epsilon_batch,
+        batch_norm=batch_norm,
+        delta=delta,
+        clip=clip,
         nan=nan,
-    )  # fmt: skip
+    )
     return out.token, out.token
 
 
@@ -228,13 +239,27 @@ def _make_estimator(options: dict):
 
 
 _OPTION_NAMES = frozenset(
-    ("reward_weights", "alpha", "gamma", "epsilon", "epsilon_batch", "batch_norm", "delta",
-     "clip", "nan")
-)  # fmt: skip
+    (
+        "reward_weights",
+        "alpha",
+        "gamma",
+        "epsilon",
+        "epsilon_batch",
+        "batch_norm",
+        "delta",
+        "clip",
+        "nan",
+    )
+)
 
 
-def register_with_verl(name: str = ESTIMATOR_NAME, *, patch_compute_advantage: bool = False,
-                       allow_unknown_version: bool = False, **options):  # fmt: skip
+def register_with_verl(
+    name: str = ESTIMATOR_NAME,
+    *,
+    patch_compute_advantage: bool = False,
+    allow_unknown_version: bool = False,
+    **options,
+):
     """Register MRTPO in verl's advantage-estimator registry under ``name`` ("mrtpo").
 
     Uses ``verl.trainer.ppo.core_algos.register_adv_est`` (verl's decorator; its registry is
@@ -316,10 +341,17 @@ def logprobs_from_hidden(
             f"got {tuple(labels.shape)}"
         )
     return linear_logprobs(
-        hidden, lm_head_weight, labels, bias=lm_head_bias, temperature=temperature,
-        ignore_index=ignore_index, return_entropy=return_entropy, logit_scale=logit_scale,
-        softcap=softcap, process_group=process_group,
-    )  # fmt: skip
+        hidden,
+        lm_head_weight,
+        labels,
+        bias=lm_head_bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        process_group=process_group,
+    )
 
 
 def policy_loss_from_hidden(
@@ -372,13 +404,24 @@ def policy_loss_from_hidden(
     clip_ratio_c = config_value(config, "clip_ratio_c", clip_ratio_c)
     loss_agg_mode = config_value(config, "loss_agg_mode", loss_agg_mode)
     return linear_policy_loss(
-        hidden, lm_head_weight, labels, old_log_prob, advantages, bias=lm_head_bias,
-        temperature=temperature, clip_low=clip_ratio if low is None else low,
-        clip_high=clip_ratio if high is None else high, ignore_index=ignore_index,
-        aggregation=loss_agg_mode, cu_seqlens=cu_seqlens, norm_len=norm_len,
-        clip_ratio_c=clip_ratio_c, logit_scale=logit_scale, softcap=softcap,
+        hidden,
+        lm_head_weight,
+        labels,
+        old_log_prob,
+        advantages,
+        bias=lm_head_bias,
+        temperature=temperature,
+        clip_low=clip_ratio if low is None else low,
+        clip_high=clip_ratio if high is None else high,
+        ignore_index=ignore_index,
+        aggregation=loss_agg_mode,
+        cu_seqlens=cu_seqlens,
+        norm_len=norm_len,
+        clip_ratio_c=clip_ratio_c,
+        logit_scale=logit_scale,
+        softcap=softcap,
         process_group=process_group,
-    )  # fmt: skip
+    )
 
 
 # verl releases whose ray_trainer.compute_advantage this module's patch was written against:
@@ -386,8 +429,9 @@ def policy_loss_from_hidden(
 PATCHED_VERL_VERSIONS = ("0.9.1",)
 
 
-def install_compute_advantage_patch(name: str = ESTIMATOR_NAME, *, allow_unknown_version=False,
-                                    **options):  # fmt: skip
+def install_compute_advantage_patch(
+    name: str = ESTIMATOR_NAME, *, allow_unknown_version=False, **options
+):
     """Opt-in: make ``algorithm.adv_estimator=<name>`` work through verl's own driver.
 
     Wraps ``verl.trainer.ppo.ray_trainer.compute_advantage`` so that for ``name`` it fills
@@ -460,11 +504,16 @@ def fused_causal_lm_forward(
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
     outputs = self.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        output_attentions=output_attentions,
+        output_hidden_states=output_hidden_states,
         cache_position=cache_position,
-    )  # fmt: skip
+    )
     hidden = outputs[0]
     if shift_labels is not None:
         rolled = shift_labels
@@ -476,13 +525,21 @@ def fused_causal_lm_forward(
         raise ValueError("input_ids: needs input_ids, labels or shift_labels")
     head = self.get_output_embeddings()
     log_probs, entropy = linear_logprobs(
-        hidden, head.weight, rolled, bias=getattr(head, "bias", None), temperature=temperature,
-        return_entropy=True, **logit_transform(self),
-    )  # fmt: skip
+        hidden,
+        head.weight,
+        rolled,
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        return_entropy=True,
+        **logit_transform(self),
+    )
     return CausalLMOutputForPPO(
-        log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-    )  # fmt: skip
+        log_probs=log_probs,
+        entropy=entropy,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
 
 
 def install_fused_forward(model):

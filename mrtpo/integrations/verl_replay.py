@@ -144,8 +144,9 @@ def fill_mrtpo_relevance(
         def encode(prompt):
             if isinstance(prompt, str):
                 return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                tokenize=True, **kw)  # fmt: skip
+            out = tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, **kw
+            )
             return out["input_ids"] if hasattr(out, "keys") else out
 
     from mrtpo.replay import replay_relevance
@@ -153,12 +154,20 @@ def fill_mrtpo_relevance(
     if replay_mask is None and REPLAY_MASK_KEY in keys:
         replay_mask = batch[REPLAY_MASK_KEY]
     rep = replay_relevance(
-        model, prompts, ids, spans, response_mask=mask, encode=encode,
-        prompt_ids=prompt_rows if check_prompt_ids else None, temperature=temperature,
-        micro_batch=micro_batch, max_tokens=max_tokens, num_rewards=k,
+        model,
+        prompts,
+        ids,
+        spans,
+        response_mask=mask,
+        encode=encode,
+        prompt_ids=prompt_rows if check_prompt_ids else None,
+        temperature=temperature,
+        micro_batch=micro_batch,
+        max_tokens=max_tokens,
+        num_rewards=k,
         pad_token_id=None if tokenizer is None else tokenizer.pad_token_id,
         replay_mask=replay_mask,
-    )  # fmt: skip
+    )
     batch[RELEVANCE_KEY] = rep.relevance.transpose(0, 1).contiguous().cpu()
     batch[HAS_INFO_KEY] = rep.has_info.cpu()
     return data
@@ -226,8 +235,14 @@ def replay_options(config) -> dict | None:
     if replay is None or not bool(config_value(replay, "enable", False)):
         return None
     out = {}
-    for key in ("spans_key", "prompt_key", "micro_batch", "max_tokens", "check_prompt_ids",
-                "chat_template_kwargs"):  # fmt: skip
+    for key in (
+        "spans_key",
+        "prompt_key",
+        "micro_batch",
+        "max_tokens",
+        "check_prompt_ids",
+        "chat_template_kwargs",
+    ):
         value = config_value(replay, key, None)
         if value is not None:
             if key == "chat_template_kwargs" and not isinstance(value, dict):
@@ -259,8 +274,9 @@ def worker_compute_relevance(worker, data):
     module.eval()
     try:
         with sharded_replay(module) as lm:
-            fill_mrtpo_relevance(data, inner if lm is None else lm, tokenizer,
-                                 temperature=temperature, **options)  # fmt: skip
+            fill_mrtpo_relevance(
+                data, inner if lm is None else lm, tokenizer, temperature=temperature, **options
+            )
     finally:
         module.train(was_training)
     from tensordict import TensorDict
@@ -306,10 +322,14 @@ def mrtpo_actor_worker_class(*, allow_unknown_version: bool = False):
         def compute_mrtpo_relevance(self, data):
             return worker_compute_relevance(self, data)
 
-        _WORKER_CLASS = type("MRTPOActorRolloutRefWorker", (base,), {
-            REPLAY_METHOD: register(dispatch_mode=dispatch)(compute_mrtpo_relevance),
-            "__doc__": "verl's ActorRolloutRefWorker with the MRTPO contrastive replay.",
-        })  # fmt: skip
+        _WORKER_CLASS = type(
+            "MRTPOActorRolloutRefWorker",
+            (base,),
+            {
+                REPLAY_METHOD: register(dispatch_mode=dispatch)(compute_mrtpo_relevance),
+                "__doc__": "verl's ActorRolloutRefWorker with the MRTPO contrastive replay.",
+            },
+        )
     return _WORKER_CLASS
 
 

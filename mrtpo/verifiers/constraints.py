@@ -431,11 +431,24 @@ class Quotation(Constraint):
 CONSTRAINTS: dict[str, Constraint] = {
     c.kind: c
     for c in (
-        WordCount(), KeywordInclude(), KeywordExclude(), LetterFrequency(), NoCommas(),
-        Lowercase(), Uppercase(), JsonFormat(), BulletCount(), ParagraphCount(),
-        StartPhrase(), EndPhrase(), Placeholders(), Title(), Sections(), Quotation(),
+        WordCount(),
+        KeywordInclude(),
+        KeywordExclude(),
+        LetterFrequency(),
+        NoCommas(),
+        Lowercase(),
+        Uppercase(),
+        JsonFormat(),
+        BulletCount(),
+        ParagraphCount(),
+        StartPhrase(),
+        EndPhrase(),
+        Placeholders(),
+        Title(),
+        Sections(),
+        Quotation(),
     )
-}  # fmt: skip
+}
 KINDS = tuple(CONSTRAINTS)
 
 

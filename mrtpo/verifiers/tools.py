@@ -172,11 +172,21 @@ def parse_call(response: str) -> tuple[str, dict]:
 # The JSON Schema keywords `validate_subset` understands; annotations are ignored.
 SUBSET_KEYWORDS = frozenset(
     {
-        "type", "enum", "properties", "required", "additionalProperties", "items",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-        "maxLength", "pattern",
+        "type",
+        "enum",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
     }
-)  # fmt: skip
+)
 _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$schema", "$id"})
 _TYPES = {
     "object": lambda x: isinstance(x, dict),

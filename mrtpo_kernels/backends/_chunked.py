@@ -119,8 +119,18 @@ def logprobs_spans(n: int, v: int, k: int) -> list[tuple[int, int]]:
     return balanced(n - k, max(chunk_rows(v), k))
 
 
-def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_index, with_ent,
-                        logit_scale=1.0, softcap=0.0):  # fmt: skip
+def linear_logprobs_fwd(
+    kern,
+    hidden,
+    weight,
+    bias,
+    labels,
+    temperature,
+    ignore_index,
+    with_ent,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     """(logp, entropy, lse, saved): ``saved`` is what the backward needs (above); kept
     logits are stored transformed (z), as the backward's row kernels read them."""
     acc = acc_dtype(hidden)
@@ -147,9 +157,13 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
     def stats(z, g, s, e):  # the kernel on slices of at most c rows of the span's logits z
         for a, b in balanced(e - s, c, s):
             lp, en, ls = kern.stats(
-                z[a - s : b - s], labels[a:b], inv_t, ignore_index, with_ent,
+                z[a - s : b - s],
+                labels[a:b],
+                inv_t,
+                ignore_index,
+                with_ent,
                 **norm_rows(norm, a, b),
-            )  # fmt: skip
+            )
             logp[a:b] = lp
             lse[a:b] = ls
             if with_ent:
@@ -178,9 +192,21 @@ def linear_logprobs_fwd(kern, hidden, weight, bias, labels, temperature, ignore_
 
 
 def linear_logprobs_bwd(
-    kern, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, temperature, ignore_index,
-    saved=None, logit_scale=1.0, softcap=0.0,
-):  # fmt: skip
+    kern,
+    hidden,
+    weight,
+    bias,
+    labels,
+    lse,
+    ent,
+    g_logp,
+    g_ent,
+    temperature,
+    ignore_index,
+    saved=None,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     """(dh, dW, db); ``saved``: the forward's fourth output (or None: recompute all)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
@@ -192,18 +218,36 @@ def linear_logprobs_bwd(
         if saved is not None and saved.numel() == 2 * n and takes_norm(kern):
             norm = saved.view(2, n)
         return _backward_by_vocab(
-            kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
-            ignore_index, norm,
-        )  # fmt: skip
+            kern,
+            head,
+            hidden,
+            weight,
+            bias,
+            labels,
+            lse,
+            ent,
+            g_logp,
+            g_ent,
+            inv_t,
+            ignore_index,
+            norm,
+        )
     kept, k = kept_from(saved, n, v)
     spans = grad_spans(n, v, k, head.low)
 
     def grad(z, g, a, b):  # the kernel on rows [a, b): dL/dz in place, or into g
         kern.grad_(
-            z, labels[a:b], lse[a:b], None if ent is None else ent[a:b], g_logp[a:b],
-            None if g_ent is None else g_ent[a:b], inv_t, ignore_index, **_out(g, 0, b - a),
+            z,
+            labels[a:b],
+            lse[a:b],
+            None if ent is None else ent[a:b],
+            g_logp[a:b],
+            None if g_ent is None else g_ent[a:b],
+            inv_t,
+            ignore_index,
+            **_out(g, 0, b - a),
             **ckw,
-        )  # fmt: skip
+        )
 
     return _run_backward(
         head, hidden, weight, bias, spans, kept, k, grad, chunk_rows(v), need_dw=True
@@ -259,8 +303,7 @@ def _run_backward(head, hidden, weight, bias, spans, kept, k, row_fn, c, need_dw
             if need_dw:
                 gd = g if sep else z_span
                 # dh[s:e] = G W and dW (=, first buffer; +=, later) G^T h[s:e]: Head.backward
-                head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None,
-                              first)  # fmt: skip
+                head.backward(gd, hidden[s:e], dh[s:e], dw, db if bias is not None else None, first)
                 first = False
     finally:
         if lanes is not None:  # also on an exception: see _RowLanes
@@ -338,8 +381,21 @@ def _low_memory(kern, weight) -> bool:
     return low_memory_for(kern, weight.numel())
 
 
-def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_logp, g_ent, inv_t,
-                       ignore_index, norm=None):  # fmt: skip
+def _backward_by_vocab(
+    kern,
+    head,
+    hidden,
+    weight,
+    bias,
+    labels,
+    lse,
+    ent,
+    g_logp,
+    g_ent,
+    inv_t,
+    ignore_index,
+    norm=None,
+):
     """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
     again (GEMM), dz from each row's saved (raw max, log s) ``norm`` (the forward's;
     without one, from the saved lse), dW[v0:v1] = dz^T h written once in the weight's dtype
@@ -363,8 +419,9 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
         # logits[:, v0:v1] = h W[v0:v1]^T (+ b), fp32, all N rows: the recompute GEMM
         z = head.logits(hidden, flat[: n * (v1 - v0)].view(n, v1 - v0), w_c, b_c)
         g = None if g16 is None else g16[: n * (v1 - v0)].view(n, v1 - v0)
-        kern.grad_cols_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v,
-                        **_out(g, 0, n), **nkw)  # fmt: skip
+        kern.grad_cols_(
+            z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v0, v, **_out(g, 0, n), **nkw
+        )
         if head.low:
             # dW[v0:v1] = G^T h, written once in the weight's dtype (fp32 inside the GEMM)
             torch.mm(g.t(), hidden, out=dw[v0:v1])
@@ -379,8 +436,9 @@ def _backward_by_vocab(kern, head, hidden, weight, bias, labels, lse, ent, g_log
     return dh32.to(hidden.dtype), dw, db
 
 
-def linear_js_distance(kern, hidden_p, hidden_q, weight, bias, temperature, logit_scale=1.0,
-                       softcap=0.0):  # fmt: skip
+def linear_js_distance(
+    kern, hidden_p, hidden_q, weight, bias, temperature, logit_scale=1.0, softcap=0.0
+):
     acc = acc_dtype(hidden_p)
     k, n = hidden_q.shape[0], hidden_p.shape[0]
     v = weight.shape[0]
@@ -494,9 +552,18 @@ def js_distance(kern, logits_p, logits_q, temperature):
 
 
 def linear_policy_loss(
-    kern, hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg,
+    kern,
+    hidden,
+    weight,
+    bias,
+    labels,
+    old_logp,
+    advantages,
+    token_weight,
+    ref_logp,
+    cfg,
     need_grad,
-):  # fmt: skip
+):
     """(loss, logp, clipped, dh, dw, db): the clipped-surrogate loss sum_t token_weight[t]
     L_t and, with need_grad, its gradient in the same pass; ``cfg`` the op's scalar
     settings (``PolicyLossSettings``), handed to the row kernel as they are."""
@@ -506,18 +573,34 @@ def linear_policy_loss(
     ref_logp = _none_if_empty(ref_logp)
     if need_grad and _low_memory(kern, weight):
         return _policy_by_vocab(
-            kern, head, hidden, weight, bias, labels, old_logp, advantages, token_weight,
-            ref_logp, cfg,
-        )  # fmt: skip
+            kern,
+            head,
+            hidden,
+            weight,
+            bias,
+            labels,
+            old_logp,
+            advantages,
+            token_weight,
+            ref_logp,
+            cfg,
+        )
     logp = hidden.new_empty(n, dtype=acc)
     clipped = hidden.new_empty(n, dtype=acc)
     loss = hidden.new_zeros((), dtype=acc)
 
     def rows(z, g, a, b):  # the token terms and, with need_grad, dL/dz in place or into g
         per_tok, lp, cl = kern.policy_(
-            z, labels[a:b], old_logp[a:b], advantages[a:b], token_weight[a:b],
-            None if ref_logp is None else ref_logp[a:b], cfg, need_grad, **_out(g, 0, b - a),
-        )  # fmt: skip
+            z,
+            labels[a:b],
+            old_logp[a:b],
+            advantages[a:b],
+            token_weight[a:b],
+            None if ref_logp is None else ref_logp[a:b],
+            cfg,
+            need_grad,
+            **_out(g, 0, b - a),
+        )
         loss.add_((per_tok * token_weight[a:b]).sum())
         logp[a:b] = lp
         clipped[a:b] = cl
@@ -529,8 +612,9 @@ def linear_policy_loss(
     return loss, logp, clipped, dh, dw, db
 
 
-def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old_logp, advantages,
-                     token_weight, ref_logp, cfg):  # fmt: skip
+def _policy_by_vocab(
+    kern, head, hidden, weight, bias, labels, old_logp, advantages, token_weight, ref_logp, cfg
+):
     """Low-memory policy loss: the log-probs and lse by token chunks (1 GEMM), the token
     terms from them, then the vocabulary-chunked backward (3 GEMMs: one is a recompute)."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -544,9 +628,7 @@ def _policy_by_vocab(kern, head, hidden, weight, bias, labels, old_logp, advanta
     for s, e in balanced(n, c):
         # logits = h[s:e] W^T (+ b), fp32: the forward's one GEMM per token chunk
         z = head.logits(hidden[s:e], buf)
-        lp, _, ls = kern.stats(
-            z, labels[s:e], inv_t, ignore_index, False, **norm_rows(norm, s, e)
-        )  # fmt: skip
+        lp, _, ls = kern.stats(z, labels[s:e], inv_t, ignore_index, False, **norm_rows(norm, s, e))
         logp[s:e] = lp
         lse[s:e] = ls
     del buf

@@ -54,10 +54,17 @@ class Backend(Protocol):
 
 class LinearLogprobsEntryPoints(Protocol):
     def linear_logprobs_fwd(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        temperature: float, ignore_index: int, with_entropy: bool, logit_scale: float = 1.0,
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        temperature: float,
+        ignore_index: int,
+        with_entropy: bool,
+        logit_scale: float = 1.0,
         softcap: float = 0.0,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """hidden (N, d), weight (V, d), bias (V,) | None, labels (N,) int64 ->
         (logp (N,), entropy (N,) or (0,), lse (N,), saved): lse the log-normalizer of
         logits / temperature, kept for the backward; ``saved`` a flat tensor of what else
@@ -66,11 +73,21 @@ class LinearLogprobsEntryPoints(Protocol):
         ...
 
     def linear_logprobs_bwd(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        lse: Tensor, entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor,
-        temperature: float, ignore_index: int, saved: Tensor | None = None,
-        logit_scale: float = 1.0, softcap: float = 0.0,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        lse: Tensor,
+        entropy: Tensor,
+        grad_logp: Tensor,
+        grad_entropy: Tensor,
+        temperature: float,
+        ignore_index: int,
+        saved: Tensor | None = None,
+        logit_scale: float = 1.0,
+        softcap: float = 0.0,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """entropy and grad_entropy (N,) or (0,) -> (grad_hidden (N, d), grad_weight (V, d)
         fp32, grad_bias (V,) fp32 or (0,)). saved: the forward's, or None (then the
         backward recomputes what it needs); it may be overwritten."""
@@ -79,26 +96,43 @@ class LinearLogprobsEntryPoints(Protocol):
 
 class LogprobsFromLogitsEntryPoints(Protocol):
     def logprobs_from_logits_fwd(
-        self, logits: Tensor, labels: Tensor, temperature: float, ignore_index: int,
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        temperature: float,
+        ignore_index: int,
         with_entropy: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """logits (N, V) -> as ``linear_logprobs_fwd``."""
         ...
 
     def logprobs_from_logits_bwd(
-        self, logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
-        grad_logp: Tensor, grad_entropy: Tensor, temperature: float, ignore_index: int,
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        lse: Tensor,
+        entropy: Tensor,
+        grad_logp: Tensor,
+        grad_entropy: Tensor,
+        temperature: float,
+        ignore_index: int,
         saved: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """-> grad_logits (N, V) in the logits' dtype."""
         ...
 
 
 class LinearJSDistanceEntryPoints(Protocol):
     def linear_js_distance(
-        self, hidden_p: Tensor, hidden_q: Tensor, weight: Tensor, bias: Tensor | None,
-        temperature: float, logit_scale: float = 1.0, softcap: float = 0.0,
-    ) -> Tensor:  # fmt: skip
+        self,
+        hidden_p: Tensor,
+        hidden_q: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        temperature: float,
+        logit_scale: float = 1.0,
+        softcap: float = 0.0,
+    ) -> Tensor:
         """hidden_p (N, d), hidden_q (K, N, d) -> distances (K, N)."""
         ...
 
@@ -111,10 +145,18 @@ class JSDistanceEntryPoints(Protocol):
 
 class LinearPolicyLossEntryPoints(Protocol):
     def linear_policy_loss(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-        old_logp: Tensor, advantages: Tensor, token_weight: Tensor, ref_logp: Tensor,
-        cfg: PolicyLossSettings, need_grad: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        token_weight: Tensor,
+        ref_logp: Tensor,
+        cfg: PolicyLossSettings,
+        need_grad: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """old_logp, advantages, token_weight (N,), ref_logp (N,) or (0,) -> (loss (),
         logp (N,), clipped (N,), grad_hidden (N, d) or (0,), grad_weight (V, d) fp32 or
         (0,), grad_bias (V,) fp32 or (0,)): loss = sum_t token_weight[t] L_t and its
@@ -127,10 +169,21 @@ class LinearPolicyLossEntryPoints(Protocol):
 
 class TokenAdvantagesEntryPoints(Protocol):
     def mrtpo_token_advantages(
-        self, per_reward: Tensor, lam: Tensor, has_info: Tensor, relevance: Tensor,
-        cu_seqlens: Tensor, mean: Tensor, std: Tensor, alpha: float, gamma: float,
-        eps_batch: float, delta: float, clip_min: float, clip_max: float,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        self,
+        per_reward: Tensor,
+        lam: Tensor,
+        has_info: Tensor,
+        relevance: Tensor,
+        cu_seqlens: Tensor,
+        mean: Tensor,
+        std: Tensor,
+        alpha: float,
+        gamma: float,
+        eps_batch: float,
+        delta: float,
+        clip_min: float,
+        clip_max: float,
+    ) -> tuple[Tensor, Tensor]:
         """per_reward (n, K), lam (K,), has_info (n, K) bool, relevance (K, N), cu_seqlens
         (n + 1,) int64, mean and std () -> (token (N,), allocation (K, N)); clip_min /
         clip_max of 0 / inf mean no clip."""
@@ -195,10 +248,18 @@ class RowKernel(Protocol):
         ...
 
     def grad_(
-        self, z: Tensor, labels: Tensor, lse: Tensor, ent: Tensor | None, g_logp: Tensor,
-        g_ent: Tensor | None, inv_t: float, ignore_index: int, logit_scale: float = 1.0,
+        self,
+        z: Tensor,
+        labels: Tensor,
+        lse: Tensor,
+        ent: Tensor | None,
+        g_logp: Tensor,
+        g_ent: Tensor | None,
+        inv_t: float,
+        ignore_index: int,
+        logit_scale: float = 1.0,
         softcap: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """dL/dz for upstream g_logp (and g_ent), written over z (or into ``out=``); dL/dr
         with an active logit transform."""
         ...
@@ -211,10 +272,16 @@ class RowKernel(Protocol):
         ...
 
     def policy_(
-        self, z: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor,
-        token_weight: Tensor, ref_logp: Tensor | None, cfg: PolicyLossSettings,
+        self,
+        z: Tensor,
+        labels: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        token_weight: Tensor,
+        ref_logp: Tensor | None,
+        cfg: PolicyLossSettings,
         need_grad: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """-> (per-token loss, logp, clipped); with need_grad, dL/dz for the token weights
         written over z (or into ``out=``). ``cfg``: the scalar settings (the temperature
         among them: the kernel forms 1 / cfg.temperature itself)."""
@@ -225,18 +292,36 @@ class RowKernel(Protocol):
         raise NotImplementedError(f"{type(self).__name__} does not declare JS_MANY")
 
     def grad_cols_(
-        self, z: Tensor, labels: Tensor, lse: Tensor, ent: Tensor | None, g_logp: Tensor,
-        g_ent: Tensor | None, inv_t: float, ignore_index: int, v_lo: int, vocab: int,
-        out: Tensor | None = None, logit_scale: float = 1.0, softcap: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        z: Tensor,
+        labels: Tensor,
+        lse: Tensor,
+        ent: Tensor | None,
+        g_logp: Tensor,
+        g_ent: Tensor | None,
+        inv_t: float,
+        ignore_index: int,
+        v_lo: int,
+        vocab: int,
+        out: Tensor | None = None,
+        logit_scale: float = 1.0,
+        softcap: float = 0.0,
+    ) -> None:
         """GRAD_COLS: dL/dz for the vocabulary columns [v_lo, v_lo + z.shape[1]) of all
         rows (of a vocabulary of ``vocab``), over z or into ``out``."""
         raise NotImplementedError(f"{type(self).__name__} does not declare GRAD_COLS")
 
     def policy_terms(
-        self, logp: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor,
-        token_weight: Tensor, ref_logp: Tensor | None, vocab: int, cfg: PolicyLossSettings,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        self,
+        logp: Tensor,
+        labels: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        token_weight: Tensor,
+        ref_logp: Tensor | None,
+        vocab: int,
+        cfg: PolicyLossSettings,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """GRAD_COLS: the token terms from log-probs -> (per-token loss, clipped, g), g
         the upstream gradient of each row's log-prob for grad_cols_."""
         raise NotImplementedError(f"{type(self).__name__} does not declare GRAD_COLS")

@@ -87,8 +87,9 @@ class _TorchChunkKernel(RowKernel):
         return logp, ent, lse
 
     @staticmethod
-    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, logit_scale=1.0,
-              softcap=0.0):  # fmt: skip
+    def grad_(
+        z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, logit_scale=1.0, softcap=0.0
+    ):
         # dlogp/dz = onehot - p ; dH/dz = -p (log p + H) ; both times 1/tau for the logits.
         # The row's max and sum are recomputed (the saved lse is rounded at large |z / tau|).
         valid, use, safe = _label_masks(labels, ignore_index, z.shape[-1])

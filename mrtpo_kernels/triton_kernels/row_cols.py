@@ -146,9 +146,21 @@ def _policy_terms_kernel(
 
 
 def grad_cols_(
-    z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, v_lo, vocab, out=None, norm=None,
-    logit_scale=1.0, softcap=0.0,
-):  # fmt: skip
+    z,
+    labels,
+    lse,
+    ent,
+    g_logp,
+    g_ent,
+    inv_t,
+    ignore_index,
+    v_lo,
+    vocab,
+    out=None,
+    norm=None,
+    logit_scale=1.0,
+    softcap=0.0,
+):
     """dL/dz of vocabulary columns [v_lo, v_lo + z.shape[1]) of every row, from the saved lse
     (and entropy), in place or into ``out``. With ``norm``, the (2, rows) raw max and log s
     that ``stats(..., norm=)`` wrote for these rows, log p is formed from them instead of

@@ -88,15 +88,47 @@ def _stats_rows_kernel(
     r = tl.program_id(0)
     row_ptr = z_ptr + _row_offset(r, stride_z)
     m, s, t, bad = _row_scan(row_ptr, V, inv_t, WITH_ENT, BLOCK)
-    _store_stats(row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride,
-                 m, s, t, bad, inv_t, ignore_index, WITH_ENT, WITH_NORM)  # fmt: skip
+    _store_stats(
+        row_ptr,
+        r,
+        labels_ptr,
+        logp_ptr,
+        ent_ptr,
+        lse_ptr,
+        norm_ptr,
+        V,
+        norm_stride,
+        m,
+        s,
+        t,
+        bad,
+        inv_t,
+        ignore_index,
+        WITH_ENT,
+        WITH_NORM,
+    )
 
 
 @triton.jit
 def _store_stats(
-    row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride, m, s, t, bad,
-    inv_t, ignore_index, WITH_ENT: tl.constexpr, WITH_NORM: tl.constexpr,
-):  # fmt: skip
+    row_ptr,
+    r,
+    labels_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    norm_ptr,
+    V,
+    norm_stride,
+    m,
+    s,
+    t,
+    bad,
+    inv_t,
+    ignore_index,
+    WITH_ENT: tl.constexpr,
+    WITH_NORM: tl.constexpr,
+):
     """Row r's outputs from its (M, s, t, bad): log p (the label's x less log s), lse,
     entropy, and with WITH_NORM the (M, log s) pair; NaN for an undefined row, 0 for an
     ignored one (the header's rules)."""
@@ -180,8 +212,25 @@ def _stats_merge_kernel(
     bad = tl.max(tl.load(part_ptr + 3 * plane + at, mask=live, other=0.0), axis=0)
     mx, s_all, t_all = _merge_parts(m, s, t, inv_t, WITH_ENT)
     row_ptr = z_ptr + _row_offset(r, stride_z)
-    _store_stats(row_ptr, r, labels_ptr, logp_ptr, ent_ptr, lse_ptr, norm_ptr, V, norm_stride,
-                 mx, s_all, t_all, bad, inv_t, ignore_index, WITH_ENT, WITH_NORM)  # fmt: skip
+    _store_stats(
+        row_ptr,
+        r,
+        labels_ptr,
+        logp_ptr,
+        ent_ptr,
+        lse_ptr,
+        norm_ptr,
+        V,
+        norm_stride,
+        mx,
+        s_all,
+        t_all,
+        bad,
+        inv_t,
+        ignore_index,
+        WITH_ENT,
+        WITH_NORM,
+    )
 
 
 @triton.jit
@@ -511,8 +560,19 @@ class TritonRowKernel:
         return logp, (ent if with_ent else None), lse
 
     @staticmethod
-    def grad_(z, labels, lse, ent, g_logp, g_ent, inv_t, ignore_index, out=None,
-              logit_scale=1.0, softcap=0.0):  # fmt: skip
+    def grad_(
+        z,
+        labels,
+        lse,
+        ent,
+        g_logp,
+        g_ent,
+        inv_t,
+        ignore_index,
+        out=None,
+        logit_scale=1.0,
+        softcap=0.0,
+    ):
         """dL/dz over z in place, or into ``out`` (same rows). The row's max and sum are
         recomputed from z (lse is not read: it is rounded at large |z / tau|). With a logit
         transform (logit_scale, softcap; z the transformed logits), dL/dr."""
