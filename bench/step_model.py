@@ -500,7 +500,7 @@ def h200_rates(decoder_share: float = 0.5) -> GpuRates:
     js = float(rows[("linear_js_distance", "mrtpo-triton")]["tflops"])
     adv = rows[("advantages", "mrtpo-triton")]
     adv_rate = float(adv["ms_p50"]) / (int(adv["N"]) * int(adv["K"]) / 1e6)
-    return GpuRates(gemm, pol, js, gemm * decoder_share, adv_rate, f"{GPU_RECORD}.md (H200)")
+    return GpuRates(gemm, pol, js, gemm * decoder_share, adv_rate, f"{GPU_RECORD}.md")
 
 
 def gpu_parts(
