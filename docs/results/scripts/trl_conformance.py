@@ -290,7 +290,14 @@ def run(args) -> int:
     env = dict(os.environ, MRTPO_CONFORMANCE_TRAINER=args.trainer, HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
                PYTHONPATH=path, MRTPO_CONFORMANCE_TRAIN_ROWS=str(args.train_rows))  # fmt: skip
-    cmd = [sys.executable, "-m", "pytest", "trl_tests/test_grpo_trainer.py", "-k", k,
+    targets = ["trl_tests/test_grpo_trainer.py"]
+    if args.nodes:  # exactly these tests (ids as pytest --collect-only -q prints them)
+        lines = Path(args.nodes).read_text().split()
+        targets = [t for t in lines if t.startswith("trl_tests/test_grpo_trainer.py::")]
+        if not targets or len(targets) != len(lines):
+            raise SystemExit(f"--nodes: expected test ids 'trl_tests/test_grpo_trainer.py::"
+                             f"Class::test', one per line, in {args.nodes}")  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", *targets, "-k", k,
            "-p", "no:cacheprovider", "-o", "addopts=", "-q", f"--junitxml={xml}",
            "--rootdir", str(work), *args.pytest_args]  # fmt: skip
     print(" ".join(cmd), flush=True)
@@ -345,6 +352,8 @@ def main(argv=None) -> int:
     r.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder")
     r.add_argument("-k", default=None, help="pytest -k expression selecting a chunk")
     r.add_argument("--chunk", default="all", help="name of this chunk's result file")
+    r.add_argument("--nodes", default=None, help="a file of test ids, one per line (as "
+                   "pytest --collect-only -q prints them in WORK): run exactly those")  # fmt: skip
     r.add_argument("--train-rows", type=int, default=17, choices=range(1, 18),
                    metavar="1..17", help="rows of the zen train split (TRL's has 17; fewer "
                    "rows, fewer steps: every test trains num_train_epochs over it)")  # fmt: skip
