@@ -17,6 +17,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from .allocation import CREDIT_MODES, RELEVANCES
 from .builtin_models import (
     BUILTIN_MODELS,
     CACHE_ENV,
@@ -28,8 +29,6 @@ from .builtin_models import (
 from .model_folder import check_model_folder
 
 ALGOS = ("grpo", "gdpo", "mrtpo")
-RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
-CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
 # what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
 VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
 TASKS = (
