@@ -118,3 +118,19 @@ def test_no_decision_changes_nothing_and_unknown_finish_moves_no_token():
     with pytest.raises(ValueError, match="^relevance: 'control' needs"):
         allocating_relevance("control", packed, has_info, lengths)
     assert allocation.__all__ == ["CREDIT_MODES", "RELEVANCES", "REPLAY_RELEVANCES", "Allocation"]
+
+
+def test_stop_credit_on_a_batch_without_tokens():
+    """TRL masks truncated completions whole (``mask_truncated_completions``): a batch may
+    hold no completion token at all, and a response of one token keeps its d^gamma."""
+    rel = torch.zeros(2, 3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    finished = torch.zeros(3, dtype=torch.bool)
+    got, _, gamma = allocation_inputs(
+        Allocation("js", "uniform"), rel, torch.ones(3, 2, dtype=torch.bool), 2.0,
+        mask=mask, finished=finished,
+    )  # fmt: skip
+    assert got.shape == (2, 3, 4) and not got.any() and gamma == 1.0
+    one = stop_token_at_mean(torch.tensor([[0.5, 0.2, 0.4]]), torch.tensor([1, 2]),
+                             torch.tensor([True, True]), 1.0)  # fmt: skip
+    torch.testing.assert_close(one, torch.tensor([[0.5, 0.2, 0.2]], dtype=torch.float64))

@@ -66,8 +66,8 @@ def stop_token_at_mean(relevance, lengths, finished, gamma):
     seg = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
     sums = torch.zeros(p.shape[0], len(lengths), dtype=p.dtype, device=p.device)
     sums = sums.index_add_(1, seg, p)
-    others = (sums - p[:, last]) / (lengths - 1).clamp(min=1)
-    p[:, last[pick]] = others[:, pick]
+    at = last[pick]  # only the picked responses' last tokens (an empty response has none)
+    p[:, at] = (sums[:, pick] - p[:, at]) / (lengths[pick] - 1)
     return p
 
 
