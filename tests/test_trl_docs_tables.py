@@ -96,12 +96,12 @@ def test_every_name_a_training_run_logs_is_in_the_metrics_tables(tmp_path):
     missing = sorted(k for k in logged if not metrics.documented(k))
     assert missing == [], f"logged but not in docs/trl.md's tables: {missing}"
     names = trainer.reward_func_names
-    for row in metrics.MRTPO_METRICS:
+    for row in metrics.OWN_METRICS:
         for pattern in row:
             want = {pattern.format(reward=r) for r in names} if "{reward}" in pattern else {pattern}
             assert want & logged, f"{pattern}: in the table but never logged"
     table = docs_pages.section("trl-metrics")
-    for row in (*metrics.MRTPO_METRICS, *metrics.TRL_METRICS):
+    for row in (*metrics.OWN_METRICS, *metrics.TRL_METRICS):
         for name in row:
             assert f"`{name.replace('{reward}', '<reward>')}`" in table
     for column in metrics.COMPLETION_COLUMNS:

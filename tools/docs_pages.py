@@ -226,7 +226,7 @@ def trl_metrics() -> str:
     ]
     return "\n".join(
         ["**MRTPO's**", ""]
-        + _metric_rows(metrics.MRTPO_METRICS)
+        + _metric_rows(metrics.OWN_METRICS)
         + ["", "**TRL's, as MRTPOGRPOTrainer logs them**", ""]
         + _metric_rows(metrics.TRL_METRICS)
         + ["", "**Columns of the completions table** (`log_completions=True`)", ""]

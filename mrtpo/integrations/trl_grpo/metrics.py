@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["COMPLETION_COLUMNS", "MRTPO_METRICS", "TRL_METRICS", "documented"]
+__all__ = ["COMPLETION_COLUMNS", "OWN_METRICS", "TRL_METRICS", "documented"]
 
 # MRTPO's own metric names, as the trainer writes them
 GDPO_STD = "mrtpo/gdpo_std/{reward}"
@@ -23,7 +23,7 @@ REPLAY_SKIPPED_OF = "mrtpo/replay/skipped/{reward}"
 REPLAY_SECONDS = "mrtpo/replay_seconds"
 
 # Each row: the names it covers -> their definition.
-MRTPO_METRICS: dict[tuple[str, ...], str] = {
+OWN_METRICS: dict[tuple[str, ...], str] = {
     (GDPO_STD,): "mean over the step's groups of the unbiased std of that reward within the "
     "group (all processes; a missing reward counts 0): what its GDPO advantage divides by "
     '(with `scale_rewards` "group"; "batch" divides by the reward\'s batch std, "none" by '
@@ -116,7 +116,7 @@ def documented(name: str) -> bool:
     """Whether the logged name ``name`` is a row's name (``{reward}``: any reward's name)."""
     return any(
         _pattern(n).match(name)
-        for table in (MRTPO_METRICS, TRL_METRICS)
+        for table in (OWN_METRICS, TRL_METRICS)
         for row in table
         for n in row
     )
