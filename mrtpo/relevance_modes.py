@@ -8,7 +8,9 @@ step asks of its mode, in the order it asks.
 3. ``relevance(replay, k, lengths, oracle)``: the (K, N) relevance of the step's response
    tokens, the one its metrics report.
 4. ``allocating(relevance, has_info, lengths, control)``: the relevance that allocates each
-   reward's advantage (before the gamma exponent of ``mrtpo_token_advantages``).
+   reward's advantage (before the gamma exponent of ``mrtpo_token_advantages``), as
+   ``mrtpo.allocation.tensors.allocating_relevance`` defines each form (the home of the
+   allocation decisions, shared with the TRL trainer).
 
 The trainer looks its mode up once per step (``step_mode``). The baselines (grpo, gdpo)
 allocate nothing; where they replay (``--replay-for-baselines``) they report the JS distance,
@@ -21,15 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from mrtpo_kernels import specific_relevance
-
+from .allocation.tensors import allocating_relevance
 from .replay import ReplayResult, control_span
-
-
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(lengths, 0)
-    return cu
 
 
 class RelevanceMode:
@@ -64,7 +59,8 @@ class RelevanceMode:
         return self._replayed(rep).float().cpu()
 
     def allocating(self, relevance, has_info, lengths, control=None) -> torch.Tensor:
-        return relevance
+        """The relevance form applied (``mrtpo.allocation.tensors.allocating_relevance``)."""
+        return allocating_relevance(self.name, relevance, has_info, lengths, control)
 
 
 class JSRelevance(RelevanceMode):
@@ -81,9 +77,6 @@ class SpecificRelevance(RelevanceMode):
     name = "specific"
     mixes_rewards = True
 
-    def allocating(self, relevance, has_info, lengths, control=None) -> torch.Tensor:
-        return specific_relevance(relevance, has_info, cu_seqlens=_cu_seqlens(lengths))
-
 
 class ControlRelevance(RelevanceMode):
     """control: d_k minus d_ctrl, the distance under removal of an unchecked prompt span of
@@ -93,13 +86,6 @@ class ControlRelevance(RelevanceMode):
 
     def control_spans(self, examples, spans) -> list:
         return [control_span(ex.prompt, sp) for ex, sp in zip(examples, spans)]
-
-    def allocating(self, relevance, has_info, lengths, control=None) -> torch.Tensor:
-        if control is None:
-            raise ValueError("relevance: 'control' needs the control replay's distances")
-        return specific_relevance(
-            relevance, has_info, control=control, cu_seqlens=_cu_seqlens(lengths)
-        )
 
 
 class LogRatioRelevance(RelevanceMode):

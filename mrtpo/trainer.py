@@ -45,6 +45,11 @@ from mrtpo_kernels import (
     mrtpo_token_advantages,
 )
 
+from .allocation import Allocation
+from .allocation.tensors import (
+    allocation_inputs,
+    stop_token_at_mean,  # noqa: F401 - its import path before
+)
 from .builtin_models import is_builtin
 from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
 from .config import TrainConfig
@@ -62,7 +67,7 @@ from .model import (
 from .model_folder import check_model_folder
 from .pretrained import stored_dtype
 from .prompting import ChatPrompter
-from .relevance_modes import relevance_mode, step_mode
+from .relevance_modes import step_mode
 from .replay import ReplayResult, contrastive_replay, replay_mask_from_rewards
 from .report import pair_status, plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
@@ -114,48 +119,30 @@ def oracle_relevance(task, ro, lengths) -> torch.Tensor:
     return rel
 
 
-def stop_token_at_mean(relevance, lengths, finished, gamma):
-    """``relevance`` (K, N) raised to ``gamma`` in float64, with the last token of each
-    finished response (``finished`` (n,) bool, at least 2 tokens) set to the mean of d^gamma
-    over the response's other tokens. Allocate it with gamma 1: its weight is then 1 for
-    every reward (GDPO's share of the stop decision), every other token's weight is d^gamma
-    over that mean (as in the response without its stop token), and the delta test sees the
-    same mean.
-
-    The power is handed over, not the d whose power it is ((mean d^gamma)^(1/gamma)): that d
-    leaves every float's range at small gamma (0.5^1000 at gamma 1e-3), and even in range
-    rounding it to float32 before the kernel raises it again to gamma moved the weights; at
-    gamma 0.01 the stop token's d underflowed to 0 (weight 0, the others' weights shifted).
-    d^gamma itself lies in [0, 1] (d is a distance) and needs no range."""
-    last = torch.cumsum(lengths, 0) - 1
-    pick = finished & (lengths >= 2)
-    p = relevance.clamp(min=0).double() ** gamma
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    sums = torch.zeros(p.shape[0], len(lengths), dtype=p.dtype).index_add_(1, seg, p)
-    others = (sums - p[:, last]) / (lengths - 1).clamp(min=1)
-    p[:, last[pick]] = others[:, pick]
-    return p
-
-
 def compute_advantages(
     algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None, finished=None
 ):
     """Token advantages (N,) packed, and the allocation weights (K, N) actually applied.
-    Under mrtpo, ``relevance`` (K, N) allocates as ``cfg.relevance``'s mode makes it
-    (``RelevanceMode.allocating``; ``control``: d_ctrl (N,) of the control mode); with
-    ``cfg.stop_credit == "uniform"`` the stop token of each ``finished`` (n,) response
-    takes weight 1 (``stop_token_at_mean``)."""
+    Under mrtpo, ``relevance`` (K, N) allocates as ``cfg``'s allocation decisions make it
+    (``mrtpo.allocation.tensors.allocation_inputs``: ``cfg.truncated_credit`` on the
+    responses not ``finished`` (n,) bool, the relevance form ``cfg.relevance``, with
+    ``control`` the d_ctrl (N,) of the control form, and ``cfg.stop_credit`` on the stop
+    token of each finished response; ``finished`` None: neither credit rule applies)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
     k, n_tok = rewards.shape[1], int(cu[-1])
     uniform = torch.ones((k, n_tok), dtype=torch.float32)
     if algo == "mrtpo":
-        relevance = relevance_mode(cfg.relevance).allocating(relevance, has_info, lengths, control)
-        gamma = cfg.gamma
-        if cfg.stop_credit == "uniform" and finished is not None:
-            # float64 d^gamma allocated with gamma 1 (the op computes in float64 for it)
-            relevance = stop_token_at_mean(relevance, lengths, finished, cfg.gamma)
-            gamma = 1.0
+        allocation = Allocation(cfg.relevance, cfg.stop_credit, cfg.truncated_credit)
+        relevance, has_info, gamma = allocation_inputs(
+            allocation,
+            relevance,
+            has_info,
+            cfg.gamma,
+            lengths=lengths,
+            finished=finished,
+            control=control,
+        )
         ta = mrtpo_token_advantages(
             rewards,
             group_ids,
@@ -398,20 +385,19 @@ class Trainer:
             rep, self.k, lengths, oracle=lambda: oracle_relevance(self.task, ro, lengths)
         )
         d_ctrl = None if rep.control is None else rep.control.float().cpu()
-        cut = torch.tensor(ro.truncated or [False] * len(lengths), dtype=torch.bool)
-        alloc_info = has_info
-        if cfg.truncated_credit == "uniform":
-            alloc_info = has_info & ~cut[:, None]  # no spans: the GDPO broadcast
+        finished = None  # unknown: neither credit rule applies
+        if ro.truncated is not None:
+            finished = ~torch.tensor(ro.truncated, dtype=torch.bool)
         adv, alloc = compute_advantages(
             cfg.algo,
             ro.rewards,
             ro.group_ids,
             relevance,
-            alloc_info,
+            has_info,
             lengths,
             cfg,
             d_ctrl,
-            finished=None if ro.truncated is None else ~cut,  # unknown: no stop token moved
+            finished=finished,
         )
         ref_logp = None
         if self.ref is not None:

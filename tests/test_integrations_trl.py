@@ -14,6 +14,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from mrtpo.integrations import trl_trainer  # noqa: E402
+from mrtpo.integrations.trl_grpo import rewards as trl_rewards  # noqa: E402
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 
 PROMPTS = ["count the apples", "name a colour", "add two and three", "spell cat"]
@@ -158,6 +159,7 @@ def test_the_trainer_is_a_grpo_trainer_and_the_functions_need_no_trl():
     """``class MRTPOGRPOTrainer(GRPOTrainer)`` at module level (a plain import, no module
     ``__getattr__``); ``mrtpo.integrations.trl`` and the other framework-free modules import
     where TRL cannot be imported, and the trainer's module then says what to install."""
+    import inspect
     import subprocess
     import sys
 
@@ -165,7 +167,17 @@ def test_the_trainer_is_a_grpo_trainer_and_the_functions_need_no_trl():
 
     assert issubclass(MRTPOGRPOTrainer, trl.GRPOTrainer)
     assert issubclass(MRTPOConfig, trl.GRPOConfig)
-    assert MRTPOGRPOTrainer.__module__ == "mrtpo.integrations.trl_trainer"
+    # laid out as TRL lays out GRPO (config, rewards, trainer), re-exported by trl_trainer
+    assert MRTPOGRPOTrainer.__module__ == "mrtpo.integrations.trl_grpo.trainer"
+    assert MRTPOConfig.__module__ == "mrtpo.integrations.trl_grpo.config"
+    assert (MRTPOGRPOTrainer._name, MRTPOGRPOTrainer._tag_names) == (
+        "MRTPO",
+        ["trl", "grpo", "mrtpo"],
+    )
+    # keyword-only, as TRL's trainers are called (model=, reward_funcs=, args=, ...)
+    params = list(inspect.signature(MRTPOGRPOTrainer.__init__).parameters.values())[1:]
+    assert [p.name for p in params[:3]] == ["model", "reward_funcs", "args"]
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params)
     assert not hasattr(trl_trainer, "__getattr__")
     code = (
         "import sys; sys.modules['trl'] = None\n"
@@ -242,7 +254,7 @@ def test_span_capture_reads_none_spans_as_no_spans():
     """Issue 32, item 15: ``spans=None`` (a pair or a Verdict-like object) means "no spans",
     as the replay reads None; a bare score too."""
     store = {}
-    cap = trl_trainer._SpanCapture(
+    cap = trl_rewards._SpanCapture(
         lambda completions, **kw: [(1.0, None), _WithSpans(0.5, None), 0.25, (0.0, [(0, 2)])],
         0, store,
     )  # fmt: skip
@@ -272,7 +284,7 @@ def test_span_capture_malformed_outputs_name_the_reward_and_sample(outputs, matc
     def my_reward(completions, **kw):
         return outputs
 
-    cap = trl_trainer._SpanCapture(my_reward, 0, {})
+    cap = trl_rewards._SpanCapture(my_reward, 0, {})
     with pytest.raises(ValueError, match=match):
         cap(completions=["a", "b"])
 
@@ -312,7 +324,7 @@ def test_span_capture_takes_the_outputs_trl_takes(outputs, scores, spans):
     tuples ("expected a list ..., got ndarray"). Each gives its scores as floats (None kept)
     and its spans, which may be integer arrays too."""
     store = {}
-    cap = trl_trainer._SpanCapture(lambda completions, **kw: outputs, 0, store)
+    cap = trl_rewards._SpanCapture(lambda completions, **kw: outputs, 0, store)
     got = cap(completions=["a"] * 3)
     assert got == scores
     assert all(x is None or type(x) is float for x in got)
@@ -342,7 +354,7 @@ def test_span_capture_refuses_other_outputs_naming_the_reward(outputs, match):
     def my_reward(completions, **kw):
         return outputs
 
-    cap = trl_trainer._SpanCapture(my_reward, 0, {})
+    cap = trl_rewards._SpanCapture(my_reward, 0, {})
     with pytest.raises(ValueError, match=r"reward function 'my_reward'.*" + match):
         cap(completions=["a", "b", "c"])
 
@@ -396,7 +408,7 @@ def test_reward_objects_stay_reachable_and_array_rewards_train(tmp_path):
     with pytest.raises(AttributeError):
         wrapped.no_such_attribute  # noqa: B018
     dup = copy.deepcopy(wrapped)  # special names stay the wrapper's: a copy of the wrapper
-    assert isinstance(dup, trl_trainer._SpanCapture) and dup.__wrapped__ is not scorer
+    assert isinstance(dup, trl_rewards._SpanCapture) and dup.__wrapped__ is not scorer
     trainer.train()
     assert scorer.calls >= 1
     rewards = trainer._mrtpo_rewards_per_func
@@ -590,7 +602,7 @@ def test_mrtpo_config_runs_on_a_cpu_without_flags(tmp_path):
     under torchrun, tests/test_integrations_examples.py, sets neither)."""
     from transformers.utils import is_torch_bf16_gpu_available
 
-    from mrtpo.integrations.trl_trainer import MRTPOConfig, _accelerator_available
+    from mrtpo.integrations.trl_grpo.config import MRTPOConfig, _accelerator_available
 
     cfg = MRTPOConfig(output_dir=str(tmp_path))
     assert cfg.bf16 == is_torch_bf16_gpu_available()

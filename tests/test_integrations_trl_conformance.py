@@ -28,6 +28,7 @@ datasets = pytest.importorskip("datasets")
 from test_integrations_trl import PROMPTS, checking_class, make_trainer  # noqa: E402
 
 from mrtpo.integrations import trl_trainer  # noqa: E402
+from mrtpo.integrations.trl_grpo import fused_head  # noqa: E402
 from mrtpo.model import build_tokenizer  # noqa: E402
 from mrtpo_kernels import gdpo_advantages  # noqa: E402
 
@@ -140,9 +141,9 @@ def test_moe_aux_loss_is_the_models_own():
         from mrtpo.model import decoder
 
         out = decoder(model)(input_ids=ids, attention_mask=am, output_router_logits=True)
-        got = trl_trainer._router_aux_loss(model, out, am)
+        got = fused_head._router_aux_loss(model, out, am)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-        unpadded = trl_trainer._router_aux_loss(model, out, torch.ones_like(am))
+        unpadded = fused_head._router_aux_loss(model, out, torch.ones_like(am))
         assert float((unpadded - want).abs()) > 1e-6  # the mask is what is checked
 
 

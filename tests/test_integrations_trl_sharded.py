@@ -204,11 +204,12 @@ def _rank_main(rank: int, port: int, out: str, engines, cases=None):
 
     from mrtpo.integrations import trl_trainer
     from mrtpo.integrations.engine import engine_sharding
+    from mrtpo.integrations.trl_grpo import trainer as trl_grpo_trainer
 
     if os.environ.get("MRTPO_TEST_UNSAFE_REPLAY"):  # the replay before issue 39 (to see it hang)
         import contextlib
 
-        trl_trainer.sharded_replay = lambda *a, **k: contextlib.nullcontext()
+        trl_grpo_trainer.sharded_replay = lambda *a, **k: contextlib.nullcontext()
 
     _cpu_fsdp_shim()
 
@@ -474,7 +475,7 @@ def test_fused_head_runs_as_the_head_modules_forward():
     the head module run around it (ZeRO-3 gathers and releases there), the gradient reaches
     the head's own parameters, and the module's forward is its own again after (also when
     it had one set on the instance)."""
-    from mrtpo.integrations.trl_trainer import _as_module_forward, _partitioned
+    from mrtpo.integrations.trl_grpo.fused_head import _as_module_forward, _partitioned
 
     head = torch.nn.Linear(4, 3)
     seen = []

@@ -15,8 +15,8 @@ datasets = pytest.importorskip("datasets")
 
 from test_integrations_trl_replay import eos_biased_model  # noqa: E402
 
-from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.integrations.trl import mrtpo_advantages_for_grpo  # noqa: E402
+from mrtpo.integrations.trl_grpo import trainer as trl_grpo_trainer  # noqa: E402
 from mrtpo.integrations.trl_trainer import (  # noqa: E402
     MRTPOConfig,
     MRTPOGRPOTrainer,
@@ -46,7 +46,7 @@ def recording(records, rows):
             # that the verifiers' scores vary within a group and the advantages are not 0
             ids, logps = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             if not hasattr(self, "_gold"):
-                encode = trl_trainer._trl_prompt_encoder(self)
+                encode = trl_grpo_trainer._trl_prompt_encoder(self)
                 eos = self._tokenizer.eos_token_id
                 cap = self.max_completion_length - 1
                 self._gold = {

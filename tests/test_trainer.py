@@ -193,20 +193,20 @@ def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monke
     import mrtpo.trainer as trainer_mod
 
     seen = {}
-    real_rollouts, real_adv = trainer_mod.generate_rollouts, trainer_mod.compute_advantages
+    real_rollouts, real_op = trainer_mod.generate_rollouts, trainer_mod.mrtpo_token_advantages
 
     def rollouts(*a, **kw):
         seen["ro"] = real_rollouts(*a, **kw)
         return seen["ro"]
 
-    def advantages(algo, rewards, group_ids, relevance, has_info, *a, **kw):
+    def token_advantages(*a, has_info, **kw):  # the has_info the op allocates with
         seen["has_info"] = has_info.clone()
-        out = real_adv(algo, rewards, group_ids, relevance, has_info, *a, **kw)
-        seen["alloc"] = out[1]
+        out = real_op(*a, has_info=has_info, **kw)
+        seen["alloc"] = out.allocation
         return out
 
     monkeypatch.setattr(trainer_mod, "generate_rollouts", rollouts)
-    monkeypatch.setattr(trainer_mod, "compute_advantages", advantages)
+    monkeypatch.setattr(trainer_mod, "mrtpo_token_advantages", token_advantages)
     cfg = tiny_config(tmp_path, steps=1, max_new_tokens=3, truncated_credit=mode)
     Trainer(cfg, task=mixed_task()).train_step()  # rewards that move: a replay to allocate
     cut = torch.tensor(seen["ro"].truncated)

@@ -1,7 +1,9 @@
 """The parts of the documentation derived from the code: the README's "API at a glance" table
 (from the op catalog, ``mrtpo_kernels.OPS``), the op and settings tables of the backends page,
 the ``mrtpo train`` / ``mrtpo compare`` flag tables (from the fields of ``TrainConfig`` and
-``CompareConfig``) and the index of the claim records under docs/results/.
+``CompareConfig``), docs/trl.md's tables of ``MRTPOConfig``'s fields and of the logged
+metrics (from ``mrtpo.integrations.trl_grpo``'s option descriptions and metric names) and
+the index of the claim records under docs/results/.
 
 The site's build (tools/gen_docs.py, run by mkdocs-gen-files) fills each page's
 ``<!-- generated: NAME -->`` marker with ``section(NAME)``. The README's table sits between
@@ -165,6 +167,73 @@ def cli_flags() -> str:
     )
 
 
+def _shown(value) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def _accepts(desc: dict) -> str:
+    """What a described option accepts: its choices, its range, a positive integer, a bool."""
+    kind = desc.get("kind") or type(desc["default"]).__name__
+    if desc.get("choices"):
+        return ", ".join(_shown(c) for c in desc["choices"])
+    if kind == "bool":
+        return "True, False"
+    if kind == "int":
+        return f"an integer >= {desc['lo']}" + (" or None" if desc["default"] is None else "")
+    lo, hi = desc.get("lo"), desc.get("hi")
+    left = "(" if desc.get("open_lo") else "["
+    right = "inf)" if hi is None else f"{hi:g}]"  # a number is finite
+    return f"{left}{'-inf' if lo is None else f'{lo:g}'}, {right}"
+
+
+def trl_config() -> str:
+    """MRTPOConfig's MRTPO fields, from their descriptions (``trl_grpo.config.OPTIONS``: the
+    ones ``mrtpo train`` shares are ``mrtpo.method_options``'s, so the help is its help)."""
+    from mrtpo.integrations.trl_grpo.config import OPTIONS, MRTPOConfig
+    from mrtpo.method_options import METHOD_OPTIONS
+
+    declared = {f.name: f for f in fields(MRTPOConfig)}
+    lines = [
+        "| field | default | accepts | meaning | `mrtpo train` flag |",
+        "|---|---|---|---|---|",
+    ]
+    for name, desc in OPTIONS.items():
+        short = name.removeprefix("mrtpo_")
+        flag = f"`--{short.replace('_', '-')}`" if short in METHOD_OPTIONS else "-"
+        default = _shown(declared[name].default)
+        lines.append(
+            f"| `{name}` | {_cell(default)} | {_cell(_accepts(desc))} | {_cell(desc['help'])} "
+            f"| {flag} |"
+        )
+    return "\n".join(lines)
+
+
+def _metric_rows(table: dict) -> list[str]:
+    rows = ["| metric | definition |", "|---|---|"]
+    for names, meaning in table.items():
+        shown = ", ".join(f"`{n.replace('{reward}', '<reward>')}`" for n in names)
+        rows.append(f"| {shown} | {_cell(meaning)} |")
+    return rows
+
+
+def trl_metrics() -> str:
+    """What ``MRTPOGRPOTrainer`` logs (``trl_grpo.metrics``): MRTPO's metrics, TRL's as the
+    trainer logs them, and the columns it adds to TRL's completions table."""
+    from mrtpo.integrations.trl_grpo import metrics
+
+    columns = ["| column | definition |", "|---|---|"] + [
+        f"| `{name}` | {_cell(meaning)} |" for name, meaning in metrics.COMPLETION_COLUMNS.items()
+    ]
+    return "\n".join(
+        ["**MRTPO's**", ""]
+        + _metric_rows(metrics.OWN_METRICS)
+        + ["", "**TRL's, as MRTPOGRPOTrainer logs them**", ""]
+        + _metric_rows(metrics.TRL_METRICS)
+        + ["", "**Columns of the completions table** (`log_completions=True`)", ""]
+        + columns
+    )
+
+
 def _title(path: Path) -> str:
     for line in path.read_text().splitlines():
         if line.startswith("# "):
@@ -226,6 +295,8 @@ SECTIONS = {
     "settings": settings_table,
     "trainer-settings": trainer_settings_table,
     "cli-flags": cli_flags,
+    "trl-config": trl_config,
+    "trl-metrics": trl_metrics,
     "results-index": results_index,
 }
 
