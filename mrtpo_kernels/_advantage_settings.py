@@ -76,6 +76,7 @@ def advantage_settings(
     defaults: AdvantageSettings = ADVANTAGE_DEFAULTS,
     names: Mapping[str, str] | None = None,
     values: Mapping[str, Mapping] | None = None,
+    also: tuple[str, ...] = (),
     where: str = "advantage settings",
 ) -> AdvantageSettings:
     """The advantage settings of one call, checked: ``settings`` (an ``AdvantageSettings``;
@@ -92,6 +93,8 @@ def advantage_settings(
             ValueError naming it.
         values: field -> {alias: value} (TRL's scale_rewards True -> "group"); an alias is
             matched by type and value.
+        also: the caller's other keywords (verl's ``reward_weights``): skipped here, and
+            listed with the settings' in the unknown-keyword message.
         where: the caller, for the unknown-keyword message.
 
     Returns:
@@ -107,13 +110,13 @@ def advantage_settings(
         )
     names = {f: f for f in FIELDS} if names is None else names
     options = {} if options is None else options
-    unknown = sorted(set(options) - set(names))
+    unknown = sorted(set(options) - set(names) - set(also))
     if unknown:
         raise ValueError(
             f"{where}: unknown options {', '.join(map(repr, unknown))}; expected some of "
-            f"{sorted(names)}"
+            f"{sorted({*names, *also})}"
         )
-    given = {names[key]: (key, value) for key, value in options.items()}
+    given = {names[key]: (key, value) for key, value in options.items() if key in names}
     values = {} if values is None else values
     out = {}
     for field in FIELDS:
