@@ -60,6 +60,9 @@ _CHECKS = {
 assert set(_CHECKS) == set(FIELDS), "every AdvantageSettings field has its check"
 
 
+_CHECKED = "_checked_by_advantage_settings"
+
+
 def _alias(value, aliases: Mapping):
     """The value an alias stands for (TRL's scale_rewards=True for "group"), matched by type
     and value (so 1 is not True), else the value itself."""
@@ -98,9 +101,10 @@ def advantage_settings(
         where: the caller, for the unknown-keyword message.
 
     Returns:
-        a new ``AdvantageSettings`` whose every field is checked (numbers as floats, clip
-        a pair of floats or None; ``eps_batch`` stays None for "eps": ``batch_eps`` reads
-        it).
+        an ``AdvantageSettings`` whose every field is checked (numbers as floats, clip a
+        pair of floats or None; ``eps_batch`` stays None for "eps": ``batch_eps`` reads
+        it). The result is marked as checked: handed down again without options (an
+        adapter's settings reaching the op), it is returned as it is, not checked twice.
     """
     if settings is None:
         settings = defaults
@@ -108,6 +112,8 @@ def advantage_settings(
         raise ValueError(
             f"settings: expected an AdvantageSettings or None, got {type(settings).__name__}"
         )
+    if not options and getattr(settings, _CHECKED, False):
+        return settings
     names = {f: f for f in FIELDS} if names is None else names
     options = {} if options is None else options
     unknown = sorted(set(options) - set(names) - set(also))
@@ -129,7 +135,11 @@ def advantage_settings(
                 raise
             extra = ", ".join(f"{k!r} for {v!r}" for k, v in values[field].items())
             raise ValueError(f"{exc} (or {extra})") from None
-    return AdvantageSettings(**out)
+    checked = AdvantageSettings(**out)
+    # a mark outside the fields (equality, hashing and dataclasses.replace ignore it: a
+    # replaced copy is checked again)
+    object.__setattr__(checked, _CHECKED, True)
+    return checked
 
 
 def from_keywords(settings, keywords: dict) -> AdvantageSettings:

@@ -60,10 +60,8 @@ def _per_reward_ref(r, group_ids, eps, scale_rewards):
                 a[idx, j] = _standardize(x, eps)
             elif scale_rewards == "batch":
                 a[idx, j] = _centred(x) / (batch_std[j] + eps)
-            elif scale_rewards == "none":
+            else:  # "none" (the settings are checked: advantage_settings)
                 a[idx, j] = _centred(x)
-            else:
-                raise ValueError(f"scale_rewards: unknown {scale_rewards!r}")
     return a
 
 
@@ -78,12 +76,8 @@ def _gdpo_ref(rewards, group_ids, weights, lengths, s: AdvantageSettings):
     m = (a * lam).abs().max()
     m = m if m > 0 else torch.ones((), dtype=rewards.dtype)
     s = (a / m * lam).sum(-1)
-    if batch_norm == "sequence":
-        w = torch.ones_like(s)
-    elif batch_norm == "token":
-        w = lengths.to(rewards.dtype)
-    else:
-        raise ValueError(f"batch_norm: unknown {batch_norm!r}")
+    # batch_norm "sequence" or "token" (the settings are checked: advantage_settings)
+    w = torch.ones_like(s) if batch_norm == "sequence" else lengths.to(rewards.dtype)
     mag = (a.abs() / m * lam.abs()).sum(-1).max()  # the largest |terms| summed into one S
     zero = torch.zeros((), dtype=rewards.dtype)
     if s.max() - s.min() <= FLAT_REL * mag:  # every S equal (or n = 1): no spread

@@ -848,6 +848,10 @@ def group_packed():
     seq = torch.repeat_interleave(g.sequence, cu[1:] - cu[:-1]).double()
     dev = (ours.token.double() - seq).abs().max().item()
     expect("reallocate alpha=0 is GDPO", dev <= 1e-5, f"max dev {dev:.3e}")
+    # ... bit for bit against the op's own sequence advantages: the kernel adds exactly 0
+    own = torch.repeat_interleave(ours.sequence.to(ours.token.dtype), cu[1:] - cu[:-1])
+    expect("reallocate alpha=0 is GDPO bit for bit", torch.equal(ours.token, own),
+           f"max dev {(ours.token - own).abs().max():.3e}")  # fmt: skip
     # padded layout (K, n, T) with a response mask
     rewards, gid, rel, has_info, _ = _packed_batch([1] * 6, 2, 8)
     rel_p = torch.rand(2, 6, 11, generator=torch.Generator().manual_seed(10))
