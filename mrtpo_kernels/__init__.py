@@ -12,7 +12,9 @@ benchmark):
 - ``gdpo_advantages``, ``mrtpo_token_advantages``: GDPO and MRTPO advantages.
 - ``specific_relevance``: the sharper relevance of METHOD.md section 3b (specific, control).
 - ``ADVANTAGE_DEFAULTS`` (an ``AdvantageSettings``, frozen): the advantage ops'
-  hyper-parameter defaults, defined once (the ops, their references, the adapters).
+  hyper-parameter defaults, defined once (the ops, their references, the adapters);
+  ``advantage_settings``: their one check layer (an ``AdvantageSettings`` with keywords put
+  over it, every field checked), which the adapters carry down to the ops as ``settings=``.
 - ``POLICY_LOSS_DEFAULTS`` (a ``PolicyLossSettings``, frozen): the policy loss's scalar
   settings' defaults; ``TEMPERATURE`` and ``IGNORE_INDEX``: the defaults every op shares.
 
@@ -23,6 +25,7 @@ Public modules: ``mrtpo_kernels.reference`` (float64 references), ``mrtpo_kernel
 stages on their own, for benchmarks).
 """
 
+from ._advantage_settings import advantage_settings
 from ._catalog import OPS, Op
 from ._dispatch import available_backends, backend_status, resolve_backend
 from ._types import (
@@ -54,6 +57,7 @@ __all__ = [
     "Op",
     "PolicyLossSettings",
     "TokenAdvantages",
+    "advantage_settings",
     "available_backends",
     "backend_status",
     "check_tensor",

@@ -46,8 +46,10 @@ class TokenAdvantages(NamedTuple):
 @dataclass(frozen=True)
 class AdvantageSettings:
     """The advantage ops' hyper-parameters (docs/METHOD.md sections 1, 4, 5), defined once:
-    ``gdpo_advantages``, ``mrtpo_token_advantages``, their float64 references and the
-    framework adapters take their keyword defaults from ``ADVANTAGE_DEFAULTS``.
+    ``gdpo_advantages``, ``mrtpo_token_advantages`` (keywords, or ``settings=`` one of these),
+    their float64 references and the framework adapters take their defaults from
+    ``ADVANTAGE_DEFAULTS``, check them in one place (``advantage_settings``) and carry them
+    down as one value.
 
     alpha: share of each reward's advantage reallocated by relevance, in [0, 1].
     gamma: sharpening exponent on the relevance d, > 0.
@@ -71,6 +73,11 @@ class AdvantageSettings:
     delta: float = 1e-8
     clip: tuple[float, float] | None = None
     nan: str = "error"
+
+    @property
+    def batch_eps(self) -> float:
+        """The eps of the batch std: eps_batch, or eps where it is None."""
+        return self.eps if self.eps_batch is None else self.eps_batch
 
 
 ADVANTAGE_DEFAULTS = AdvantageSettings()

@@ -738,8 +738,8 @@ def test_triton_advantages_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="relevance"):
         advantages.mrtpo_token_advantages(
             torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1, dtype=torch.bool),
-            torch.rand(1, 4), torch.tensor([0, 4]), torch.tensor(0.0), torch.tensor(1.0), 1.0,
-            1.0, 1e-6, 1e-8, 0.0, float("inf"),
+            torch.rand(1, 4), torch.tensor([0, 4]), torch.zeros(1), torch.tensor(1.0), 1.0,
+            1.0, 1e-8, 0.0, float("inf"),
         )  # fmt: skip
 
 
@@ -750,8 +750,8 @@ def test_triton_advantages_kernel_compiles_for_hopper():
 
     for dt in ("fp32", "fp64"):
         sig = {name: f"*{dt}" for name in ("per_reward_ptr", "lam_ptr")}
-        sig.update(has_info_ptr="*u8", rel_ptr=f"*{dt}", cu_ptr="*i64", mean_ptr=f"*{dt}")
-        sig.update(std_ptr=f"*{dt}", params_ptr=f"*{dt}", token_ptr=f"*{dt}")
+        sig.update(has_info_ptr="*u8", rel_ptr=f"*{dt}", cu_ptr="*i64", seq_ptr=f"*{dt}")
+        sig.update(div_ptr=f"*{dt}", params_ptr=f"*{dt}", token_ptr=f"*{dt}")
         sig.update(alloc_ptr=f"*{dt}", K="i32", N="i32", GAMMA_ONE="constexpr")
         sig.update(HAS_CLIP="constexpr", BLOCK_K="constexpr", BLOCK_T="constexpr")
         for gamma_one, clip in ((True, False), (False, True)):
@@ -848,6 +848,10 @@ def group_packed():
     seq = torch.repeat_interleave(g.sequence, cu[1:] - cu[:-1]).double()
     dev = (ours.token.double() - seq).abs().max().item()
     expect("reallocate alpha=0 is GDPO", dev <= 1e-5, f"max dev {dev:.3e}")
+    # ... bit for bit against the op's own sequence advantages: the kernel adds exactly 0
+    own = torch.repeat_interleave(ours.sequence.to(ours.token.dtype), cu[1:] - cu[:-1])
+    expect("reallocate alpha=0 is GDPO bit for bit", torch.equal(ours.token, own),
+           f"max dev {(ours.token - own).abs().max():.3e}")  # fmt: skip
     # padded layout (K, n, T) with a response mask
     rewards, gid, rel, has_info, _ = _packed_batch([1] * 6, 2, 8)
     rel_p = torch.rand(2, 6, 11, generator=torch.Generator().manual_seed(10))
@@ -871,8 +875,8 @@ def group_opcheck():
     cu = torch.tensor([0, 3, 4, 12])
     per = torch.randn(3, 2, generator=g)
     has = torch.tensor([[True, False], [True, True], [False, True]])
-    mean, std = torch.tensor(0.1), torch.tensor(1.3)
-    args = (per, torch.ones(2), has, rel, cu, mean, std, 0.7, 1.5, 1e-6, 1e-8, 0.1, 4.0, "triton")
+    seq, divisor = torch.randn(3, generator=g), torch.tensor(1.3)
+    args = (per, torch.ones(2), has, rel, cu, seq, divisor, 0.7, 1.5, 1e-8, 0.1, 4.0, "triton")
     opcheck("mrtpo_token_advantages", torch.ops.mrtpo.mrtpo_token_advantages.default, args)
 
 

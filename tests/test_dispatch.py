@@ -103,6 +103,7 @@ def test_op_table_covers_the_public_api():
     ops = set(mk.OPS)
     assert ops <= public
     assert ops == {n for n in public if not n[0].isupper()} - {
+        "advantage_settings",
         "available_backends",
         "backend_status",
         "check_tensor",

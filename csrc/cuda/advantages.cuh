@@ -8,11 +8,14 @@
 //   w_hat[t] = g_k[t] / max(mean_k, delta)
 //   clip:      w_hat = clamp(w_hat, w_min, w_max) / mean_t clamp(...)   (when enabled)
 //   w_k[t]   = use_k ? (1 - alpha) + alpha w_hat[t] : 1
-//   A[t]     = (sum_k lambda_k A_k[i] w_k[t] - mu) / (sigma + eps_batch)
-// mu and sigma are read from device memory (0-d tensors): no host synchronization.
+//   A[t]     = seq[i] + sum_{k: c_k != 0} c_k (w_k[t] - 1) / D,   c_k = lambda_k A_k[i]
+// (seq[i] itself where D is not > 0): seq is GDPO's sequence advantage, D the
+// redistribution's divisor (METHOD.md section 5), both read from device memory (no host
+// synchronization). A weight of exactly 1, or c_k = 0, adds exactly 0: alpha = 0 is GDPO bit
+// for bit. The output is final; nothing is patched after the kernel.
 //
 // Shapes and dtypes (all fp32 except as noted): per_reward (n, K), lam (K,), has_info (n, K)
-// uint8/bool, relevance (K, N), cu_seqlens (n + 1,) int64, batch_mean (), batch_std ();
+// uint8/bool, relevance (K, N), cu_seqlens (n + 1,) int64, sequence (n,), divisor ();
 // outputs token (N,) and allocation (K, N).
 //
 // Launch: one CTA per response (grid-stride), BLOCK threads; per reward one CTA reduction
@@ -33,7 +36,6 @@ constexpr int kReallocateBlock = 256;
 struct ReallocateParams {
   float alpha;
   float gamma;
-  float eps_batch;
   float delta;
   float clip_min;
   float clip_max;
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(BLOCK)
     reallocate_kernel(const float* __restrict__ per_reward, const float* __restrict__ lam,
                       const uint8_t* __restrict__ has_info, const float* __restrict__ relevance,
                       const int64_t* __restrict__ cu_seqlens,
-                      const float* __restrict__ batch_mean, const float* __restrict__ batch_std,
+                      const float* __restrict__ sequence, const float* __restrict__ divisor,
                       int64_t n_resp, int64_t n_rewards, int64_t n_tokens, ReallocateParams prm,
                       float* __restrict__ token, float* __restrict__ allocation) {
   // scale[k]: the divisor max(mean_k, delta) where reward k is reallocated, 0 where uniform;
@@ -71,12 +73,13 @@ __global__ void __launch_bounds__(BLOCK)
   float* scale = shared;
   float* renorm = shared + n_rewards;
   __shared__ float scratch[BLOCK / kWarpSize];
-  const float mu = *batch_mean;
-  const float inv_sigma = 1.f / (*batch_std + prm.eps_batch);
+  const float div = *divisor;
+  const bool moves = div > 0.f;
   for (int64_t i = blockIdx.x; i < n_resp; i += gridDim.x) {
     const int64_t begin = cu_seqlens[i];
     const int64_t end = cu_seqlens[i + 1];
     const float len = static_cast<float>(end - begin > 1 ? end - begin : 1);
+    const float seq = sequence[i];
     for (int64_t k = 0; k < n_rewards; ++k) {
       const float* d = relevance + k * n_tokens;
       float sum = 0.f;
@@ -104,13 +107,14 @@ __global__ void __launch_bounds__(BLOCK)
     }
     __syncthreads();
     for (int64_t t = begin + threadIdx.x; t < end; t += BLOCK) {
-      float acc = 0.f;
+      float moved = 0.f;
       for (int64_t k = 0; k < n_rewards; ++k) {
         const float w = allocation_weight(relevance[k * n_tokens + t], scale[k], renorm[k], prm);
         allocation[k * n_tokens + t] = w;
-        acc += per_reward[i * n_rewards + k] * lam[k] * w;
+        const float c = per_reward[i * n_rewards + k] * lam[k];
+        if (c != 0.f) moved += c * (w - 1.f);
       }
-      token[t] = (acc - mu) * inv_sigma;
+      token[t] = moves ? seq + moved / div : seq;
     }
     __syncthreads();  // scale / renorm are rewritten for the next response
   }

@@ -145,9 +145,9 @@ torch::Tensor js_distance(const torch::Tensor& logits_p, const torch::Tensor& lo
 // (token (N,), allocation (K, N)); every float input fp32.
 std::tuple<torch::Tensor, torch::Tensor> mrtpo_token_advantages(
     const torch::Tensor& per_reward, const torch::Tensor& lam, const torch::Tensor& has_info,
-    const torch::Tensor& relevance, const torch::Tensor& cu_seqlens, const torch::Tensor& mean,
-    const torch::Tensor& stdev, double alpha, double gamma, double eps_batch, double delta,
-    double clip_min, double clip_max) {
+    const torch::Tensor& relevance, const torch::Tensor& cu_seqlens, const torch::Tensor& sequence,
+    const torch::Tensor& divisor, double alpha, double gamma, double delta, double clip_min,
+    double clip_max) {
   check_cuda(relevance, "relevance");
   TORCH_CHECK(relevance.dim() == 2 && relevance.scalar_type() == torch::kFloat32,
               "relevance: expected (K, N) float32, got ", relevance.sizes(), " ",
@@ -168,14 +168,12 @@ std::tuple<torch::Tensor, torch::Tensor> mrtpo_token_advantages(
               "has_info: expected (", n, ", ", k, ") bool, got ", has_info.sizes(), " ",
               has_info.scalar_type());
   check_vec(cu_seqlens, "cu_seqlens", n + 1, torch::kInt64);
-  check_cuda(mean, "mean");
-  check_cuda(stdev, "std");
-  TORCH_CHECK(mean.numel() == 1 && mean.scalar_type() == torch::kFloat32,
-              "mean: expected one float32 value");
-  TORCH_CHECK(stdev.numel() == 1 && stdev.scalar_type() == torch::kFloat32,
-              "std: expected one float32 value");
-  for (const auto* t : {&per_reward, &lam, &has_info, &cu_seqlens, &mean, &stdev}) {
-    check_same_device(relevance, *t, "per_reward/lam/has_info/cu_seqlens/mean/std");
+  check_vec(sequence, "sequence", n, torch::kFloat32);
+  check_cuda(divisor, "divisor");
+  TORCH_CHECK(divisor.numel() == 1 && divisor.scalar_type() == torch::kFloat32,
+              "divisor: expected one float32 value");
+  for (const auto* t : {&per_reward, &lam, &has_info, &cu_seqlens, &sequence, &divisor}) {
+    check_same_device(relevance, *t, "per_reward/lam/has_info/cu_seqlens/sequence/divisor");
   }
 
   const c10::cuda::CUDAGuard guard(relevance.device());
@@ -185,10 +183,10 @@ std::tuple<torch::Tensor, torch::Tensor> mrtpo_token_advantages(
   C10_CUDA_CHECK(mrtpo::cuda::launch_token_advantages(
       per_reward.data_ptr<float>(), lam.data_ptr<float>(),
       static_cast<const uint8_t*>(has_info.data_ptr()), relevance.data_ptr<float>(),
-      cu_seqlens.data_ptr<int64_t>(), mean.data_ptr<float>(), stdev.data_ptr<float>(), n, k, n_tok,
-      static_cast<float>(alpha), static_cast<float>(gamma), static_cast<float>(eps_batch),
-      static_cast<float>(delta), static_cast<float>(clip_min), clip_hi, token.data_ptr<float>(),
-      alloc.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+      cu_seqlens.data_ptr<int64_t>(), sequence.data_ptr<float>(), divisor.data_ptr<float>(), n, k,
+      n_tok, static_cast<float>(alpha), static_cast<float>(gamma), static_cast<float>(delta),
+      static_cast<float>(clip_min), clip_hi, token.data_ptr<float>(), alloc.data_ptr<float>(),
+      c10::cuda::getCurrentCUDAStream()));
   return {token, alloc};
 }
 
@@ -207,7 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits_p"), py::arg("logits_q"), py::arg("temperature"));
   m.def("mrtpo_token_advantages", &mrtpo_token_advantages,
         "MRTPO token advantages over packed responses", py::arg("per_reward"), py::arg("lam"),
-        py::arg("has_info"), py::arg("relevance"), py::arg("cu_seqlens"), py::arg("mean"),
-        py::arg("std"), py::arg("alpha"), py::arg("gamma"), py::arg("eps_batch"),
-        py::arg("delta"), py::arg("clip_min"), py::arg("clip_max"));
+        py::arg("has_info"), py::arg("relevance"), py::arg("cu_seqlens"), py::arg("sequence"),
+        py::arg("divisor"), py::arg("alpha"), py::arg("gamma"), py::arg("delta"),
+        py::arg("clip_min"), py::arg("clip_max"));
 }

@@ -37,14 +37,14 @@ cudaError_t launch_js_distance(DType dtype, const void* logits_p, const void* lo
                                float* out, cudaStream_t stream);
 
 // token (N,) and allocation (K, N) from per_reward (n, K), lam (K,), has_info (n, K) bytes,
-// relevance (K, N), cu_seqlens (n + 1,), batch_mean (), batch_std (); clip bounds 0 / inf:
-// no clip.
+// relevance (K, N), cu_seqlens (n + 1,), sequence (n,) (GDPO's sequence advantages), divisor
+// () (the redistribution's D); clip bounds 0 / inf: no clip. The outputs are final.
 cudaError_t launch_token_advantages(const float* per_reward, const float* lam,
                                     const uint8_t* has_info, const float* relevance,
-                                    const int64_t* cu_seqlens, const float* batch_mean,
-                                    const float* batch_std, int64_t n_resp, int64_t n_rewards,
-                                    int64_t n_tokens, float alpha, float gamma, float eps_batch,
-                                    float delta, float clip_min, float clip_max, float* token,
+                                    const int64_t* cu_seqlens, const float* sequence,
+                                    const float* divisor, int64_t n_resp, int64_t n_rewards,
+                                    int64_t n_tokens, float alpha, float gamma, float delta,
+                                    float clip_min, float clip_max, float* token,
                                     float* allocation, cudaStream_t stream);
 
 }  // namespace cuda

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from mrtpo_kernels import (
-    ADVANTAGE_DEFAULTS,
+    AdvantageSettings,
     TokenAdvantages,
+    advantage_settings,
     check_tensor,
     linear_js_distance,
     mrtpo_token_advantages,
@@ -282,15 +283,8 @@ def padded_token_advantages(
     *,
     mask_name: str = "response_mask",
     weights: torch.Tensor | None = None,
-    alpha: float = ADVANTAGE_DEFAULTS.alpha,
-    gamma: float = ADVANTAGE_DEFAULTS.gamma,
-    eps: float = ADVANTAGE_DEFAULTS.eps,
-    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
-    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
-    delta: float = ADVANTAGE_DEFAULTS.delta,
-    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
-    nan: str = ADVANTAGE_DEFAULTS.nan,
-    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
+    settings: AdvantageSettings | None = None,
+    **options,
 ) -> TokenAdvantages:
     """``mrtpo_token_advantages`` on padded (B, T) responses, tolerating empty rows.
 
@@ -301,8 +295,14 @@ def padded_token_advantages(
     back as a row of zeros. Under
     ``batch_norm="token"`` an empty row would weigh 1 instead of 0, so there it is an error.
 
+    ``settings`` (an ``AdvantageSettings``, default ``ADVANTAGE_DEFAULTS``) with ``options``
+    (its fields as keywords: alpha, gamma, eps, eps_batch, batch_norm, delta, clip, nan,
+    scale_rewards) put over it: checked once (``mrtpo_kernels.advantage_settings``) and
+    handed to ``mrtpo_token_advantages`` as one value.
+
     Returns the library's TokenAdvantages; ``token`` is (B, T), 0 wherever ``mask`` is 0.
     """
+    s = advantage_settings(settings, options, where="padded_token_advantages")
     check_padded_inputs(rewards, mask, relevance, has_info, mask_name=mask_name)
     if weights is not None and not isinstance(weights, torch.Tensor):
         weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
@@ -312,7 +312,7 @@ def padded_token_advantages(
     if m.shape[1] == 0:
         raise ValueError(f"{mask_name}: expected at least one response position (T >= 1)")
     if bool(empty.any()):
-        if batch_norm == "token":
+        if s.batch_norm == "token":
             raise ValueError(
                 f"{mask_name}: response {int(empty.nonzero()[0])} has no valid token, which "
                 "batch_norm='token' cannot weigh; use batch_norm='sequence'"
@@ -331,15 +331,7 @@ def padded_token_advantages(
         has_info=has_info,
         response_mask=m,
         weights=weights,
-        alpha=alpha,
-        gamma=gamma,
-        eps=eps,
-        eps_batch=eps_batch,
-        batch_norm=batch_norm,
-        delta=delta,
-        clip=clip,
-        nan=nan,
-        scale_rewards=scale_rewards,
+        settings=s,
     )
     keep = mask.to(device=rewards.device).bool()
     token = torch.where(keep, out.token, torch.zeros_like(out.token))

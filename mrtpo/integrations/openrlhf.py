@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mrtpo_kernels import ADVANTAGE_DEFAULTS
+from mrtpo_kernels import AdvantageSettings, advantage_settings
 
 from .common import (
     check_shape,
@@ -72,15 +72,9 @@ def mrtpo_token_advantages_from_experience(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = ADVANTAGE_DEFAULTS.alpha,
-    gamma: float = ADVANTAGE_DEFAULTS.gamma,
-    eps: float = ADVANTAGE_DEFAULTS.eps,
-    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
-    batch_norm: str = ADVANTAGE_DEFAULTS.batch_norm,
-    delta: float = ADVANTAGE_DEFAULTS.delta,
-    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
-    nan: str = ADVANTAGE_DEFAULTS.nan,
     index=None,
+    settings: AdvantageSettings | None = None,
+    **options,
 ) -> torch.Tensor:
     """(B, T) MRTPO token advantages for OpenRLHF experiences.
 
@@ -90,19 +84,23 @@ def mrtpo_token_advantages_from_experience(
         action_mask: (B, T), 1 on response (action) tokens.
         relevance: (K, B, T) per-token relevance (``relevance_from_hidden``).
         has_info: (B, K) bool, whether reward k's verifier names spans of sample i's prompt.
-        reward_weights, alpha, gamma, eps, eps_batch, batch_norm, delta, clip, nan: as in
-            ``mrtpo_token_advantages``.
+        reward_weights: optional (K,) lambda_k (``mrtpo_token_advantages``'s ``weights``).
         index: optional (B,) position of each row in the rollout order, OpenRLHF's
             ``experience.index`` (``split_rollout_samples`` numbers the rollout samples
             0 .. B-1 before it batches them). With ``--dynamic_batch_enable`` it reorders
             samples into length-balanced micro-batches, so consecutive rows are not groups;
             pass the index then: row i belongs to group ``index[i] // n_samples_per_prompt``,
             as in OpenRLHF's own group norm. It must hold each of 0 .. B-1 once.
+        settings: the advantage settings as one ``AdvantageSettings`` (default
+            ``ADVANTAGE_DEFAULTS``); ``options``, its fields as keywords (alpha, gamma, eps,
+            eps_batch, batch_norm, delta, clip, nan, scale_rewards), are put over it. Any
+            other keyword is a ValueError naming it.
 
     Returns:
         (B, T) token advantages (float32, float64 for float64 rewards), 0 where
         ``action_mask`` is 0.
     """
+    s = advantage_settings(settings, options, where="mrtpo_token_advantages_from_experience")
     check_tensor("rewards", rewards, ndim=2, floating=True)
     if index is None:
         group_ids = consecutive_group_ids(rewards.shape[0], n_samples_per_prompt, rewards.device)
@@ -117,14 +115,7 @@ def mrtpo_token_advantages_from_experience(
         has_info,
         mask_name="action_mask",
         weights=reward_weights,
-        alpha=alpha,
-        gamma=gamma,
-        eps=eps,
-        eps_batch=eps_batch,
-        batch_norm=batch_norm,
-        delta=delta,
-        clip=clip,
-        nan=nan,
+        settings=s,
     ).token
 
 
@@ -200,17 +191,20 @@ def replay_masks_for_experiences(
     index: list | None = None,
     *,
     reward_weights: torch.Tensor | None = None,
-    eps: float = ADVANTAGE_DEFAULTS.eps,
-    nan: str = ADVANTAGE_DEFAULTS.nan,
+    settings: AdvantageSettings | None = None,
+    **options,
 ) -> list[torch.Tensor]:
     """Per experience, the (B_j, K) bool ``replay_mask`` of ``relevance_for_experience``:
     the pairs whose GDPO advantage can move a token (``mrtpo.replay.replay_mask_from_rewards``),
     over the whole step's rewards (groups may span experiences; ``index`` as in
-    ``mrtpo_token_advantages_for_experiences``). Give the ``reward_weights``, ``eps`` and
-    ``nan`` the advantages are computed with. The rewards are known before the replay runs:
-    replaying only these pairs leaves the token advantages the same bit for bit."""
+    ``mrtpo_token_advantages_for_experiences``). Give the ``reward_weights`` and the
+    advantage settings (``settings`` and/or their fields as keywords, as in
+    ``mrtpo_token_advantages_from_experience``; eps, nan and scale_rewards decide) the
+    advantages are computed with. The rewards are known before the replay runs: replaying
+    only these pairs leaves the token advantages the same bit for bit."""
     from mrtpo.replay import replay_mask_from_rewards
 
+    s = advantage_settings(settings, options, where="replay_masks_for_experiences")
     if not isinstance(rewards, (list, tuple)) or not rewards:
         raise ValueError("rewards: expected a list of (B_j, K) tensors, one per experience")
     for j, r in enumerate(rewards):
@@ -221,7 +215,12 @@ def replay_masks_for_experiences(
     else:
         gids = rollout_group_ids(_cat_index(index), allr.shape[0], n_samples_per_prompt)
     mask = replay_mask_from_rewards(
-        allr, gids.to(allr.device), weights=reward_weights, eps=eps, nan=nan
+        allr,
+        gids.to(allr.device),
+        weights=reward_weights,
+        eps=s.eps,
+        nan=s.nan,
+        scale_rewards=s.scale_rewards,
     )
     return list(torch.split(mask, [r.shape[0] for r in rewards]))
 

@@ -14,6 +14,7 @@ the policy's last hidden states in place of logits. Nothing here imports TRL.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -21,10 +22,12 @@ import torch
 from mrtpo_kernels import (
     ADVANTAGE_DEFAULTS,
     POLICY_LOSS_DEFAULTS,
+    AdvantageSettings,
+    advantage_settings,
     linear_logprobs,
     linear_policy_loss,
-    settings,
 )
+from mrtpo_kernels import settings as env
 
 from .common import (
     check_shape,
@@ -33,7 +36,12 @@ from .common import (
     padded_token_advantages,
 )
 
-__all__ = ["LOSS_TYPES", "fused_policy_loss", "mrtpo_advantages_for_grpo"]
+__all__ = [
+    "LOSS_TYPES",
+    "TRL_ADVANTAGE_DEFAULTS",
+    "fused_policy_loss",
+    "mrtpo_advantages_for_grpo",
+]
 
 # TRL loss type -> linear_policy_loss aggregation.
 LOSS_TYPES = {
@@ -46,17 +54,24 @@ LOSS_TYPES = {
 
 # TRL's scale_rewards -> the GDPO variant (METHOD.md section 1): TRL's booleans are its
 # own aliases, True for "group" and False for "none"
-SCALE_REWARDS = {True: "group", False: "none", "group": "group", "batch": "batch", "none": "none"}
+_TRL_VALUES = {"scale_rewards": {True: "group", False: "none"}}
+
+# TRL's advantage defaults: its eps constant 1e-4 for the group and batch stds (eps_batch
+# follows eps), and a missing reward (NaN) counted as 0
+TRL_ADVANTAGE_DEFAULTS = dataclasses.replace(ADVANTAGE_DEFAULTS, eps=1e-4, nan="zero")
+
+
+def _trl_settings(settings, options, where: str) -> AdvantageSettings:
+    """The checked settings of a TRL call: ``settings`` (default ``TRL_ADVANTAGE_DEFAULTS``)
+    with its fields as keywords put over it, scale_rewards in TRL's vocabulary."""
+    return advantage_settings(
+        settings, options, defaults=TRL_ADVANTAGE_DEFAULTS, values=_TRL_VALUES, where=where
+    )
 
 
 def _check_scale_rewards(scale_rewards) -> str:
     """TRL's ``scale_rewards`` as the advantage ops' name: "group", "batch" or "none"."""
-    if isinstance(scale_rewards, (bool, str)) and scale_rewards in SCALE_REWARDS:
-        return SCALE_REWARDS[scale_rewards]
-    raise ValueError(
-        f"scale_rewards: expected 'group' (or True), 'batch' or 'none' (or False), as TRL "
-        f"takes it, got {scale_rewards!r}"
-    )
+    return _trl_settings(None, {"scale_rewards": scale_rewards}, "scale_rewards").scale_rewards
 
 
 @torch.no_grad()
@@ -68,15 +83,9 @@ def mrtpo_advantages_for_grpo(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = ADVANTAGE_DEFAULTS.alpha,
-    gamma: float = ADVANTAGE_DEFAULTS.gamma,
-    scale_rewards: bool | str = "group",
-    eps: float = 1e-4,
-    eps_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
-    delta: float = ADVANTAGE_DEFAULTS.delta,
-    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
-    nan: str = "zero",
     process_slice: slice | None = None,
+    settings: AdvantageSettings | None = None,
+    **options,
 ) -> torch.Tensor:
     """MRTPO (B, T) token advantages from GRPOTrainer's tensors.
 
@@ -89,24 +98,28 @@ def mrtpo_advantages_for_grpo(
             (``relevance_from_hidden``).
         has_info: (B, K) bool, whether reward k's verifier names spans of sample i's prompt.
         reward_weights: optional (K,) (TRL's ``reward_weights``).
-        alpha, gamma, delta, clip: as in ``mrtpo_token_advantages``.
-        eps, eps_batch: added to the group and batch stds; default 1e-4 for both, TRL's
+        process_slice: the rows of this process among the B_all gathered samples (TRL's
+            ``process_slice``); None when B_all = B (one process).
+        settings: the advantage settings as one ``AdvantageSettings`` (default
+            ``TRL_ADVANTAGE_DEFAULTS``); ``options``, its fields as keywords, are put over
+            it (any other keyword is a ValueError naming it):
+            alpha, gamma, delta, clip, batch_norm: as in ``mrtpo_token_advantages``
+            (batch_norm "token" with one process only).
+            eps, eps_batch: added to the group and batch stds; default 1e-4 for both, TRL's
             constant, so that alpha = 0 gives TRL's ``multi_objective_aggregation=
             "normalize_then_sum"`` (GDPO) advantages.
-        scale_rewards: TRL's option, applied to each reward before the weighted sum
+            scale_rewards: TRL's option, applied to each reward before the weighted sum
             (METHOD.md section 1): "group" or True (r - group mean over the group std +
             eps: GDPO, TRL's ``normalize_then_sum``), "batch" (over the reward's std over
             the whole gathered batch + eps) or "none" or False (not divided).
-        nan: "zero" (default: a missing reward, NaN in TRL, counts as a reward of 0 in its
-            group's statistics; TRL's own GDPO leaves it out of them instead, so the two
-            agree only when no reward is missing) or "error".
-        process_slice: the rows of this process among the B_all gathered samples (TRL's
-            ``process_slice``); None when B_all = B (one process).
+            nan: "zero" (default: a missing reward, NaN in TRL, counts as a reward of 0 in
+            its group's statistics; TRL's own GDPO leaves it out of them instead, so the
+            two agree only when no reward is missing) or "error".
 
     Returns:
         (B, T) float32 token advantages, 0 where ``completion_mask`` is 0.
     """
-    scale_rewards = _check_scale_rewards(scale_rewards)
+    s = _trl_settings(settings, options, "mrtpo_advantages_for_grpo")
     check_tensor("rewards_per_func", rewards_per_func, ndim=2, floating=True)
     check_tensor("completion_mask", completion_mask, ndim=2)
     check_tensor("relevance", relevance, ndim=3, floating=True)
@@ -122,14 +135,7 @@ def mrtpo_advantages_for_grpo(
             has_info,
             mask_name="completion_mask",
             weights=reward_weights,
-            alpha=alpha,
-            gamma=gamma,
-            eps=eps,
-            eps_batch=eps_batch,
-            delta=delta,
-            clip=clip,
-            nan=nan,
-            scale_rewards=scale_rewards,
+            settings=s,
         ).token.float()  # float64 with float64 relevance (stop credit's d^gamma): as TRL's
 
     # Several processes: the group and batch statistics need every sample's rewards, the
@@ -138,6 +144,11 @@ def mrtpo_advantages_for_grpo(
     # responses, not tokens) and their (uniform) weights never touch this process's rows.
     if not isinstance(process_slice, slice):
         raise ValueError(f"process_slice: expected a slice, got {type(process_slice).__name__}")
+    if s.batch_norm == "token":
+        raise ValueError(
+            "batch_norm: 'token' weighs each response by its token count, which the other "
+            "processes' rows do not carry here (process_slice); use 'sequence'"
+        )
     rows = range(b_all)[process_slice]
     b, t = completion_mask.shape
     if len(rows) != b:
@@ -168,14 +179,7 @@ def mrtpo_advantages_for_grpo(
         info_all,
         mask_name="completion_mask",
         weights=reward_weights,
-        alpha=alpha,
-        gamma=gamma,
-        eps=eps,
-        eps_batch=eps_batch,
-        delta=delta,
-        clip=clip,
-        nan=nan,
-        scale_rewards=scale_rewards,
+        settings=s,
     ).token
     return token[idx].float()
 
@@ -345,6 +349,6 @@ def _check_token_normalizer(x, loss_type: str):
             f"token_normalizer: expected a number or a one-element real tensor, got a "
             f"{x.dtype} tensor of shape {tuple(x.shape)}"
         )
-    if settings.value_checks() and not torch.compiler.is_compiling():
+    if env.value_checks() and not torch.compiler.is_compiling():
         positive_finite(float(x.item()))
     return x.reshape(())

@@ -17,28 +17,40 @@ the batch under the keys below (batch dimension first, as a DataProto batch requ
 and writes ``advantages`` and ``returns``; ``register_with_verl()`` registers an estimator
 named "mrtpo" that finds them when verl hands it the batch. verl is imported only there.
 
+The advantage settings: ``settings=`` one ``AdvantageSettings`` and/or its fields as
+keywords in verl's names (``epsilon``, ``epsilon_batch`` for eps, eps_batch), defaults
+``VERL_ADVANTAGE_DEFAULTS`` (batch_norm "token", verl's convention), checked once
+(``mrtpo_kernels.advantage_settings``) and carried to the op as one value.
+
 The contrastive replay in verl's actor workers, which fills ``mrtpo_relevance`` and
-``mrtpo_has_info``, is ``mrtpo.integrations.verl_replay``; its names are importable from here.
+``mrtpo_has_info``, is ``mrtpo.integrations.verl_replay``; the fused LM head (log-probs,
+policy loss, the fused-kernel forward) is ``mrtpo.integrations.verl_fused``; their names are
+importable from here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from mrtpo_kernels import (
     ADVANTAGE_DEFAULTS,
-    POLICY_LOSS_DEFAULTS,
-    linear_logprobs,
-    linear_policy_loss,
+    AdvantageSettings,
+    advantage_settings,
 )
 
-from ..model import logit_transform
 from .common import (
     check_tensor,
-    config_value,
     group_ids_from_index,
     padded_token_advantages,
     require,
+)
+from .verl_fused import (
+    fused_causal_lm_forward,
+    install_fused_forward,
+    logprobs_from_hidden,
+    policy_loss_from_hidden,
 )
 from .verl_replay import (
     HAS_INFO_KEY,
@@ -62,6 +74,8 @@ __all__ = [
     "REPLAY_METHOD",
     "REWARDS_KEY",
     "SPANS_KEY",
+    "VERL_ADVANTAGE_DEFAULTS",
+    "VERL_OPTION_NAMES",
     "compute_mrtpo_advantage_for_batch",
     "compute_mrtpo_outcome_advantage",
     "fill_mrtpo_relevance",
@@ -80,6 +94,31 @@ __all__ = [
 
 ESTIMATOR_NAME = "mrtpo"
 
+# verl's advantage defaults: the library's, but whitened over response tokens as verl's GDPO
+VERL_ADVANTAGE_DEFAULTS = dataclasses.replace(ADVANTAGE_DEFAULTS, batch_norm="token")
+# verl's keyword -> AdvantageSettings field (verl calls eps epsilon)
+VERL_OPTION_NAMES = {
+    **{f.name: f.name for f in dataclasses.fields(AdvantageSettings)},
+    "epsilon": "eps",
+    "epsilon_batch": "eps_batch",
+}
+del VERL_OPTION_NAMES["eps"], VERL_OPTION_NAMES["eps_batch"]
+# the keywords the estimator takes besides the settings' fields
+_OTHER_OPTIONS = ("reward_weights", "settings")
+
+
+def _settings(options: dict, where: str) -> AdvantageSettings:
+    """The checked settings of verl's options (``settings`` and the fields in verl's names;
+    ``reward_weights`` is skipped): any other keyword is a ValueError naming it."""
+    return advantage_settings(
+        options.get("settings"),
+        options,
+        defaults=VERL_ADVANTAGE_DEFAULTS,
+        names=VERL_OPTION_NAMES,
+        also=_OTHER_OPTIONS,
+        where=where,
+    )
+
 
 def _sequence_rewards(rewards: torch.Tensor) -> torch.Tensor:
     """(B, K) rewards from (B, K) or per-token (B, K, T) rewards (summed over T)."""
@@ -96,16 +135,9 @@ def compute_mrtpo_outcome_advantage(
     has_info: torch.Tensor,
     *,
     reward_weights: torch.Tensor | None = None,
-    alpha: float = ADVANTAGE_DEFAULTS.alpha,
-    gamma: float = ADVANTAGE_DEFAULTS.gamma,
-    epsilon: float = ADVANTAGE_DEFAULTS.eps,
-    epsilon_batch: float | None = ADVANTAGE_DEFAULTS.eps_batch,
-    batch_norm: str = "token",
-    delta: float = ADVANTAGE_DEFAULTS.delta,
-    clip: tuple[float, float] | None = ADVANTAGE_DEFAULTS.clip,
-    nan: str = ADVANTAGE_DEFAULTS.nan,
+    settings: AdvantageSettings | None = None,
     config=None,
-    **unused,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MRTPO token advantages in verl's estimator shapes.
 
@@ -118,16 +150,28 @@ def compute_mrtpo_outcome_advantage(
         relevance: (K, bs, response_length) JS relevance (e.g. ``relevance_from_hidden``).
         has_info: (bs, K) bool, whether reward k's verifier names prompt spans for sample i.
         reward_weights: optional (K,) lambda_k.
-        alpha, gamma, delta, clip, batch_norm, nan: as in ``mrtpo_token_advantages``.
-            batch_norm defaults to "token", verl's convention (its GDPO whitens over the
-            response tokens); with it alpha = 0 gives verl's GDPO advantages.
-        epsilon: added to each group's std (verl's name); epsilon_batch: for the batch std.
-        config, unused: accepted and ignored, so verl's keyword call fits.
+        settings: the advantage settings as one ``AdvantageSettings`` (default
+            ``VERL_ADVANTAGE_DEFAULTS``); ``options`` put its fields over it in verl's names
+            (``VERL_OPTION_NAMES``): alpha, gamma, delta, clip, batch_norm, nan,
+            scale_rewards as in ``mrtpo_token_advantages``; epsilon: added to each group's
+            std (verl's name for eps); epsilon_batch: for the batch std. batch_norm defaults
+            to "token", verl's convention (its GDPO whitens over the response tokens); with
+            it alpha = 0 gives verl's GDPO advantages.
+        config, other keywords: accepted and ignored, so verl's keyword call fits (the
+            batch and registration functions refuse unknown option names).
 
     Returns:
         (advantages, returns), both (bs, response_length) float32 (float64 for float64
         rewards), 0 where ``response_mask`` is 0; returns is the same tensor as advantages.
     """
+    known = {k: v for k, v in options.items() if k in VERL_OPTION_NAMES}
+    s = advantage_settings(
+        settings,
+        known,
+        defaults=VERL_ADVANTAGE_DEFAULTS,
+        names=VERL_OPTION_NAMES,
+        where="compute_mrtpo_outcome_advantage",
+    )
     rewards = _sequence_rewards(token_level_rewards)
     check_tensor("response_mask", response_mask, ndim=2)
     group_ids = group_ids_from_index(index, device=rewards.device)
@@ -144,14 +188,7 @@ def compute_mrtpo_outcome_advantage(
         has_info,
         mask_name="response_mask",
         weights=reward_weights,
-        alpha=alpha,
-        gamma=gamma,
-        eps=epsilon,
-        eps_batch=epsilon_batch,
-        batch_norm=batch_norm,
-        delta=delta,
-        clip=clip,
-        nan=nan,
+        settings=s,
     )
     return out.token, out.token
 
@@ -170,27 +207,18 @@ def _batch_inputs(batch, where: str):
     return batch[REWARDS_KEY], relevance.transpose(0, 1), batch[HAS_INFO_KEY]
 
 
-def _check_options(options: dict, where: str) -> None:
-    """A ValueError naming every option that is not one of ``_OPTION_NAMES``."""
-    unknown = sorted(set(options) - _OPTION_NAMES)
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown options {', '.join(map(repr, unknown))}; expected some of "
-            f"{sorted(_OPTION_NAMES)}"
-        )
-
-
 def compute_mrtpo_advantage_for_batch(data, **options):
     """Fill ``data.batch["advantages"]`` and ``data.batch["returns"]`` of a verl DataProto.
 
     Reads ``response_mask`` (or, in older verl, the last response_length columns of
     ``attention_mask``), ``non_tensor_batch["uid"]`` and the three MRTPO keys of this module;
-    ``options`` (``reward_weights``, ``alpha``, ``gamma``, ``epsilon``, ``epsilon_batch``,
-    ``batch_norm``, ``delta``, ``clip``, ``nan``) go to ``compute_mrtpo_outcome_advantage``;
-    any other name is a ValueError. Works with any object having ``batch`` (a mapping of
-    tensors) and ``non_tensor_batch`` (a mapping); returns ``data``.
+    ``options`` (``reward_weights``, ``settings`` and the settings' fields in verl's names:
+    ``alpha``, ``gamma``, ``epsilon``, ``epsilon_batch``, ``batch_norm``, ``delta``, ``clip``,
+    ``nan``, ``scale_rewards``) go to ``compute_mrtpo_outcome_advantage``; any other name
+    is a ValueError. Works with any object having ``batch`` (a mapping of tensors) and
+    ``non_tensor_batch`` (a mapping); returns ``data``.
     """
-    _check_options(options, "compute_mrtpo_advantage_for_batch")
+    _settings(options, "compute_mrtpo_advantage_for_batch")
     batch = data.batch
     rewards, relevance, has_info = _batch_inputs(batch, "data.batch")
     if "response_mask" in set(batch.keys()):
@@ -238,19 +266,7 @@ def _make_estimator(options: dict):
     return compute_mrtpo_estimator
 
 
-_OPTION_NAMES = frozenset(
-    (
-        "reward_weights",
-        "alpha",
-        "gamma",
-        "epsilon",
-        "epsilon_batch",
-        "batch_norm",
-        "delta",
-        "clip",
-        "nan",
-    )
-)
+_OPTION_NAMES = frozenset((*VERL_OPTION_NAMES, *_OTHER_OPTIONS))
 
 
 def register_with_verl(
@@ -263,8 +279,9 @@ def register_with_verl(
     """Register MRTPO in verl's advantage-estimator registry under ``name`` ("mrtpo").
 
     Uses ``verl.trainer.ppo.core_algos.register_adv_est`` (verl's decorator; its registry is
-    ``ADV_ESTIMATOR_REGISTRY``). ``options`` (alpha, gamma, epsilon, reward_weights, ...)
-    are bound to the registered function. Calling it again replaces an earlier MRTPO
+    ``ADV_ESTIMATOR_REGISTRY``). ``options`` (as ``compute_mrtpo_advantage_for_batch``'s:
+    settings, alpha, gamma, epsilon, reward_weights, ...; checked now) are bound to the
+    registered function. Calling it again replaces an earlier MRTPO
     registration. Run it in the process that computes advantages (verl's driver).
 
     verl 0.9.1's ``compute_advantage`` passes the batch only to an estimator named "gdpo",
@@ -274,7 +291,7 @@ def register_with_verl(
 
     Returns the registered function. Raises ImportError naming verl when it is missing.
     """
-    _check_options(options, "register_with_verl")
+    _settings(options, "register_with_verl")
     core_algos = require("verl.trainer.ppo.core_algos", "register_with_verl")
     register = getattr(core_algos, "register_adv_est", None)
     if register is None:
@@ -296,134 +313,6 @@ def register_with_verl(
     return register(name)(fn)
 
 
-def logprobs_from_hidden(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
-    return_entropy: bool = False,
-    *,
-    lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    process_group=None,
-):
-    """Per-token log-probs (and entropy) for verl's rmpad layout, never forming logits.
-
-    Args:
-        hidden: (N, d) or (1, N, d) last hidden states of the packed (padding-removed)
-            sequences, as verl's rmpad forward gives them.
-        lm_head_weight: (V, d), or this rank's (V / R, d) shard of a vocabulary-parallel
-            head with ``process_group``; lm_head_bias: optional (V,) (its shard).
-        labels: (N,) or (1, N) next tokens (verl's ``input_ids_rmpad_rolled``).
-        temperature: the rollout temperature (verl divides the logits by it).
-        logit_scale, softcap: the model's logit transform before the temperature
-            (``mrtpo.model.logit_transform(model)`` reads them from its config: Cohere's
-            ``logit_scale``, Gemma 2 / 3's ``final_logit_softcapping``); the defaults are
-            the plain head.
-        process_group: a vocabulary-parallel head (see ``linear_logprobs``).
-
-    Returns:
-        log_probs of labels' shape in float32 (and entropy of that shape when asked),
-        differentiable with respect to hidden, weight and bias.
-    """
-    check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
-    check_tensor("labels", labels, ndim=(1, 2))
-    if hidden.dim() == 3 and hidden.shape[0] != 1:
-        raise ValueError(
-            f"hidden: expected (N, d) or (1, N, d) packed hidden states, got "
-            f"{tuple(hidden.shape)}; for padded (B, T, d) input call linear_logprobs"
-        )
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"labels: expected shape {tuple(hidden.shape[:-1])} (hidden without d), "
-            f"got {tuple(labels.shape)}"
-        )
-    return linear_logprobs(
-        hidden,
-        lm_head_weight,
-        labels,
-        bias=lm_head_bias,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        return_entropy=return_entropy,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        process_group=process_group,
-    )
-
-
-def policy_loss_from_hidden(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    config=None,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float | None = 3.0,
-    loss_agg_mode: str = "token-mean",
-    cu_seqlens: torch.Tensor | None = None,
-    norm_len: float | None = None,
-    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
-    lm_head_bias: torch.Tensor | None = None,
-    ignore_index: int = POLICY_LOSS_DEFAULTS.ignore_index,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    process_group=None,
-):
-    """verl's vanilla PPO policy loss (dual clip included) with the LM head fused in.
-
-    Args:
-        hidden, lm_head_weight, labels, lm_head_bias, temperature: as
-            ``logprobs_from_hidden`` (packed (N, d) / (1, N, d), or padded (B, T, d)).
-        old_log_prob, advantages: per token, labels' shape; tokens outside the response
-            carry ``ignore_index`` in labels.
-        config: verl's actor config (``actor_rollout_ref.actor``), a mapping or an object;
-            its ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``
-            and ``loss_agg_mode`` override the keyword defaults, which are verl's.
-        clip_ratio_c: verl's dual clip (default 3): a token with A < 0 has its loss capped
-            at -A clip_ratio_c (``linear_policy_loss(clip_ratio_c=...)``); None: off.
-        loss_agg_mode: "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum-norm";
-            the sequence modes on packed input need ``cu_seqlens``.
-        logit_scale, softcap: the model's logit transform (as ``logprobs_from_hidden``).
-        process_group: a vocabulary-parallel head (see ``linear_policy_loss``), with or
-            without a logit transform.
-
-    Returns:
-        (loss, metrics) as ``linear_policy_loss``; metrics["dual_clip_fraction"] is verl's
-        pg_clipfrac_lower.
-    """
-    clip_ratio = config_value(config, "clip_ratio", clip_ratio)
-    low = config_value(config, "clip_ratio_low", clip_ratio_low)
-    high = config_value(config, "clip_ratio_high", clip_ratio_high)
-    clip_ratio_c = config_value(config, "clip_ratio_c", clip_ratio_c)
-    loss_agg_mode = config_value(config, "loss_agg_mode", loss_agg_mode)
-    return linear_policy_loss(
-        hidden,
-        lm_head_weight,
-        labels,
-        old_log_prob,
-        advantages,
-        bias=lm_head_bias,
-        temperature=temperature,
-        clip_low=clip_ratio if low is None else low,
-        clip_high=clip_ratio if high is None else high,
-        ignore_index=ignore_index,
-        aggregation=loss_agg_mode,
-        cu_seqlens=cu_seqlens,
-        norm_len=norm_len,
-        clip_ratio_c=clip_ratio_c,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        process_group=process_group,
-    )
-
-
 # verl releases whose ray_trainer.compute_advantage this module's patch was written against:
 # they hand the whole batch only to an estimator named "gdpo", which cannot be re-registered.
 PATCHED_VERL_VERSIONS = ("0.9.1",)
@@ -442,7 +331,7 @@ def install_compute_advantage_patch(
 
     Returns the wrapper (its ``original`` attribute is verl's function).
     """
-    _check_options(options, "install_compute_advantage_patch")
+    _settings(options, "install_compute_advantage_patch")
     verl = require("verl", "install_compute_advantage_patch")
     version = getattr(verl, "__version__", "unknown")
     if version not in PATCHED_VERL_VERSIONS and not allow_unknown_version:
@@ -469,96 +358,3 @@ def install_compute_advantage_patch(
     compute_advantage.mrtpo_options = bound
     ray_trainer.compute_advantage = compute_advantage
     return compute_advantage
-
-
-def fused_causal_lm_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    output_attentions=None,
-    output_hidden_states=None,
-    return_dict=None,
-    cache_position=None,
-    logits_to_keep=0,
-    temperature: float = POLICY_LOSS_DEFAULTS.temperature,
-    shift_labels=None,
-    **unused,
-):
-    """A causal LM forward for verl's fused-kernel actor path, on ``linear_logprobs``.
-
-    verl's actor with ``actor_rollout_ref.model.use_fused_kernels=True`` replaces the model's
-    forward by one that returns ``log_probs`` and ``entropy`` of the next tokens (computed
-    from the last hidden states and the LM head) instead of logits, and reads those two
-    fields. This forward has the same arguments and output (verl's ``CausalLMOutputForPPO``):
-    the decoder runs as usual, then ``linear_logprobs`` gives the log-probs and entropies of
-    the labels rolled by one (``shift_labels`` when verl passes them) without the
-    (tokens, V) logits, under the model's own logit transform (its config's
-    ``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``:
-    ``mrtpo.model.logit_transform``). Install it with ``install_fused_forward(model)``.
-    """
-    from verl.models.transformers.dense_common import CausalLMOutputForPPO
-
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        output_attentions=output_attentions,
-        output_hidden_states=output_hidden_states,
-        cache_position=cache_position,
-    )
-    hidden = outputs[0]
-    if shift_labels is not None:
-        rolled = shift_labels
-    elif labels is not None:
-        rolled = torch.roll(labels, shifts=-1, dims=-1)
-    elif input_ids is not None:
-        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
-    else:
-        raise ValueError("input_ids: needs input_ids, labels or shift_labels")
-    head = self.get_output_embeddings()
-    log_probs, entropy = linear_logprobs(
-        hidden,
-        head.weight,
-        rolled,
-        bias=getattr(head, "bias", None),
-        temperature=temperature,
-        return_entropy=True,
-        **logit_transform(self),
-    )
-    return CausalLMOutputForPPO(
-        log_probs=log_probs,
-        entropy=entropy,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
-
-
-def install_fused_forward(model):
-    """Make verl's fused-kernel actor path compute log-probs with ``linear_logprobs``.
-
-    Call it on the actor's Hugging Face causal LM after verl's ``apply_monkey_patch`` (which,
-    with ``use_fused_kernels=True``, installs verl's own fused forward); it sets the model
-    class's forward to ``fused_causal_lm_forward``, as verl's patch does. Text models with a
-    plain ``model.model`` decoder and an unsharded LM head only (verl's vision-language
-    forwards differ). A model whose config scales or softcaps its logits (Cohere's
-    ``logit_scale``, Granite's ``logits_scaling``, Gemma 2 / 3's
-    ``final_logit_softcapping``) gets the same transform in the fused head; a config with a
-    multiplier whose place the fused head does not know (``lm_head_multiplier``,
-    ``output_multiplier``) is refused here (ValueError), not at the first forward.
-    Returns the model.
-    """
-    require("verl.models.transformers.dense_common", "install_fused_forward")
-    logit_transform(model)  # refuses what the forward could not reproduce, now
-    if not hasattr(model, "model") or model.get_output_embeddings() is None:
-        raise ValueError("model: expected a causal LM with .model (the decoder) and an LM head")
-    model.__class__.forward = fused_causal_lm_forward
-    return model

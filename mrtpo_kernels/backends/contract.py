@@ -175,17 +175,20 @@ class TokenAdvantagesEntryPoints(Protocol):
         has_info: Tensor,
         relevance: Tensor,
         cu_seqlens: Tensor,
-        mean: Tensor,
-        std: Tensor,
+        sequence: Tensor,
+        divisor: Tensor,
         alpha: float,
         gamma: float,
-        eps_batch: float,
         delta: float,
         clip_min: float,
         clip_max: float,
     ) -> tuple[Tensor, Tensor]:
         """per_reward (n, K), lam (K,), has_info (n, K) bool, relevance (K, N), cu_seqlens
-        (n + 1,) int64, mean and std () -> (token (N,), allocation (K, N)); clip_min /
+        (n + 1,) int64, sequence (n,) (GDPO's sequence advantages), divisor () (the
+        redistribution's D, in per_reward's units) -> (token (N,), allocation (K, N)), both
+        final: token[t] = sequence[i] + sum_k c_k (w_k[t] - 1) / divisor over the rewards
+        with c_k = lam_k A_k[i] != 0 (a weight of exactly 1 or c_k = 0 adds exactly 0, so
+        alpha = 0 gives GDPO bit for bit), sequence[i] where divisor is not > 0; clip_min /
         clip_max of 0 / inf mean no clip."""
         ...
 

@@ -180,16 +180,17 @@ def mrtpo_token_advantages(
     has_info,
     relevance,
     cu_seqlens,
-    mean,
-    std,
+    sequence,
+    divisor,
     alpha,
     gamma,
-    eps_batch,
     delta,
     clip_min,
     clip_max,
 ):
-    """METHOD.md sections 4-5 on packed tokens, vectorized (segment sums by index_add)."""
+    """METHOD.md sections 4-5 on packed tokens, vectorized (segment sums by index_add):
+    token[t] = sequence[i] + sum_k c_k (w_k[t] - 1) / divisor, c_k = lam_k A_k[i], summed
+    over the rewards with c_k != 0 (sequence[i] itself where divisor is not > 0)."""
     k, n_tok = relevance.shape
     n = per_reward.shape[0]
     counts = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -213,7 +214,9 @@ def mrtpo_token_advantages(
         renorm = renorm / lengths.clamp(min=1.0)
         w_hat = w_hat / renorm.clamp(min=1e-30)[:, seg_ids]
     alloc = torch.where(use[:, seg_ids], (1.0 - alpha) + alpha * w_hat, torch.ones_like(w_hat))
-    coef = per_reward * lam  # (n, K)
-    token = (coef.t()[:, seg_ids] * alloc).sum(0)
-    token = (token - mean) / (std + eps_batch)
+    coef = (per_reward * lam).t()[:, seg_ids]  # (K, N)
+    # the redistribution: a weight of exactly 1, or a reward with c_k = 0, adds exactly 0
+    moved = torch.where(coef != 0, coef * (alloc - 1.0), torch.zeros_like(alloc)).sum(0)
+    seq = sequence.to(alloc.dtype)[seg_ids]
+    token = torch.where(divisor > 0, seq + moved / divisor, seq)
     return token, alloc

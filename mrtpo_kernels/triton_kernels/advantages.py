@@ -7,19 +7,22 @@ Math, for response i (tokens t in [cu[i], cu[i+1]), T_i of them) and reward k:
     w_hat_k   = g_k / max(mean_k, delta)                   (mean 1 over the response)
       with a clip: w_hat_k = c / max(mean_t c, 1e-30),  c = clamp(w_hat_k, w_min, w_max)
     w_k[t]    = (1 - alpha) + alpha w_hat_k[t]  where use_k, else 1
-    token[t]  = (sum_k lam_k A_k[i] w_k[t] - mu) / (sigma + eps_batch)
-so sum_t token[t] = T_i x the GDPO sequence advantage of response i (the mass invariant).
+    token[t]  = seq[i] + sum_{k: c_k != 0} c_k (w_k[t] - 1) / D,   c_k = lam_k A_k[i]
+(seq[i] itself where D is not > 0), seq GDPO's sequence advantage and D the redistribution's
+divisor (METHOD.md section 5), so sum_t token[t] = T_i x seq[i] (the mass invariant); a
+weight of exactly 1 or c_k = 0 adds exactly 0 (alpha = 0 is GDPO bit for bit). The output
+is final: nothing is patched after the kernel.
 
 One program per response (a segmented kernel over cu_seqlens): pass 1 sums g over the
 response's tokens for all K rewards at once ([BLOCK_K, BLOCK_T] tiles), pass 2 (only with a
 clip) sums the clipped weights, pass 3 writes the allocation and the token advantages.
-Memory-bound (costs: docs/kernels.md). No host synchronization: mu and sigma are read from device
+Memory-bound (costs: docs/kernels.md). No host synchronization: seq and D are read from device
 tensors, the scalars travel in a small device tensor of the accumulation dtype (so float64
 inputs keep float64 scalars; Triton scalar arguments would be fp32).
 
 Shapes, dtypes (all contiguous; acc = float32 or float64, the same for every float input):
     per_reward (n, K) acc, lam (K,) acc, has_info (n, K) bool, relevance (K, N) acc,
-    cu_seqlens (n + 1,) int64, mean () acc, std () acc
+    cu_seqlens (n + 1,) int64, sequence (n,) acc, divisor () acc
     -> token (N,) acc, allocation (K, N) acc.
 n, N and K are run-time values; BLOCK_K = next power of two of K and BLOCK_T are tile sizes;
 GAMMA_ONE and HAS_CLIP are feature flags. Offsets are int64.
@@ -43,9 +46,9 @@ def _reallocate_kernel(
     has_info_ptr,  # (n, K) uint8
     rel_ptr,  # (K, N)
     cu_ptr,  # (n + 1,) int64
-    mean_ptr,  # () batch mean mu
-    std_ptr,  # () batch std sigma
-    params_ptr,  # (6,) alpha, gamma, eps_batch, delta, clip_min, clip_max
+    seq_ptr,  # (n,) GDPO sequence advantages
+    div_ptr,  # () the redistribution's divisor D
+    params_ptr,  # (5,) alpha, gamma, delta, clip_min, clip_max
     token_ptr,  # (N,)
     alloc_ptr,  # (K, N)
     K,
@@ -60,12 +63,13 @@ def _reallocate_kernel(
     end = tl.load(cu_ptr + i + 1)
     alpha = tl.load(params_ptr + 0)
     gamma = tl.load(params_ptr + 1)
-    eps_batch = tl.load(params_ptr + 2)
-    delta = tl.load(params_ptr + 3)
-    clip_min = tl.load(params_ptr + 4)
-    clip_max = tl.load(params_ptr + 5)
-    mu = tl.load(mean_ptr)
-    inv_sigma = 1.0 / (tl.load(std_ptr) + eps_batch)
+    delta = tl.load(params_ptr + 2)
+    clip_min = tl.load(params_ptr + 3)
+    clip_max = tl.load(params_ptr + 4)
+    seq = tl.load(seq_ptr + i)
+    div = tl.load(div_ptr)
+    moves = div > 0.0
+    div = tl.where(moves, div, 1.0)
 
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
@@ -118,8 +122,9 @@ def _reallocate_kernel(
             w_hat = tl.minimum(tl.maximum(w_hat, clip_min), clip_max) / renorm[:, None]
         alloc = tl.where(use[:, None], (1.0 - alpha) + alpha * w_hat, 1.0)
         tl.store(alloc_rows + t[None, :], alloc, mask=mask)
-        total = tl.sum(coef[:, None] * alloc, axis=0)
-        tl.store(token_ptr + t, (total - mu) * inv_sigma, mask=t_mask)
+        part = tl.where(coef[:, None] != 0.0, coef[:, None] * (alloc - 1.0), 0.0)
+        moved = tl.sum(part, axis=0)
+        tl.store(token_ptr + t, tl.where(moves, seq + moved / div, seq), mask=t_mask)
 
 
 def mrtpo_token_advantages(
@@ -128,11 +133,10 @@ def mrtpo_token_advantages(
     has_info,
     relevance,
     cu_seqlens,
-    mean,
-    std,
+    sequence,
+    divisor,
     alpha,
     gamma,
-    eps_batch,
     delta,
     clip_min,
     clip_max,
@@ -148,9 +152,7 @@ def mrtpo_token_advantages(
     alloc = torch.empty((k, n_tok), dtype=acc, device=dev)
     if n == 0 or n_tok == 0:
         return token, alloc
-    params = torch.tensor(
-        [alpha, gamma, eps_batch, delta, clip_min, clip_max], dtype=acc, device=dev
-    )
+    params = torch.tensor([alpha, gamma, delta, clip_min, clip_max], dtype=acc, device=dev)
     block_k = triton.next_power_of_2(k)
     block_t = max(16, (4096 if interpreting() else 1024) // block_k)
     _reallocate_kernel[(n,)](
@@ -159,8 +161,8 @@ def mrtpo_token_advantages(
         has_info_ptr=has_info.contiguous().view(torch.uint8),
         rel_ptr=relevance.contiguous(),
         cu_ptr=cu_seqlens.to(torch.int64).contiguous(),
-        mean_ptr=mean.to(acc).reshape(()),
-        std_ptr=std.to(acc).reshape(()),
+        seq_ptr=sequence.to(acc).contiguous(),
+        div_ptr=divisor.to(acc).reshape(()),
         params_ptr=params,
         token_ptr=token,
         alloc_ptr=alloc,

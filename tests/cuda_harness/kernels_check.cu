@@ -651,7 +651,7 @@ void check_js_scaling() {
 // ---- reallocation weights
 
 void check_allocation_weight() {
-  ReallocateParams prm{0.7f, 1.f, 1e-6f, 1e-8f, 0.f, INFINITY, false};
+  ReallocateParams prm{0.7f, 1.f, 1e-8f, 0.f, INFINITY, false};
   const float d = 0.3f, scale = 0.2f;
   expect(close_to(allocation_weight(d, scale, 1.f, prm), 0.3 + 0.7 * 1.5, 1e-6, 0.0),
          "allocation weight", "gamma=1", allocation_weight(d, scale, 1.f, prm), 1.35);
