@@ -11,7 +11,7 @@ clause k (one prompt span per reward). One step, as ``mrtpo train`` runs it (the
 aside), cut into stages, each timed with its peak memory:
 
 - ``info_forward``: the with-information forward without gradient and the old log-probs
-  (``contrastive_replay``, the shared replay engine of mrtpo/replay.py: the only forward
+  (``contrastive_replay``, the shared replay engine of mrtpo/replay_engine.py: the only forward
   GDPO runs before its update);
 - ``replay``: the forwards of the prompts without each reward's spans (and the engine's
   copies of hidden states for them);
@@ -244,14 +244,17 @@ class _Off:
 
 @contextlib.contextmanager
 def engine_stages(clock, full_prompts, replaying: bool):
-    """Wrap the replay engine's calls in mrtpo.replay so that its time falls into stages:
-    a forward of a with-information prompt and the old log-probs after it are
-    ``info_forward``; from there to the JS, ``replay``; the JS and what follows it, ``js``."""
+    """Wrap the replay engine's calls (in mrtpo.replay_engine; the prompts without spans are
+    tokenized in mrtpo.replay) so that its time falls into stages: a forward of a
+    with-information prompt and the old log-probs after it are ``info_forward``; from there
+    to the JS, ``replay``; the JS and what follows it, ``js``."""
     import mrtpo.replay as rp
+    import mrtpo.replay_engine as engine
 
     full = {tuple(p) for p in full_prompts}
-    saved = {n: getattr(rp, n) for n in ("_rows_hidden", "linear_logprobs",
-                                         "linear_js_distance", "_stream_ids")}  # fmt: skip
+    home = dict.fromkeys(("_rows_hidden", "linear_logprobs", "linear_js_distance"), engine)
+    home["_stream_ids"] = rp
+    saved = {n: getattr(mod, n) for n, mod in home.items()}
     after_lp = "replay" if replaying else "info_forward"
 
     def rows_hidden(model, prompts, *a, **kw):
@@ -278,12 +281,12 @@ def engine_stages(clock, full_prompts, replaying: bool):
     wrapped = dict(_rows_hidden=rows_hidden, linear_logprobs=logprobs, linear_js_distance=js,
                    _stream_ids=stream_ids)  # fmt: skip
     for n, f in wrapped.items():
-        setattr(rp, n, f)
+        setattr(home[n], n, f)
     try:
         yield
     finally:
         for n, f in saved.items():
-            setattr(rp, n, f)
+            setattr(home[n], n, f)
 
 
 def skip_method() -> str:

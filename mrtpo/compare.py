@@ -4,7 +4,7 @@ Every algorithm is trained with every seed, with identical settings, from the sa
 warm-started model: by default one model (``--init-seed``, cached) shared by every run, so
 that seeds vary only sampling and data order, as when runs start from one pretrained model.
 What is measured, and the claim, are in `mrtpo.stats`; the Markdown table and the plot
-in `mrtpo.report`. Results go to ``<results>/<task>/``. Each run lives in
+in `mrtpo.compare_report`. Results go to ``<results>/<task>/``. Each run lives in
 ``<out>/<task>/<variant>-seed<s>``; a finished run there with the same key (`run_key`: every
 trajectory setting, the number of steps, the device and CPU threads, the code and the
 versions of torch and transformers) is reused, one of the same key that stopped before the
@@ -23,12 +23,12 @@ from pathlib import Path
 from .builtin_models import is_builtin
 from .checkpoint import write_atomic
 from .cli_args import command_line
+from .compare_report import fmt, plot_compare, write_markdown
 from .config import CompareConfig, task_slug
 from .heldout import check_eval_split
 from .initial_model import initial_folder
 from .model import default_model
 from .pretrained import stored_dtype
-from .report import fmt, plot_compare, write_markdown
 from .stats import summarize_run
 from .tasks import load_task
 

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from .data import noisy_reference
-from .model import WARM_MARKER, load_model, same_training, train_digest, warm_start
+from .model import load_model
 from .model_folder import build_once, save_model
 from .pretrained import CONVERSION_VERSION, builtin_folder
 from .prompting import ChatPrompter
+from .warm_start import WARM_MARKER, same_training, train_digest, warm_start
 
 PRETRAINED_WARM_LR = 5e-5
 PRETRAINED_WARM_BATCH = 8

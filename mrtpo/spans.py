@@ -24,6 +24,9 @@ sample, a bare score (no spans), a ``(score, spans)`` pair, or any object with `
 ``spans`` attributes (the project's ``mrtpo.verifiers.Verdict`` works as is). Spans may be
 a list or tuple of spans, or an integer numpy array or tensor with one span per row
 (``span_list``).
+
+The control replay's span (METHOD.md 3b, ``control_span``): a stretch of the prompt that no
+verifier checks, of about the length the rewards remove.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 
-from .prompting import merge_spans, remove_spans
+from .prompting import Span, merge_spans, remove_spans
 
 __all__ = [
+    "control_span",
     "is_chat_prompt",
     "normalize_spans",
     "prompt_without_spans",
@@ -138,6 +142,36 @@ def prompt_without_spans(prompt, normalized: Mapping):
     for m, spans in normalized.items():
         out[m]["content"] = remove_spans(out[m]["content"], spans)
     return out
+
+
+def control_span(prompt: str, spans_by_reward: Sequence[Sequence[Span]]) -> list[Span]:
+    """A prompt span that no verifier checks, of about the length the rewards remove
+    (METHOD.md 3b, "control"): the unchecked stretch of the prompt (whitespace trimmed) whose
+    length is closest to the mean removed length, cut to about that length at a space when
+    it is much longer. [] when every reward's spans are empty or the whole prompt is checked.
+    """
+    removed = [sum(e - s for s, e in merge_spans(row)) for row in spans_by_reward if row]
+    if not removed:
+        return []
+    want = sum(removed) / len(removed)
+    covered = merge_spans(s for row in spans_by_reward for s in row)
+    gaps, pos = [], 0
+    for s, e in [*covered, (len(prompt), len(prompt))]:
+        a, b = pos, min(s, len(prompt))
+        while a < b and prompt[a].isspace():
+            a += 1
+        while b > a and prompt[b - 1].isspace():
+            b -= 1
+        if b > a:
+            gaps.append((a, b))
+        pos = max(pos, e)
+    if not gaps:
+        return []
+    a, b = min(gaps, key=lambda g: (abs((g[1] - g[0]) - want), g[0]))
+    if b - a > 1.5 * want:
+        cut = prompt.find(" ", a + max(1, round(want)), b)
+        b = b if cut < 0 else cut
+    return [(a, b)]
 
 
 def score_and_spans(value, *, where: str = "reward"):

@@ -1,6 +1,6 @@
 """Teacher forcing: prompt + response rows laid out for one forward, and the hidden states
 that predict each response token, for the trainer's policy forwards and the contrastive
-replay (mrtpo/replay.py).
+replay (mrtpo/replay_engine.py).
 
 Layout of a teacher-forced batch: prompts left-padded to a common width P, responses
 right-padded to R, position ids counted over the attention mask, so the hidden state that
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import decoder, last_hidden, lm_head
+from .model_access import decoder, last_hidden, lm_head
 
 
 @dataclass

@@ -48,13 +48,16 @@ def _check_case(rows, length, variant):
 
 def test_tiny_run_rows_report_and_plots(tmp_path):
     import mrtpo.replay as rp
+    import mrtpo.replay_engine as engine
 
-    before = {n: getattr(rp, n) for n in ("_rows_hidden", "linear_js_distance")}
+    before = {n: getattr(engine, n) for n in ("_rows_hidden", "linear_js_distance")}
+    before_ids = rp._stream_ids
     out = tmp_path / "res"
     argv = ["--out", str(out), "--models", "tiny", "--lengths", "16,64", "--repeats", "1",
             "--in-process"]  # fmt: skip
     rows = ms.main(argv)
-    assert {n: getattr(rp, n) for n in before} == before  # the engine is restored
+    assert {n: getattr(engine, n) for n in before} == before  # the engine is restored
+    assert rp._stream_ids is before_ids
     assert len(rows) == 2 * (2 * (1 + len(ms.STAGES)) + 1 + len(ms.GDPO_STAGES))
     table = _rows(out / "method_step.csv")
     assert list(table[0]) == list(ms.COLUMNS)

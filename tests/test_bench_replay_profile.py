@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-import mrtpo.replay as replay_mod
+import mrtpo.replay_engine as replay_mod
 from bench.replay_profile import PARTS, profile, write_record
 from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
 from mrtpo.prompting import ChatPrompter

@@ -150,7 +150,7 @@ def test_replay_without_old_logprobs_computes_the_with_information_logits_once(m
     own): no log-prob op on the with-information hidden states, so the JS is the only pass
     of them through the LM head; the relevance (and the hidden states) are the same bit for
     bit, and the old log-probs are None."""
-    import mrtpo.replay as replay_mod
+    import mrtpo.replay_engine as replay_mod
 
     tok, model, pr = _setup()
     texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
@@ -782,7 +782,7 @@ def test_replay_js_takes_the_bf16_head_under_bf16_autocast(monkeypatch):
     """Under autocast to bf16 the JS gets the LM head and the hidden states in bf16 (as the
     model's own head runs under autocast), and fp32 otherwise; the relevance moves only by
     the bf16 rounding of its operands."""
-    import mrtpo.replay as replay_mod
+    import mrtpo.replay_engine as replay_mod
 
     tok, model = _chat_setup()
     prompts, spans, responses, _, _ = _group_batch()

@@ -10,10 +10,11 @@ import pytest
 import torch
 from test_replay import PROMPTS, TINY  # the replay tests' prompts and tiny model shape
 
-import mrtpo.replay as replay_mod
+import mrtpo.replay_engine as replay_mod
 from mrtpo.model import build_tiny_model, build_tokenizer, lm_head
 from mrtpo.prompting import ChatPrompter
-from mrtpo.replay import _replay_core, _stream_ids, replay_relevance
+from mrtpo.replay import replay_relevance
+from mrtpo.replay_engine import _replay_core, _stream_ids
 from mrtpo.teacher_forcing import forward_after_prefix, forward_responses, forward_shared_prompts
 from mrtpo_kernels.reference import js_distance_ref
 

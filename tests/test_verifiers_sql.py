@@ -318,9 +318,9 @@ def test_a_constant_query_earns_nothing_even_when_it_equals_the_gold_result(db):
 
 
 def test_a_gold_query_timeout_is_not_cached(sql_example, monkeypatch):
-    from mrtpo.verifiers import sql, sql_sandbox
+    from mrtpo.verifiers import sql_common, sql_sandbox
 
-    sql._RUNS.clear()
+    sql_common._RUNS.clear()
     clock = iter(range(0, 10**9, 1000))  # every reading of the clock is 1000 s later
     monkeypatch.setattr(sql_sandbox.time, "monotonic", lambda: float(next(clock)))
     busy = ExecutionMatch()(sql_example, sql_example.reference)
@@ -328,11 +328,11 @@ def test_a_gold_query_timeout_is_not_cached(sql_example, monkeypatch):
     monkeypatch.undo()  # the machine is idle again
     again = ExecutionMatch()(sql_example, sql_example.reference)
     assert again.score == 1.0, again
-    assert not any(isinstance(out[1], QueryTimeout) for out, _ in sql._RUNS.data.values())
+    assert not any(isinstance(out[1], QueryTimeout) for out, _ in sql_common._RUNS.data.values())
 
 
 def test_outcome_cache_never_keeps_transient_failures():
-    from mrtpo.verifiers.sql import _RunCache
+    from mrtpo.verifiers.sql_common import _RunCache
     from mrtpo.verifiers.sql_sandbox import QueryUnavailable
 
     cache = _RunCache(size=10, max_bytes=1_000_000)

@@ -14,7 +14,8 @@ import pytest
 
 from mrtpo.data import shop
 from mrtpo.tasks import load_task
-from mrtpo.verifiers.sql import CACHE_MAX_BYTES, _RunCache, sql_verifiers
+from mrtpo.verifiers.sql import CACHE_MAX_BYTES, sql_verifiers
+from mrtpo.verifiers.sql_common import _RunCache
 from mrtpo.verifiers.sql_sandbox import (
     DEFAULT_MAX_BYTES,
     QueryError,

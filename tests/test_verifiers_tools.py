@@ -132,7 +132,7 @@ def test_argument_equality(task):
 
 
 def test_booleans_are_not_numbers():
-    from mrtpo.verifiers.tools import _same
+    from mrtpo.verifiers.tool_schema import _same
 
     assert not _same(True, 1) and not _same(1, True) and _same(1, 1.0)
     assert _same({"a": [1, {"b": 2.0}]}, {"a": [1.0, {"b": 2}]})
@@ -191,12 +191,12 @@ def test_nan_and_infinity_are_not_json_and_earn_nothing(task):
 
 @pytest.mark.parametrize("use_jsonschema", [True, False])
 def test_a_trailing_newline_does_not_match_an_anchored_pattern(task, monkeypatch, use_jsonschema):
-    from mrtpo.verifiers import tools
+    from mrtpo.verifiers import tool_schema, tools
 
     if use_jsonschema:
         pytest.importorskip("jsonschema")
     else:
-        monkeypatch.setattr(tools, "_validator", lambda schema_json: None)
+        monkeypatch.setattr(tool_schema, "_validator", lambda schema_json: None)
     ex = _find(task, "convert_currency")
     gold = ex.fields["gold"]["arguments"]
     assert ArgumentsValid()(ex, _call("convert_currency", gold)).score == 1.0
