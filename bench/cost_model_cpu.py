@@ -137,11 +137,12 @@ def cpu_check(repeats: int = 3, shape: dict | None = None) -> list[dict]:
     log-probs fwd+bwd, the policy loss fwd+bwd and JS one-vs-K, fp32 on the C++ row
     kernels (torch's where the extension is not built), at a small shape with chunks of
     ``chunk_rows`` rows (several gradient buffers)."""
-    from mrtpo_kernels import backends, chunk_plan
+    import mrtpo_kernels as mk
+    from mrtpo_kernels import chunk_plan
 
     sh = dict(CPU_SHAPE, **(shape or {}))
     n, v, d, k, c = (sh[x] for x in ("n", "v", "d", "k", "chunk_rows"))
-    backend = "cpu" if backends.load("cpu") is not None else "torch"
+    backend = "cpu" if mk.backend_status()["cpu"] == "ok" else "torch"
     kern = chunk_plan.row_kernel(backend)
     keys = ("MRTPO_CHUNK_BYTES", "MRTPO_JS_SCRATCH_BYTES", "MRTPO_KEEP_LOGITS_BYTES")
     saved = {x: os.environ.get(x) for x in keys}

@@ -30,133 +30,41 @@ Parts:
     peers     log-probs fwd+bwd: ours, Liger-Kernel (accum_dtype=float32, and its default)
               and Cut Cross-Entropy (impl "cce_exact", and its default "cce"), time and
               extra memory; a line saying so where a wheel is absent
+
+Here the command and the parts that time our own ops (state, ab, cublas, rows); the
+timeline in bench/gpu_window_timeline.py, the peers in bench/gpu_window_peers.py, what
+every part shares (the rules, the A/B arms, the timers) in bench/gpu_window_common.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import time
 
-from .gpu_micro import add_shape_args, apply_size_env, op_calls, op_inputs, run_part
+from .gpu_micro import add_shape_args, apply_size_env, run_part
+from .gpu_window_common import (
+    CONFIGS,
+    THRESHOLDS,
+    _decide,
+    _elapsed_ms,
+    _Env,
+    _extra_mb,
+    _median_ms,
+    _ops,
+    _sync,
+)
+from .gpu_window_peers import PEER_WHEELS, part_peers
+from .gpu_window_timeline import part_timeline
+
+# THRESHOLDS (the rules, quoted in bench/gpu_window.sh's header) and PEER_WHEELS (the
+# peers' pins, read by bench/peer_wheels.sh) live with the code that applies them and are
+# named here, the window's command, as the scripts read them.
+__all__ = ["PARTS", "PEER_WHEELS", "THRESHOLDS", "main"]
 
 PARTS = ("state", "timeline", "ab", "cublas", "rows", "peers")
-
-# The rules, fixed before the window runs (bench/gpu_window.sh's header quotes each line;
-# tests/test_bench.py checks that it does).
-THRESHOLDS = {
-    "state": "clocks: an SM clock under 90% of its max, or any active throttle reason other "
-    "than idle, before or after, marks every timing of the window as throttled",
-    "timeline": "idle gaps: more than 3 ms of idle time between kernels in one call of an op "
-    "-> fold the small kernels into the row kernel where they take more than 1 ms, else "
-    "capture the chunk loop in a CUDA graph; 3 ms or less -> neither",
-    "ab_overlap": "overlap: kept only if MRTPO_OVERLAP_ROWS=1 is at least 2% faster than the "
-    "default on both the policy loss and log-probs (medians, same process); else removed",
-    "ab_low_memory": "low-memory backward: made the default (MRTPO_LOW_MEMORY=1) if it is "
-    "within 3% of the default's time on both ops (it drops the 2.4 GB fp32 dW accumulator)",
-    "cublas_rows": "chunk rows: round the logits chunk to a multiple of 128 rows if the best "
-    "128-aligned row count gets at least 3% more TFLOP/s than the plan's 410 rows",
-    "cublas_k": "gradient buffer: 4096 rows if dW at K = 4096 gets at least 5% more TFLOP/s "
-    "than at K = 2048 (and the memory target still holds), else 2048",
-    "rows": "row kernels: a kernel under 2.5 TB/s back to back at in-op size is the next "
-    "kernel to rewrite; the split-row statistics kernel replaces the one-program-per-row one "
-    "if it is at least 1.2x faster",
-    "peers": "peers: ours must be faster than Liger (accum_dtype=float32) and Cut "
-    "Cross-Entropy (cce_exact) on log-probs fwd+bwd at no more extra memory than theirs; "
-    "a miss is recorded as a miss",
-}
-
-GEMM_NAMES = re.compile(r"gemm|nvjet|xmma|cutlass|splitk", re.IGNORECASE)
-ROW_NAMES = re.compile(
-    r"_stats_rows|_stats_split|_grad_rows|_policy_rows|_row_norm|_js_rows_sum|_js_finish"
-    r"|_grad_cols|_policy_terms"
-)
-CPU_GEMM_NAMES = re.compile(r"^aten::(mm|addmm|matmul|bmm)$")
-
-
-def _decide(emit, key: str, measured, outcome: str) -> None:
-    emit({"part": "decision", "name": key, "rule": THRESHOLDS[key], "measured": measured,
-          "outcome": outcome})  # fmt: skip
-
-
-class _Env:
-    """Set MRTPO_* variables for a block (the driver reads them at each call)."""
-
-    def __init__(self, **kv):
-        self.kv = {k: str(v) for k, v in kv.items()}
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.kv}
-        os.environ.update(self.kv)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-CONFIGS = {  # the A/B arms (and the timeline's two): MRTPO_* variables each
-    "default": {},
-    "overlap": {"MRTPO_OVERLAP_ROWS": "1"},
-    "low_memory": {"MRTPO_LOW_MEMORY": "1"},
-}
-
-
-def _sync(torch):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _elapsed_ms(torch, fn, calls: int = 1) -> float:
-    """One timing of ``calls`` back-to-back calls: CUDA events on a GPU, else wall clock."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _median_ms(torch, fn, repeats=3, calls=1) -> float:
-    fn()
-    _sync(torch)
-    return statistics.median(_elapsed_ms(torch, fn, calls) / calls for _ in range(repeats))
-
-
-def _extra_mb(torch, fn) -> float:
-    """Peak device memory of one call beyond what was allocated before it (0 on the CPU)."""
-    if not torch.cuda.is_available():
-        fn()
-        return 0.0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 1e6
-
-
-def _ops(torch, args):
-    """{name: (call, flops)}: the three ops at the window's shape, one call each."""
-    from . import formulas
-
-    n, d, v = args.n, args.d, args.v
-    calls = op_calls(torch, args)
-    return {name: (fn, formulas.flops(name, n, d, v, k)) for name, fn, k in calls}
-
 
 # --------------------------------------------------------------------------- state
 
@@ -196,109 +104,6 @@ def part_state(torch, args, emit):
                             "sm_mhz": rec.get("clocks_sm"),
                             "power_w": rec.get("power_draw"), "reasons": reasons},
             f"{args.tag}: {verdict}")  # fmt: skip
-
-
-# --------------------------------------------------------------------------- timeline
-
-
-def kernel_intervals(trace: dict, on_gpu: bool) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of the device kernels (and memcpy / memset) of a chrome
-    trace torch.profiler exported; on the CPU, of its aten operators instead."""
-    out = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        cat = str(e.get("cat", "")).lower()
-        wanted = cat in ("kernel", "gpu_memcpy", "gpu_memset") if on_gpu else cat == "cpu_op"
-        if wanted:
-            ts = float(e["ts"])
-            out.append((str(e.get("name", "")), ts, ts + float(e["dur"])))
-    return out
-
-
-def classify(name: str, on_gpu: bool = True) -> str:
-    if ROW_NAMES.search(name):
-        return "row"
-    if GEMM_NAMES.search(name) if on_gpu else CPU_GEMM_NAMES.match(name):
-        return "gemm"
-    return "small"
-
-
-def analyze(intervals: list[tuple[str, float, float]], on_gpu: bool = True) -> dict:
-    """Per kind (gemm, row, small): summed kernel time (ms) and count; the span from the first
-    kernel's start to the last one's end, the busy time (the union of all intervals, any
-    stream) and the idle time (span - busy), all in ms; the largest gaps with the kernel
-    before each; ``concurrent_ms``: summed kernel time beyond the busy time (kernels that
-    ran beside each other, the overlap's aim)."""
-    if not intervals:
-        return {"kernels": 0, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0}
-    ivs = sorted(intervals, key=lambda x: x[1])
-    out: dict = {"kernels": len(ivs)}
-    for kind in ("gemm", "row", "small"):
-        sel = [e - s for n, s, e in ivs if classify(n, on_gpu) == kind]
-        out[f"{kind}_ms"] = sum(sel) / 1e3
-        out[f"{kind}_count"] = len(sel)
-    busy, gaps = 0.0, []
-    cur_s, cur_e, cur_name = ivs[0][1], ivs[0][2], ivs[0][0]
-    for name, s, e in ivs[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append((s - cur_e, cur_name))
-            cur_s, cur_e, cur_name = s, e, name
-        elif e > cur_e:
-            cur_e, cur_name = e, name
-    busy += cur_e - cur_s
-    span = max(e for _, _, e in ivs) - ivs[0][1]
-    out["span_ms"] = span / 1e3
-    out["busy_ms"] = busy / 1e3
-    out["idle_ms"] = (span - busy) / 1e3
-    out["gaps"] = len(gaps)
-    out["concurrent_ms"] = max(0.0, sum(e - s for _, s, e in ivs) - busy) / 1e3
-    gaps.sort(reverse=True)
-    out["largest_gaps"] = [[round(g / 1e3, 4), n[:60]] for g, n in gaps[:5]]
-    return out
-
-
-def timeline_decision(idle_ms: float, small_ms: float) -> str:
-    if idle_ms <= 3.0:
-        return "neither (idle gaps within 3 ms)"
-    if small_ms > 1.0:
-        return "fold the small kernels into the row kernel"
-    return "capture the chunk loop in a CUDA graph"
-
-
-def part_timeline(torch, args, emit):
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    ops = _ops(torch, args)
-    worst = {}
-    for config in ("default", "overlap"):
-        with _Env(**CONFIGS[config]):
-            for name, (fn, _) in ops.items():
-                if config == "overlap" and name == "linear_js_distance":
-                    continue  # the overlap does not cover JS
-                fn()  # warm-up: compiles, caches
-                _sync(torch)
-                with profile(activities=acts) as prof:
-                    fn()
-                    _sync(torch)
-                path = os.path.join(args.traces, f"{config}_{name}.json")
-                prof.export_chrome_trace(path)
-                with open(path) as f:
-                    trace = json.load(f)
-                stats = analyze(kernel_intervals(trace, on_gpu), on_gpu)
-                wall = _elapsed_ms(torch, fn)
-                source = "cuda kernels" if on_gpu else "cpu ops (dry run)"
-                emit({"part": "timeline", "name": name, "config": config, "wall_ms": wall,
-                      "source": source, **stats})  # fmt: skip
-                if config == "default":
-                    worst[name] = (stats["idle_ms"], stats.get("small_ms", 0.0))
-    for name, (idle, small) in worst.items():
-        _decide(emit, "timeline", {"op": name, "idle_ms": round(idle, 3),
-                                   "small_ms": round(small, 3)},
-                f"{name}: {timeline_decision(idle, small)}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- A/B
@@ -474,224 +279,6 @@ def part_rows(torch, args, emit):
     _decide(emit, "rows", {n: round(r, 3) for n, r in rate.items()}, outcome)
 
 
-# --------------------------------------------------------------------------- peers
-
-
-# The peers' pinned versions (bench/peer_wheels.sh fetches exactly these into .whl/).
-PEER_WHEELS = {"liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
-
-# What each peer setting computes in which precision, against ours, on the one op both
-# peers have: log-probs fwd+bwd (-cross-entropy of a linear head). Neither peer has a policy
-# loss or a JS op, so the window compares this op only. Ours: logits in fp32 (16-bit GEMM,
-# fp32 out), softmax in fp32, the logits' gradient rounded to 16 bits for the dh / dW GEMMs,
-# dW accumulated in fp32 across chunks, dh in fp32 within its GEMM.
-PEER_PRECISION = {
-    "liger_fp32_accum": "Liger accum_dtype=torch.float32, the precision-matched setting on "
-    "dW (accumulated in fp32 across chunks, as ours); its logits chunk is the input dtype's "
-    "GEMM output (16-bit) in both settings, so its softmax reads 16-bit logits where ours "
-    "reads fp32: the one gap no Liger 0.8.5 setting closes",
-    "liger_default": "Liger default (accum_dtype None): dW accumulated in the weight's "
-    "16-bit dtype across chunks, 16-bit logits",
-    "cce_exact": "Cut Cross-Entropy, the precision-matched setting on the forward "
-    "(impl cce_exact where the version has it, else filter_eps=None): fp32 logits and "
-    "softmax in-kernel, no gradient filtering; 25.1.1 rounds the logits' gradient to 16 "
-    "bits (as ours) and accumulates dh and dW in 16 bits across blocks (ours: fp32)",
-    "cce_default": "Cut Cross-Entropy default (filter_eps='high'): gradient blocks under "
-    "the threshold skipped, so its gradient is approximate by design",
-}
-
-
-def cce_exact_options(linear_cross_entropy) -> dict:
-    """Cut Cross-Entropy's exact gradient: ``impl="cce_exact"`` where its version has it
-    (no gradient filtering, fp32 accumulation), else (25.1.1, the pinned wheel)
-    ``filter_eps=None``: the default "cce" kernel without its gradient filtering."""
-    try:
-        from cut_cross_entropy.cce_utils import CCEPresets
-
-        if "cce_exact" in CCEPresets.names:
-            return {"impl": "cce_exact"}
-    except ImportError:
-        pass
-    return {"impl": "cce", "filter_eps": None}
-
-
-def interpreter_libdevice() -> list[str]:
-    """Under TRITON_INTERPRET=1 only (the dry run): give the libdevice functions a peer's
-    kernels call an implementation the interpreter can run. Triton 3.9's interpreter has none:
-    ``triton.language.extra.libdevice``'s functions are placeholders that the compiler binds
-    to a backend's library (their Python bodies return None), and the backend's own versions
-    lower to ``extern_elementwise``, which the interpreter refuses. Cut Cross-Entropy's
-    log-sum-exp merge calls ``libdevice.log1p`` (and its softcap ``libdevice.tanh``), so the
-    interpreter added None to a tensor ("'NoneType' object has no attribute 'dtype'": the
-    error of the earlier dry runs). Here log1p(x) = log(1 + x) and tanh by exp: the same
-    values to fp32 rounding at the dry run's sizes; never used on a GPU. Returns the names
-    bound."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return []
-    import triton.language as tl
-    from triton.language.extra import libdevice
-
-    def log1p(x):
-        return tl.log(1.0 + x)
-
-    def tanh(x):
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
-
-    bound = []
-    for name, fn in (("log1p", log1p), ("tanh", tanh)):
-        if getattr(libdevice, name, None) is not None:
-            setattr(libdevice, name, fn)
-            bound.append(name)
-    return bound
-
-
-def peer_inputs(torch, args):
-    """(h, w, labels, upstream): the log-prob op's inputs, in bf16 on a GPU; fp16 in the dry
-    run, because the interpreter keeps bf16 as raw uint16 and does no bf16 arithmetic (only
-    casts to and from fp32): a kernel that multiplies bf16 operands before casting (Cut
-    Cross-Entropy's dot products do) computes on the bits, while fp16 is numpy's float16.
-    A tenth of the labels are the ignore index (-100), as in a padded batch."""
-    dtype = torch.float16 if args.device == "cpu" else torch.bfloat16
-    h, w, lab, g = op_inputs(torch, args)
-    h = h.detach().to(dtype).requires_grad_()
-    w = w.detach().to(dtype).requires_grad_()
-    lab = lab.clone()
-    lab[::10] = -100
-    up = torch.randn(args.n, device=args.device, generator=g)
-    up[lab == -100] = 0.0
-    return h, w, lab, up
-
-
-def peer_calls(torch, h, w, lab, emit) -> dict:
-    """{name: call}: each call returns the log-probs (N,) of ``h @ w.T`` at ``lab`` (0 at the
-    ignore index) from ours or a peer, differentiable; a peer whose wheel is absent is left
-    out with a ``skipped`` record."""
-    import mrtpo_kernels as mk
-
-    calls = {"ours": lambda: mk.linear_logprobs(h, w, lab, backend="triton")}
-    try:
-        from liger_kernel.transformers import functional as lf
-
-        def liger(**kw):
-            def run():
-                out = lf.liger_fused_linear_cross_entropy(h, w, lab, reduction="none", **kw)
-                return -(out[0] if isinstance(out, tuple) else out)
-
-            return run
-
-        calls["liger_fp32_accum"] = liger(accum_dtype=torch.float32)
-        calls["liger_default"] = liger()
-    except ImportError as exc:
-        emit({"part": "peers", "name": "liger", "skipped": f"Liger-Kernel absent ({exc})"})
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-
-        def cce(**kw):
-            return lambda: -linear_cross_entropy(h, w, lab, reduction="none", **kw)
-
-        calls["cce_exact"] = cce(**cce_exact_options(linear_cross_entropy))
-        calls["cce_default"] = cce()
-    except ImportError as exc:
-        emit({"part": "peers", "name": "cce", "skipped": f"Cut Cross-Entropy absent ({exc})"})
-    return calls
-
-
-def peer_errors(torch, call, h, w, lab, up, ref) -> dict:
-    """One call's log-probs and gradients (of sum up * log p) against the float64 reference
-    ``ref`` = (log p, dh, dW): the largest log-prob error and the gradients' relative norm
-    errors, the measures bench/gpu_micro.py's correctness part gives ours."""
-    lp = call()
-    gh, gw = torch.autograd.grad((lp.float() * up).sum(), (h, w))
-    rl, rh, rw = ref
-    valid = lab != -100
-    return {
-        "logp_max_err": (lp.double() - rl)[valid].abs().max().item(),
-        "dh_rel_err": ((gh.double() - rh).norm() / rh.norm()).item(),
-        "dw_rel_err": ((gw.double() - rw).norm() / rw.norm()).item(),
-    }
-
-
-# Peers whose call path the dry run runs once (the float64 check) without timing it.
-DRY_RUN_UNTIMED = {
-    "cce_default": "its filtered backward takes about 3 minutes a call under the interpreter "
-    "(n = 40, V = 3000)",
-}
-
-# Gradient bar of the check: the 16-bit rounding of the logits' gradient and of dh / dW
-# (ours rounds too) gives relative errors of a few 1e-3; a broken call path gives O(1).
-PEER_GRAD_REL_TOL = 2e-2
-
-
-def part_peers(torch, args, emit):
-    from mrtpo_kernels import reference as ref
-
-    bound = interpreter_libdevice()
-    if bound:
-        emit({"part": "peers", "name": "interpreter", "options": f"libdevice {bound} bound to "
-              "tl math (dry run only)"})  # fmt: skip
-    if args.device == "cpu":
-        # Cut Cross-Entropy's default sorts its logit averages in a torch.compile'd function
-        # (fullgraph), which on the CPU builds C++ for minutes: run it eagerly (the same
-        # argsort) in the dry run
-        torch.compiler.set_stance("force_eager")
-    h, w, lab, up = peer_inputs(torch, args)
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    rl = ref.linear_logprobs_ref(h64, w64, lab)
-    rh, rw = torch.autograd.grad((rl * up.double()).sum(), (h64, w64))
-    reference = (rl.detach(), rh, rw)
-    cpu = args.device == "cpu"
-    got, grad_ok = {}, {}
-    for name, call in peer_calls(torch, h, w, lab, emit).items():
-        rec = {"part": "peers", "name": name, "dtype": str(h.dtype).replace("torch.", ""),
-               "options": PEER_PRECISION.get(name)}  # fmt: skip
-
-        def step(call=call):
-            lp = call()
-            lp.backward(up.to(lp.dtype))
-            h.grad = w.grad = None
-
-        try:
-            rec.update(peer_errors(torch, call, h, w, lab, up, reference))  # also the warm-up
-            rec["grad_ok"] = grad_ok[name] = (
-                max(rec["dh_rel_err"], rec["dw_rel_err"]) < PEER_GRAD_REL_TOL
-            )
-            if cpu and name in DRY_RUN_UNTIMED:  # its call path ran once, checked above
-                emit({**rec, "skipped": f"not timed in the dry run: {DRY_RUN_UNTIMED[name]}"})
-                continue
-            mem = 0.0 if cpu else _extra_mb(torch, step)
-            # the interpreter: one timing, the checked call above its warm-up
-            ms = _elapsed_ms(torch, step) if cpu else _median_ms(torch, step, 3)
-        except Exception as exc:  # a peer's API may differ: say so, keep going
-            emit({**rec, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            continue
-        got[name] = (ms, mem)
-        vs = ms / got["ours"][0] if "ours" in got else None
-        emit({**rec, "ms": ms, "extra_mem_mb": mem, "vs_ours": vs})
-    if "ours" not in got:
-        return
-    verdict = []
-    for peer in ("liger_fp32_accum", "cce_exact"):
-        if peer not in got:
-            verdict.append(f"{peer}: not measured")
-            continue
-        faster = got["ours"][0] < got[peer][0]
-        leaner = got["ours"][1] <= got[peer][1]
-        verdict.append(f"{peer}: {'met' if faster and leaner else 'missed'} "
-                       f"(time {got['ours'][0] / got[peer][0]:.3f}x, memory "
-                       f"{got['ours'][1]:.0f} vs {got[peer][1]:.0f} MB)")  # fmt: skip
-    bad = [k for k, ok in grad_ok.items() if not ok]
-    verdict.append(f"gradients vs float64 within {PEER_GRAD_REL_TOL:g}: "
-                   + (f"not for {', '.join(bad)}" if bad else "all"))  # fmt: skip
-    _decide(
-        emit,
-        "peers",
-        {k: [round(a, 3), round(b, 1)] for k, (a, b) in got.items()},
-        "; ".join(verdict),
-    )
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_window", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -712,7 +299,14 @@ def main(argv=None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_window: no CUDA device", file=sys.stderr)
         return 2
-    fn = globals()[f"part_{args.part}"]
+    fn = {
+        "state": part_state,
+        "timeline": part_timeline,
+        "ab": part_ab,
+        "cublas": part_cublas,
+        "rows": part_rows,
+        "peers": part_peers,
+    }[args.part]
     return run_part(lambda emit: fn(torch, args, emit), args.part, args.out, "window")
 
 

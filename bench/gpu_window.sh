@@ -50,8 +50,8 @@
 #             tests/test_bench.py). The peers run their real call paths, kernels included,
 #             where .whl/ holds their wheels (installed into a scratch folder), in fp16 (the
 #             interpreter does no bf16 arithmetic) and with libdevice's log1p / tanh given
-#             interpreter versions (bench/gpu_window.py's interpreter_libdevice); a peer
-#             whose wheel is absent is skipped with a line
+#             interpreter versions (bench/gpu_window_peers.py's interpreter_libdevice); a
+#             peer whose wheel is absent is skipped with a line
 # Environment: PYTHON (default python3), GPU_WINDOW_BUDGET_S.
 set -u -o pipefail
 

@@ -47,16 +47,17 @@ thread, the compute itself, much less stretched than the wall time on a shared m
 Rows are appended to DIR/method_step.csv (one per stage and a ``step`` row per case and
 variant), every repeat's own figures to DIR/cases.jsonl; DIR/runs.jsonl records each
 invocation's command and its ``uptime`` load at start and end.
+
+The parts: the model and the batch in bench/method_step_batch.py; one case (the stage
+clock, the engine's stages, the step, the child process) in bench/method_step_child.py;
+here the parent (each case in a fresh process, the rows, the command line).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -64,23 +65,15 @@ import sys
 import time
 from pathlib import Path
 
+from .method_step_batch import CLAUSES
+from .method_step_child import child
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("info_forward", "replay", "js", "advantages", "policy_forward", "loss_forward",
           "backward")  # fmt: skip
 GDPO_STAGES = ("info_forward", "advantages", "policy_forward", "loss_forward", "backward")
 VARIANTS = ("mrtpo", "gdpo", "mrtpo-half")
 MODELS = ("tiny", "smollm2-135m-instruct")
-CLAUSES = (
-    "Answer in exactly three sentences.",
-    "Mention the word harbor at least twice.",
-    "Do not use any commas.",
-    "End your answer with the phrase: That is all.",
-    "Write the first word in capital letters.",
-    "Include a question somewhere in the answer.",
-    "Keep every sentence under twenty words.",
-    "Name one color.",
-)
-TOPICS = ("a day at the sea", "a walk in the mountains", "a night train", "an old library")
 COLUMNS = (
     "date", "commit", "device", "torch", "triton", "op", "provider", "model", "stage", "N",
     "tokens", "d", "V", "K", "responses", "pairs", "skipped", "dtype", "threads", "repeats",
@@ -89,325 +82,6 @@ COLUMNS = (
 )  # fmt: skip
 MMAP_THRESHOLD = 256 * 1024
 MIB = 1 << 20
-
-
-# --------------------------------------------------------------------------------- the batch
-
-
-def prompt_of(p: int, k: int) -> tuple[str, list[list[tuple[int, int]]]]:
-    """Prompt ``p``'s text and, per reward, its span (reward k's verdict names clause k)."""
-    head = f"Write a short text about {TOPICS[p % len(TOPICS)]}."
-    text, spans = head, []
-    for c in CLAUSES[:k]:
-        text += " "
-        spans.append([(len(text), len(text) + len(c))])
-        text += c
-    return text, spans
-
-
-def build_model(name: str, max_len: int, cache_dir: str, device: str):
-    """(model, tokenizer): the built-in tiny Qwen2 built in code (not warm-started: timing and
-    memory do not depend on the weights), or a built-in pretrained model by name."""
-    import torch
-
-    from mrtpo.model import build_tiny_model, build_tokenizer, load_model
-
-    if name == "tiny":
-        from mrtpo.config import TinyConfig
-
-        texts = [prompt_of(p, len(CLAUSES))[0] for p in range(len(TOPICS))] * 4
-        tok = build_tokenizer(texts)
-        model = build_tiny_model(tok, TinyConfig(max_positions=max(1024, max_len)), seed=0)
-        model = model.to(device)
-    else:
-        model, tok = load_model(name, device=device, cache_dir=cache_dir, dtype=torch.float32)
-    model.eval()
-    return model, tok
-
-
-def build_batch(tok, prompter, *, prompts: int, group: int, k: int, length: int, variant: str,
-                seed: int) -> dict:  # fmt: skip
-    """Prompt texts and ids, responses (random ids, specials excluded), spans, rewards and
-    group ids of one step. Rewards differ within each group for every reward (A_k != 0 for
-    every pair); under ``mrtpo-half`` the odd rewards are constant within each group (A_k = 0
-    exactly: half of the pairs cannot move)."""
-    import torch
-
-    special = set(tok.all_special_ids)
-    allowed = torch.tensor([t for t in range(len(tok)) if t not in special], dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + length)
-    texts, ids, responses, spans, rewards, groups = [], [], [], [], [], []
-    for p in range(prompts):
-        text, sp = prompt_of(p, k)
-        enc = prompter.encode(text).ids
-        for g in range(group):
-            texts.append(text)
-            ids.append(list(enc))
-            pick = torch.randint(len(allowed), (length,), generator=gen)
-            responses.append(allowed[pick].tolist())
-            spans.append([list(s) for s in sp])
-            row = [float((g + j) % 2) for j in range(k)]
-            if variant == "mrtpo-half":
-                row = [1.0 if j % 2 else v for j, v in enumerate(row)]
-            rewards.append(row)
-            groups.append(p)
-    return dict(texts=texts, prompt_ids=ids, responses=responses, spans=spans,
-                rewards=torch.tensor(rewards, dtype=torch.float32),
-                group_ids=torch.tensor(groups, dtype=torch.long))  # fmt: skip
-
-
-# ------------------------------------------------------------------------------ stage clock
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-class StageClock:
-    """Wall time and peak memory per stage; ``switch(stage)`` closes the current stage."""
-
-    def __init__(self, device):
-        import torch
-
-        self.c = 0.0
-        self.torch = torch
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.ms: dict[str, float] = {}
-        self.cpu_ms: dict[str, float] = {}
-        self.peak: dict[str, int] = {}
-        self.cur: str | None = None
-        self.t = 0.0
-        self.peak_method = "max_memory_allocated" if self.cuda else "VmHWM reset per stage"
-
-    def _sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize(self.device)
-
-    def _reset_peak(self):
-        if self.cuda:
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            self.peak_method = "ru_maxrss (VmHWM reset not allowed)"
-
-    def _read_peak(self) -> int:
-        if self.cuda:
-            return int(self.torch.cuda.max_memory_allocated(self.device))
-        kib = _status_kib("VmHWM") if self.peak_method.startswith("VmHWM") else None
-        if kib is None:
-            kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return kib * 1024
-
-    def current_bytes(self) -> int:
-        if self.cuda:
-            return int(self.torch.cuda.memory_allocated(self.device))
-        return (_status_kib("VmRSS") or 0) * 1024
-
-    def start(self, stage: str):
-        self._sync()
-        self._reset_peak()
-        self.cur, self.t, self.c = stage, time.perf_counter(), time.process_time()
-
-    def switch(self, stage: str | None):
-        if self.cur is None or stage == self.cur:
-            return
-        self._sync()
-        now, cpu = time.perf_counter(), time.process_time()
-        self.ms[self.cur] = self.ms.get(self.cur, 0.0) + (now - self.t) * 1e3
-        self.cpu_ms[self.cur] = self.cpu_ms.get(self.cur, 0.0) + (cpu - self.c) * 1e3
-        self.peak[self.cur] = max(self.peak.get(self.cur, 0), self._read_peak())
-        self._reset_peak()
-        self.cur, self.t, self.c = stage, time.perf_counter(), time.process_time()
-
-    def stop(self):
-        self.switch(None)
-        self.cur = None
-
-
-class _Off:
-    cur = None
-
-    def switch(self, stage):
-        pass
-
-
-@contextlib.contextmanager
-def engine_stages(clock, full_prompts, replaying: bool):
-    """Wrap the replay engine's calls (in mrtpo.replay_engine; the prompts without spans are
-    tokenized in mrtpo.replay) so that its time falls into stages: a forward of a
-    with-information prompt and the old log-probs after it are ``info_forward``; from there
-    to the JS, ``replay``; the JS and what follows it, ``js``."""
-    import mrtpo.replay as rp
-    import mrtpo.replay_engine as engine
-
-    full = {tuple(p) for p in full_prompts}
-    home = dict.fromkeys(("_rows_hidden", "linear_logprobs", "linear_js_distance"), engine)
-    home["_stream_ids"] = rp
-    saved = {n: getattr(mod, n) for n, mod in home.items()}
-    after_lp = "replay" if replaying else "info_forward"
-
-    def rows_hidden(model, prompts, *a, **kw):
-        clock.switch("info_forward" if tuple(prompts[0]) in full else "replay")
-        return saved["_rows_hidden"](model, prompts, *a, **kw)
-
-    def logprobs(*a, **kw):
-        out = saved["linear_logprobs"](*a, **kw)
-        if clock.cur == "info_forward":
-            clock.switch(after_lp)
-        return out
-
-    def js(*a, **kw):
-        clock.switch("js")
-        return saved["linear_js_distance"](*a, **kw)
-
-    def stream_ids(*a, **kw):  # tokenizing the prompts without spans: replay work
-        prev = clock.cur
-        clock.switch("replay" if replaying else prev)
-        out = saved["_stream_ids"](*a, **kw)
-        clock.switch(prev)
-        return out
-
-    wrapped = dict(_rows_hidden=rows_hidden, linear_logprobs=logprobs, linear_js_distance=js,
-                   _stream_ids=stream_ids)  # fmt: skip
-    for n, f in wrapped.items():
-        setattr(home[n], n, f)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(home[n], n, f)
-
-
-def skip_method() -> str:
-    """How ``mrtpo-half`` skips pairs here: the engine's replay_mask, or spans withheld."""
-    import inspect
-
-    import mrtpo.replay as rp
-
-    has = "replay_mask" in inspect.signature(rp.contrastive_replay).parameters
-    return "replay_mask" if has and hasattr(rp, "replay_mask_from_rewards") else "no spans"
-
-
-def run_step(model, tok, prompter, batch, variant: str, clock, device, *, ckpt=False) -> dict:
-    """One step on ``batch`` (rollout aside), as mrtpo train's ``train_step`` and
-    ``_update`` run it with one micro-batch; stages into ``clock``. ``ckpt``: the policy's
-    forward under ``mrtpo.model.gradient_checkpointing`` (``--gradient-checkpointing``), its
-    recompute then in ``backward``."""
-    import torch
-
-    import mrtpo.replay as rp
-    from mrtpo.config import TrainConfig
-    from mrtpo.model import gradient_checkpointing, lm_head
-    from mrtpo.relevance_modes import step_mode
-    from mrtpo.teacher_forcing import response_hidden, teacher_batch
-    from mrtpo.trainer import compute_advantages
-    from mrtpo_kernels import linear_policy_loss
-
-    cfg = TrainConfig()
-    algo = "gdpo" if variant == "gdpo" else "mrtpo"
-    k = batch["rewards"].shape[1]
-    spans = batch["spans"]
-    kw = {}
-    lengths = torch.tensor([len(r) for r in batch["responses"]], dtype=torch.long)
-    if variant == "mrtpo-half":
-        how = skip_method()
-        clock.switch("advantages")  # which pairs can move: GDPO's per-reward advantages
-        has_info = torch.tensor([[len(s) > 0 for s in row] for row in spans], dtype=torch.bool)
-        mask = (
-            rp.replay_mask_from_rewards(batch["rewards"], batch["group_ids"], has_info=has_info)
-            if how == "replay_mask"
-            else None
-        )
-        if mask is None:  # withhold the spans of the pairs that cannot move
-            from mrtpo_kernels import gdpo_advantages
-
-            moves = gdpo_advantages(batch["rewards"], batch["group_ids"]).per_reward != 0
-            spans = [[s if bool(moves[i, j]) else [] for j, s in enumerate(row)]
-                     for i, row in enumerate(spans)]  # fmt: skip
-        else:
-            kw["replay_mask"] = mask
-    clock.switch("info_forward")
-    with engine_stages(clock, batch["prompt_ids"], replaying=algo == "mrtpo"):
-        rep = rp.contrastive_replay(
-            model, prompter, batch["texts"], batch["prompt_ids"], batch["responses"], spans,
-            temperature=cfg.temperature, micro_batch=cfg.micro_batch * 2,
-            replay=algo == "mrtpo", **kw,
-        )  # fmt: skip
-    clock.switch("advantages")
-    has_info = torch.tensor([[len(s) > 0 for s in row] for row in batch["spans"]],
-                            dtype=torch.bool)  # fmt: skip
-    mode = step_mode(algo, cfg.relevance)
-    relevance = mode.relevance(rep, k, lengths, oracle=None)
-    adv, _ = compute_advantages(algo, batch["rewards"], batch["group_ids"], relevance, has_info,
-                                lengths, cfg)  # fmt: skip
-    clock.switch("policy_forward")
-    tb = teacher_batch(batch["prompt_ids"], batch["responses"], tok.pad_token_id, device)
-    with gradient_checkpointing(model, ckpt):
-        hidden = response_hidden(model, tb)
-    clock.switch("loss_forward")
-    w, b = lm_head(model)
-    loss, _ = linear_policy_loss(
-        hidden, w, tb.labels, rep.old_logprobs.detach().float().to(device), adv.to(device),
-        bias=b, temperature=cfg.temperature, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-    )  # fmt: skip
-    clock.switch("backward")
-    loss.backward()
-    clock.switch("done")
-    model.zero_grad(set_to_none=True)
-    skipped = int(has_info.sum()) - int(rep.replayed) if algo == "mrtpo" else 0
-    return dict(replayed=int(rep.replayed), skipped=skipped, loss=float(loss.detach()))
-
-
-def child(spec: dict) -> dict:
-    """Run one case in this process: warm-up step, then the measured step."""
-    import torch
-
-    from mrtpo.prompting import ChatPrompter
-
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    torch.manual_seed(spec["seed"])
-    device = torch.device(spec["device"])
-    model, tok = build_model(spec["model"], spec["length"] + 256, spec["cache_dir"], str(device))
-    prompter = ChatPrompter(tok)
-    shape = dict(prompts=spec["prompts"], group=spec["group"], k=spec["K"], variant=spec["variant"],
-                 seed=spec["seed"])  # fmt: skip
-    warm = build_batch(tok, prompter, length=spec["warmup_length"], **shape)
-    ckpt = bool(spec.get("gradient_checkpointing"))
-    run_step(model, tok, prompter, warm, spec["variant"], _Off(), device, ckpt=ckpt)
-    batch = build_batch(tok, prompter, length=spec["length"], **shape)
-    del warm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    clock = StageClock(device)
-    base = clock.current_bytes()
-    t0, c0 = time.perf_counter(), time.process_time()
-    clock.start("info_forward")
-    got = run_step(model, tok, prompter, batch, spec["variant"], clock, device, ckpt=ckpt)
-    clock.stop()
-    step_ms = (time.perf_counter() - t0) * 1e3
-    step_cpu_ms = (time.process_time() - c0) * 1e3
-    w = model.get_output_embeddings().weight
-    return dict(
-        stages={s: {"ms": clock.ms[s], "cpu_ms": clock.cpu_ms[s], "peak": clock.peak[s]}
-                for s in clock.ms if s != "done"},
-        step_ms=step_ms, step_cpu_ms=step_cpu_ms, baseline=base, peak_method=clock.peak_method,
-        skip=skip_method() if spec["variant"] == "mrtpo-half" else "",
-        d=int(w.shape[1]), V=int(w.shape[0]), tokens=sum(len(r) for r in batch["responses"]),
-        responses=len(batch["responses"]), dtype=str(w.dtype).removeprefix("torch."), **got,
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- parent

@@ -18,7 +18,7 @@ Two questions, each answered by a ratio of two timings taken alternately in one 
   same chunk plan's head GEMMs alone (the (1 + K) streams stacked, no row work). The
   done-when asks for the JS within 1.2x of it.
 
-The batch is ``bench.method_step``'s (one prompt naming K clauses, reward k's span clause k,
+The batch is ``bench.method_step_batch``'s (one prompt naming K clauses, reward k's span clause k,
 ``--group`` responses of random token ids of each length). The tiny model is built in code;
 SmolLM2-135M-Instruct is the built-in pretrained model (float32, converted into
 ``--cache-dir`` once). Rows go to DIR/replay_floor.csv (one per model, length and part, with
@@ -71,7 +71,7 @@ def prepare(model, tok, *, k: int, group: int, length: int):
     batch of the same tokens."""
     import torch
 
-    from bench.method_step import build_batch
+    from bench.method_step_batch import build_batch
     from mrtpo.prompting import ChatPrompter
     from mrtpo.replay_engine import _shared_prefix, _start_token, _stream_ids
     from mrtpo.teacher_forcing import prompt_caches
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         raise ValueError("--K, --group, --repeats: expected positive ints")
     import torch
 
-    from bench.method_step import build_model
+    from bench.method_step_batch import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

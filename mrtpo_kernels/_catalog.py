@@ -47,11 +47,21 @@ class Op:
         return tuple(self.kernels)
 
 
-_CHUNKED = "mrtpo_kernels/backends/_chunked.py"
 _TORCH = "mrtpo_kernels/backends/torch_backend.py"
 _CPU_ROWS = "csrc/cpu/row_kernels.h"
-# the one Triton path: the chunk driver with the Triton row kernels
-_TRITON_ROWS = f"{_CHUNKED} + mrtpo_kernels/triton_kernels/rows.py"
+_TRITON_ROWS = "mrtpo_kernels/triton_kernels/rows.py"
+
+
+def _chunk_driven(driver: str) -> dict[str, str]:
+    """The kernels of an op of the chunk driver (backends/_chunked.py gathers its entry
+    points; ``driver`` the op's own module there) on each backend that runs it: the driver
+    with the backend's row kernels (on "triton", the one Triton path)."""
+    path = f"mrtpo_kernels/backends/{driver}"
+    return {
+        "torch": f"{path} + {_TORCH}",
+        "cpu": f"{path} + {_CPU_ROWS}",
+        "triton": f"{path} + {_TRITON_ROWS}",
+    }
 
 
 def _op(name, entry_points, kernels, reference, tests, bench_workloads=(), logit_cap=False):
@@ -73,11 +83,7 @@ OPS: Mapping[str, Op] = MappingProxyType(
             _op(
                 "linear_logprobs",
                 ("linear_logprobs_fwd", "linear_logprobs_bwd"),
-                {
-                    "torch": f"{_CHUNKED} + {_TORCH}",
-                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": _TRITON_ROWS,
-                },
+                _chunk_driven("_chunked_logprobs.py"),
                 "linear_logprobs_ref",
                 ("tests/test_logprobs.py", "tests/test_logit_cap.py"),
                 ("linear_logprobs_fwd", "linear_logprobs_entropy", "linear_logprobs_fwd_bwd"),
@@ -86,23 +92,14 @@ OPS: Mapping[str, Op] = MappingProxyType(
             _op(
                 "logprobs_from_logits",
                 ("logprobs_from_logits_fwd", "logprobs_from_logits_bwd"),
-                {
-                    "torch": f"{_CHUNKED} + {_TORCH}",
-                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": _TRITON_ROWS,
-                    "cuda": "csrc/cuda/logprobs.cu",
-                },
+                _chunk_driven("_chunked_logprobs.py") | {"cuda": "csrc/cuda/logprobs.cu"},
                 "logprobs_from_logits_ref",
                 ("tests/test_logprobs.py",),
             ),
             _op(
                 "linear_js_distance",
                 ("linear_js_distance",),
-                {
-                    "torch": f"{_CHUNKED} + {_TORCH}",
-                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": _TRITON_ROWS,
-                },
+                _chunk_driven("_chunked_js.py"),
                 "linear_js_distance_ref",
                 ("tests/test_js.py", "tests/test_logit_cap.py"),
                 ("linear_js_distance", "credit_assignment_step"),
@@ -111,23 +108,14 @@ OPS: Mapping[str, Op] = MappingProxyType(
             _op(
                 "js_distance",
                 ("js_distance",),
-                {
-                    "torch": f"{_CHUNKED} + {_TORCH}",
-                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": _TRITON_ROWS,
-                    "cuda": "csrc/cuda/js.cu",
-                },
+                _chunk_driven("_chunked_js.py") | {"cuda": "csrc/cuda/js.cu"},
                 "js_distance_ref",
                 ("tests/test_js.py",),
             ),
             _op(
                 "linear_policy_loss",
                 ("linear_policy_loss",),
-                {
-                    "torch": f"{_CHUNKED} + {_TORCH}",
-                    "cpu": f"{_CHUNKED} + {_CPU_ROWS}",
-                    "triton": _TRITON_ROWS,
-                },
+                _chunk_driven("_chunked_policy.py"),
                 "linear_policy_loss_ref",
                 ("tests/test_policy_loss.py", "tests/test_logit_cap.py"),
                 ("linear_policy_loss_fwd_bwd", "credit_assignment_step"),

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ._token_terms import js_terms, policy_token_terms, scaled_diff
 from ._types import LogitCap, acc_dtype
-from .backends import _chunked
+from .backends import _chunk_sizes
 from .backends._lm_head import NO_CAP, apply_logit_cap_
 
 # The shard's kernels: the log-probs custom ops, registered beside linear_logprobs
@@ -136,7 +136,7 @@ def _shard_raw_stats(h, w, b, mapped, valid, inv_t, with_ent, cap):
     m_r, log_s, z_lab = (h.new_empty(n, dtype=acc) for _ in range(3))
     ent = h.new_zeros(n, dtype=acc)
     bad = torch.zeros(n, dtype=torch.bool, device=h.device)
-    rows = _chunked.chunk_rows(w.shape[0], streams=4)  # z, x, p, p log p: 4 [C, V_loc] at most
+    rows = _chunk_sizes.chunk_rows(w.shape[0], streams=4)  # z, x, p, p log p: 4 [C, V_loc] at most
     for a in range(0, n, rows):
         e = min(n, a + rows)
         z = h[a:e].to(acc) @ w32.t()
@@ -380,7 +380,7 @@ def linear_js_distance(hp, hq, w, b, temperature, group, cap: LogitCap = NO_CAP)
     w32 = w if w.dtype == acc else w.to(acc)
     b32 = None if b is None else b.to(acc)
     out = hp.new_empty((k, n), dtype=acc)
-    rows = _chunked.chunk_rows(w.shape[0], streams=2)
+    rows = _chunk_sizes.chunk_rows(w.shape[0], streams=2)
 
     def log_probs(hh):
         """(log p of the shard's entries, whether the row is defined): the global raw max M,

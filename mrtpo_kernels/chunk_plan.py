@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .backends import _chunked, _lm_head, _saved_state
+from .backends import _chunk_sizes, _lm_head, _saved_state
 from .backends import load as _load
 from .backends import load_error as _load_error
 
@@ -53,13 +53,13 @@ __all__ = [
 ROW_KERNEL_BACKENDS = ("cpu", "torch", "triton")
 PLAN_OPS = ("linear_logprobs", "linear_policy_loss", "linear_js_distance")
 
-chunk_rows = _chunked.chunk_rows
-grad_rows = _chunked.grad_rows
-balanced = _chunked.balanced
-grad_spans = _chunked.grad_spans
+chunk_rows = _chunk_sizes.chunk_rows
+grad_rows = _chunk_sizes.grad_rows
+balanced = _chunk_sizes.balanced
+grad_spans = _chunk_sizes.grad_spans
 kept_rows = _saved_state.kept_rows
-logprobs_spans = _chunked.logprobs_spans
-js_chunk_rows = _chunked.js_chunk_rows
+logprobs_spans = _chunk_sizes.logprobs_spans
+js_chunk_rows = _chunk_sizes.js_chunk_rows
 f32_out_supported = _lm_head.f32_out_supported
 mm_f32 = _lm_head.mm_f32
 addmm_f32 = _lm_head.addmm_f32

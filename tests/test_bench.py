@@ -459,7 +459,7 @@ def test_gpu_window_timeline_analysis():
     """The timeline's arithmetic on a hand-made trace: kernels sorted into GEMM, row and
     small ones; the idle time is the span less the union of the intervals (two streams
     overlapping count once); the 3 ms rule picks fold / graph / neither."""
-    from bench import gpu_window as gw
+    from bench import gpu_window_timeline as gw
 
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_gemm", "ts": 0, "dur": 1000},

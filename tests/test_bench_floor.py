@@ -134,11 +134,21 @@ def test_kept_logits_save_the_recompute_and_are_released(monkeypatch, backend):
     import mrtpo_kernels as mk
     from mrtpo_kernels import logprobs
     from mrtpo_kernels import reference as ref
-    from mrtpo_kernels.backends import _chunked, _saved_state
+    from mrtpo_kernels.backends import (
+        _chunk_backward,
+        _chunk_sizes,
+        _chunked,
+        _chunked_js,
+        _chunked_logprobs,
+        _chunked_policy,
+        _row_lanes,
+        _saved_state,
+    )
 
     if backend not in mk.available_backends("linear_logprobs", torch.device("cpu"), torch.float32):
         pytest.skip(f"backend {backend} not available")
-    for mod in (_chunked, _saved_state):
+    driver = (_chunked, _chunked_logprobs, _chunked_js, _chunked_policy, _chunk_backward)
+    for mod in (*driver, _chunk_sizes, _row_lanes, _saved_state):
         assert not [name for name in vars(mod) if name in ("_KEPT", "_NORM")]
     monkeypatch.setenv("MRTPO_CHUNK_BYTES", str(4 * V * 7))
     g = torch.Generator().manual_seed(5)

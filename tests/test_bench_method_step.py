@@ -12,6 +12,7 @@ import math
 import pytest
 
 from bench import method_step as ms
+from bench import method_step_batch as batch
 from bench import method_step_report as report
 
 B, K = 2, 4  # the defaults: one prompt, a group of 2, K = 4
@@ -120,10 +121,10 @@ def test_half_rewards_cannot_move():
     from mrtpo.prompting import ChatPrompter
     from mrtpo_kernels import gdpo_advantages
 
-    tok = build_tokenizer([ms.prompt_of(p, 8)[0] for p in range(4)] * 4)
+    tok = build_tokenizer([batch.prompt_of(p, 8)[0] for p in range(4)] * 4)
     pr = ChatPrompter(tok)
     for variant, moving in (("mrtpo", [True] * K), ("mrtpo-half", [True, False] * (K // 2))):
-        b = ms.build_batch(tok, pr, prompts=2, group=3, k=K, length=5, variant=variant, seed=1)
+        b = batch.build_batch(tok, pr, prompts=2, group=3, k=K, length=5, variant=variant, seed=1)
         assert len(b["responses"]) == 6 and all(len(r) == 5 for r in b["responses"])
         assert not set(tok.all_special_ids) & {t for r in b["responses"] for t in r}
         a = gdpo_advantages(b["rewards"], b["group_ids"]).per_reward
@@ -131,8 +132,8 @@ def test_half_rewards_cannot_move():
             moving,
             [not m for m in moving],
         )
-        text, spans = ms.prompt_of(0, K)
-        assert [text[s[0][0] : s[0][1]] for s in spans] == list(ms.CLAUSES[:K])
+        text, spans = batch.prompt_of(0, K)
+        assert [text[s[0][0] : s[0][1]] for s in spans] == list(batch.CLAUSES[:K])
 
 
 @pytest.mark.parametrize(

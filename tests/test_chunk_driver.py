@@ -558,12 +558,12 @@ def test_row_lanes_order_the_streams(monkeypatch):
     the row kernel that last read that buffer, the two buffers alternate and are held for
     the side stream (record_stream), and join makes the current stream wait for the side
     stream."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _row_lanes
 
     rec = _Recorder(monkeypatch)
     log = rec.log
     z_buf = torch.zeros(2, 3)
-    lanes = _chunked._RowLanes(z_buf, torch.zeros(1))
+    lanes = _row_lanes._RowLanes(z_buf, torch.zeros(1))
     assert log == [("record_stream", "other", "side")] * 2  # both chunk buffers, at once
     log.clear()
     bufs = {id(b.untyped_storage()): i for i, b in enumerate(lanes.bufs)}
@@ -605,7 +605,7 @@ def test_row_lanes_order_the_streams(monkeypatch):
     assert log[i:] == [("wait_stream", "main", "side")]
     # off the GPU, or with the setting off, the driver keeps its serial loop
     monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "1")
-    assert not _chunked._RowLanes.enabled(True, torch.zeros(1))  # a CPU tensor
+    assert not _row_lanes._RowLanes.enabled(True, torch.zeros(1))  # a CPU tensor
     monkeypatch.setenv("MRTPO_OVERLAP_ROWS", "0")
 
 
@@ -640,10 +640,10 @@ class _FakeHead:
 def _lanes_on_cpu(monkeypatch, rec):
     """Let the driver build its lanes on CPU tensors (the recording stand-ins run them), and
     name each lane buffer in the log by its order of creation."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _row_lanes
 
     made = []
-    real_init = _chunked._RowLanes.__init__
+    real_init = _row_lanes._RowLanes.__init__
 
     def init(self, z_buf, hidden):
         rec.name(z_buf, f"chunk {len(made) * 2}")
@@ -658,8 +658,8 @@ def _lanes_on_cpu(monkeypatch, rec):
         monkeypatch.setattr(torch, "empty_like", real_empty)
         made.append(self)
 
-    monkeypatch.setattr(_chunked._RowLanes, "__init__", init)
-    monkeypatch.setattr(_chunked._RowLanes, "enabled", staticmethod(lambda wanted, h: wanted))
+    monkeypatch.setattr(_row_lanes._RowLanes, "__init__", init)
+    monkeypatch.setattr(_row_lanes._RowLanes, "enabled", staticmethod(lambda wanted, h: wanted))
     return made
 
 
@@ -671,7 +671,7 @@ def test_row_lanes_join_when_the_driver_raises(monkeypatch, fail):
     stream wait for the side stream before the exception leaves the driver, after every
     side-stream launch; the chunk buffers and the gradient buffer's rows were held for the
     side stream (record_stream) before any side work on them was queued."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _chunk_backward, _row_lanes
 
     rec = _Recorder(monkeypatch)
     log = rec.log
@@ -691,8 +691,9 @@ def test_row_lanes_join_when_the_driver_raises(monkeypatch, fail):
     hidden = torch.zeros(n, 2)
     spans = [(0, n, False)]
     with pytest.raises(RuntimeError, match="failed"):
-        _chunked._run_backward(head, hidden, torch.zeros(v, 2), None, spans, None, 0, row_fn, c,
-                               need_dw=True)  # fmt: skip
+        _chunk_backward._run_backward(
+            head, hidden, torch.zeros(v, 2), None, spans, None, 0, row_fn, c, need_dw=True
+        )
     assert len(made) == 1
     # the join is the last thing, after every side-stream launch (an exit of the side context)
     assert log[-1] == ("wait_stream", "main", "side")
@@ -705,11 +706,21 @@ def test_row_lanes_join_when_the_driver_raises(monkeypatch, fail):
     assert {"chunk 0", "chunk 1", "grad buffer"} <= held
     assert rows_run == {"gemm": [0, 3], "row": [0, 3], "backward": [0, 3, 6, 9]}[fail]
     # the serial path, for comparison: no lanes, no stream calls
-    monkeypatch.setattr(_chunked._RowLanes, "enabled", staticmethod(lambda wanted, h: False))
+    monkeypatch.setattr(_row_lanes._RowLanes, "enabled", staticmethod(lambda wanted, h: False))
     log.clear()
     head = _FakeHead(log, rec)
-    _chunked._run_backward(head, hidden, torch.zeros(v, 2), None, spans, None, 0,
-                           lambda z, g, a, b: None, c, need_dw=True)  # fmt: skip
+    _chunk_backward._run_backward(
+        head,
+        hidden,
+        torch.zeros(v, 2),
+        None,
+        spans,
+        None,
+        0,
+        lambda z, g, a, b: None,
+        c,
+        need_dw=True,
+    )
     assert [e[0] for e in log] == ["gemm"] * 4 + ["dh dw"]
 
 
@@ -720,7 +731,7 @@ def test_row_lanes_cover_the_logprobs_forward(monkeypatch, fail_at):
     stream and their stats on the side, one join at the end, also when a GEMM raises
     (fail_at: the failing logits GEMM; 0: none). Without a failure the outputs equal the
     serial forward's."""
-    from mrtpo_kernels.backends import _chunked
+    from mrtpo_kernels.backends import _chunked, _chunked_logprobs
 
     rec = _Recorder(monkeypatch)
     log = rec.log
@@ -741,8 +752,8 @@ def test_row_lanes_cover_the_logprobs_forward(monkeypatch, fail_at):
     def fake_head(kern, hidden, weight, bias, cap=None):
         return _FakeHead(log, rec, fail_at=fail_at)
 
-    monkeypatch.setattr(_chunked, "Head", fake_head)
-    monkeypatch.setattr(_chunked, "_low_memory", lambda kern, weight: False)
+    monkeypatch.setattr(_chunked_logprobs, "Head", fake_head)
+    monkeypatch.setattr(_chunked_logprobs, "_low_memory", lambda kern, weight: False)
     h, w = torch.zeros(n, d), torch.zeros(v, d)
     y = torch.zeros(n, dtype=torch.long)
     if fail_at:

@@ -1,6 +1,7 @@
 """The Triton kernels the GPU run executes build for sm_90 without a GPU: the row kernels
-(mrtpo_kernels/triton_kernels/rows.py, row_cols.py, the JS terms of js_terms.py). Their
-numerics are checked under the interpreter by tests/test_chunk_driver.py."""
+(mrtpo_kernels/triton_kernels/rows.py and the row_*.py modules it binds, the JS terms of
+js_terms.py). Their numerics are checked under the interpreter by
+tests/test_chunk_driver.py."""
 
 from __future__ import annotations
 
@@ -44,26 +45,26 @@ compiled_mode = pytest.mark.skipif(
 @compiled_mode
 @pytest.mark.parametrize("out_dtype", ["fp32", "bf16", "fp16"])
 def test_row_kernels_compile_for_hopper(out_dtype):
-    from mrtpo_kernels.triton_kernels import row_cols, rows
+    from mrtpo_kernels.triton_kernels import row_cols, row_grads, row_stats, rows
 
     block = rows.row_block(151936) if os.environ.get("TRITON_INTERPRET") != "1" else 2048
     c = {"BLOCK": block}
     w = dict(num_warps=8)
     for with_norm in (True, False):
-        _compile(rows._stats_rows_kernel, {
+        _compile(row_stats._stats_rows_kernel, {
             "z_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32", "ent_ptr": "*fp32",
             "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32", "norm_stride": "i32",
             "stride_z": "i64", "inv_t": "fp32", "ignore_index": "i64",
             "WITH_ENT": "constexpr", "WITH_NORM": "constexpr", "BLOCK": "constexpr"},
             {"WITH_ENT": True, "WITH_NORM": with_norm, **c}, **w)  # fmt: skip
-    _compile(rows._grad_rows_kernel, {
+    _compile(row_grads._grad_rows_kernel, {
         "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64", "ent_ptr": "*fp32",
         "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32", "V": "i32", "stride_z": "i64",
         "stride_out": "i64", "inv_t": "fp32", "ignore_index": "i64", "scale": "fp32",
         "inv_cap": "fp32", "HAS_ENT": "constexpr", "BLOCK": "constexpr", "SLOPE": "constexpr"},
         {"HAS_ENT": True, "SLOPE": True, **c}, **w)  # fmt: skip
     for flags in ((True, True, True, True, True), (False, False, False, False, False)):
-        _compile(rows._policy_rows_kernel, {
+        _compile(row_grads._policy_rows_kernel, {
             "z_ptr": "*fp32", "out_ptr": f"*{out_dtype}", "labels_ptr": "*i64",
             "old_ptr": "*fp32", "adv_ptr": "*fp32", "tw_ptr": "*fp32", "ref_ptr": "*fp32",
             "loss_ptr": "*fp32", "logp_ptr": "*fp32", "clipped_ptr": "*fp32", "V": "i32",
@@ -97,16 +98,16 @@ def test_row_kernels_compile_for_hopper(out_dtype):
 def test_split_stats_kernels_compile_for_hopper():
     """The split-row statistics (issue 35, item 4): the per-(row, split) scan and the
     per-row merge build for sm_90 (the numerics: rows_cases.py, group split_stats)."""
-    from mrtpo_kernels.triton_kernels import rows
+    from mrtpo_kernels.triton_kernels import row_stats, rows
 
     block = rows.row_block(151936)
-    _compile(rows._stats_split_kernel, {
+    _compile(row_stats._stats_split_kernel, {
         "z_ptr": "*fp32", "part_ptr": "*fp32", "V": "i32", "rows": "i32", "plane": "i32",
         "cols_per_split": "i32", "stride_z": "i64", "inv_t": "fp32",
         "WITH_ENT": "constexpr", "BLOCK": "constexpr"},
         {"WITH_ENT": True, "BLOCK": block}, num_warps=8)  # fmt: skip
     for with_norm in (True, False):
-        _compile(rows._stats_merge_kernel, {
+        _compile(row_stats._stats_merge_kernel, {
             "z_ptr": "*fp32", "part_ptr": "*fp32", "labels_ptr": "*i64", "logp_ptr": "*fp32",
             "ent_ptr": "*fp32", "lse_ptr": "*fp32", "norm_ptr": "*fp32", "V": "i32",
             "rows": "i32", "splits": "i32", "plane": "i32", "norm_stride": "i32",
@@ -121,10 +122,10 @@ def test_split_stats_kernels_compile_for_hopper():
 def test_js_row_kernels_compile_for_hopper(k):
     """js_many's kernels: per-row (raw max, log sum) of the stacked rows, then the split
     sums of the terms for K streams (block sizes as js_many picks them on a GPU)."""
-    from mrtpo_kernels.triton_kernels import js_terms, rows
+    from mrtpo_kernels.triton_kernels import js_terms, row_js, rows
 
     block = rows.row_block(151936)
-    _compile(rows._row_norm_kernel, {
+    _compile(row_js._row_norm_kernel, {
         "z_ptr": "*fp32", "m_ptr": "*fp32", "log_s_ptr": "*fp32", "V": "i32", "rows": "i32",
         "stride_s": "i64", "stride_r": "i64", "inv_t": "fp32", "BLOCK": "constexpr"},
         {"BLOCK": block}, num_warps=8)  # fmt: skip
@@ -135,8 +136,8 @@ def test_js_row_kernels_compile_for_hopper(k):
         "stride_r": "i64", "inv_t": "fp32", "BLOCK_K": "constexpr", "BLOCK_V": "constexpr",
         "FAST_LOG": "constexpr"}  # fmt: skip
     blocks = {"BLOCK_K": block_k, "BLOCK_V": block_v}
-    fast = _compile(rows._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": True}, num_warps=8)
-    slow = _compile(rows._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": False}, num_warps=8)
+    fast = _compile(row_js._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": True}, num_warps=8)
+    slow = _compile(row_js._js_rows_sum_kernel, sig, {**blocks, "FAST_LOG": False}, num_warps=8)
     # the GPU build takes its log from the special function unit, not libdevice's logf
     assert "lg2.approx.f32" in fast.asm["ptx"] and "__nv_logf" not in fast.asm["ptx"]
     assert "__nv_logf" in slow.asm["ptx"]  # (what tl.log alone compiles to)

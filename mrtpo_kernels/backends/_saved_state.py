@@ -1,4 +1,4 @@
-"""What the chunk driver's log-probs forward keeps for its backward (backends/_chunked.py).
+"""What the chunk driver's log-probs forward keeps for its backward (backends/_chunked_logprobs.py).
 
 What the log-probs backward needs from its forward travels as the forward's fourth
 output, ``saved`` (the op saves it for the backward, mrtpo_kernels/logprobs.py), a flat fp32

@@ -1,4 +1,4 @@
-"""The Jensen-Shannon terms the stacked JS row kernel (rows.py, ``_js_rows_sum_kernel``)
+"""The Jensen-Shannon terms the stacked JS row kernel (row_js.py, ``_js_rows_sum_kernel``)
 sums, and the launch helpers of that sum (METHOD.md section 3).
 
 Math (per token row r, stream k = 1..K, vocabulary entry v; log p and log q formed per row

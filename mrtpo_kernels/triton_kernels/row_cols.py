@@ -29,7 +29,7 @@ from .row_math import (
 # chunks). Given only the fp32 lse it forms z / tau - lse, ulp(lse) / 2 off in every log p
 # (5e-4 at |z / tau| ~ 1e4) and NaN past |z / tau| = float max; given the (raw max, log s)
 # that stats(..., norm=) writes (8 bytes a row), it has the row kernels' accuracy. The chunk
-# driver's low-memory mode (backends/_chunked.py) passes the norm where it has one.
+# driver's low-memory mode (backends/_chunk_backward.py) passes the norm where it has one.
 
 
 @triton.jit

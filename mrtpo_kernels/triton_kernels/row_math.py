@@ -1,7 +1,8 @@
-"""What the Triton row kernels (rows.py) and the low-memory column kernels (row_cols.py)
-share: the device functions of one row (its int64 offset, the online max / sum scan, the
-target's logit, the gradient write, the policy loss's per-token terms) and the launchers'
-helpers (block size, warps, dtype and buffer checks). The math is rows.py's header.
+"""What the Triton row kernels (row_stats.py, row_grads.py, row_js.py; rows.py binds them)
+and the low-memory column kernels (row_cols.py) share: the device functions of one row (its
+int64 offset, the online max / sum scan, the target's logit, the gradient write, the policy
+loss's per-token terms) and the launchers' helpers (block size, warps, dtype and buffer
+checks). The math is rows.py's header.
 """
 
 from __future__ import annotations

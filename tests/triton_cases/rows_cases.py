@@ -29,7 +29,7 @@ import triton.language as tl  # noqa: E402
 from mrtpo_kernels import PolicyLossSettings as _cfg  # noqa: E402
 from mrtpo_kernels import reference as ref  # noqa: E402
 from mrtpo_kernels.backends import _chunked, _lm_head, cpu_backend, torch_backend  # noqa: E402
-from mrtpo_kernels.triton_kernels import rows  # noqa: E402
+from mrtpo_kernels.triton_kernels import row_math, rows  # noqa: E402
 
 II = -100
 # the row kernels against float64: atol + rtol max |want| (no plain-PyTorch term)
@@ -205,7 +205,7 @@ def check_js(k, c, v, temp, seed, extreme):
 @triton.jit
 def _offset_probe(out_ptr, rows_ptr, stride):
     i = tl.program_id(0)
-    tl.store(out_ptr + i, rows._row_offset(tl.load(rows_ptr + i), stride))
+    tl.store(out_ptr + i, row_math._row_offset(tl.load(rows_ptr + i), stride))
 
 
 def check_offsets():
