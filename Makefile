@@ -66,8 +66,8 @@ test-frameworks: $(FDEPS)
 # the documentation site (mkdocs.yml), a strict build into site/ (every link and reference
 # must resolve; generated pages are computed from the code). It needs the docs tools and the
 # package's import surface only (torch, numpy: tools/docs_pages.py imports mrtpo_kernels and
-# mrtpo.config from the checkout), not the development build: .venv where `make setup` made it,
-# else a venv of its own. requirements-docs.txt pins every package the tools pull in, so it
+# mrtpo.training.config from the checkout), not the development build: .venv where `make setup`
+# made it, else a venv of its own. requirements-docs.txt pins every package the tools pull in, so it
 # installs with --no-deps: pip then checks nothing else in the venv (in .venv, the [real]
 # wheels installed --no-deps would fail that check: a resolver ERROR block about bfcl-eval).
 DVENV ?= $(if $(wildcard $(DEPS)),$(VENV),.venv-docs)

@@ -15,7 +15,7 @@ Each distance is compared with the float64 reference of its own operands, and th
 with the fp32 way (the rounding of the operands to bf16, which autocast does to the model's
 own head).
 
-``--replay N`` adds the whole replay: ``mrtpo.replay_engine._replay_core`` on one rollout of issue
+``--replay N`` adds the whole replay: ``mrtpo.replay.engine._replay_core`` on one rollout of issue
 25's K = 4 settings (``bench.replay_profile.batch``: SmolLM2-135M-Instruct warm-started,
 bf16 autocast, responses of 32 tokens, only the pairs whose advantage is not 0), with the
 JS's head in fp32 (``_js_head`` as before this change) and as autocast gives it, alternating
@@ -110,10 +110,10 @@ def run(args) -> dict:
 
 def replay_ab(repeats: int, cache_dir: str, out: Path, seed: int) -> dict:
     """The whole replay with the JS head in fp32 and as autocast gives it, alternating."""
-    import mrtpo.replay_engine as replay_mod
+    import mrtpo.replay.engine as replay_mod
     from bench.replay_profile import _Timer, batch
-    from mrtpo.replay_engine import _replay_core, _stream_ids
-    from mrtpo.replay_mask import replay_mask_from_rewards
+    from mrtpo.replay.engine import _replay_core, _stream_ids
+    from mrtpo.replay.mask import replay_mask_from_rewards
 
     ns = argparse.Namespace(tokens=32, seed=seed, out=out, cache_dir=cache_dir)
     tr, cfg, ro, responses = batch(ns)

@@ -3,7 +3,8 @@
 Two ``mrtpo train`` runs at once, one thread each, from the same warm start and seed, with
 issue 25's settings (docs/results/real_k4/command.sh: SmolLM2-135M-Instruct, 2 prompts x 4
 samples, 32 new tokens, bfloat16 autocast): GDPO and MRTPO. MRTPO replays only the
-(response, reward) pairs whose GDPO advantage is not 0 (``mrtpo.replay.replay_mask_from_rewards``).
+(response, reward) pairs whose GDPO advantage is not 0
+(``mrtpo.replay.api.replay_mask_from_rewards``).
 Writes a Markdown record with the command, the load (``uptime``) before, during (every 30 s)
 and after, per step each run's phases, MRTPO's replayed and skipped pairs, and the step-time
 ratio. GDPO is given twice the steps and stopped when MRTPO ends, so that every MRTPO step
@@ -51,9 +52,9 @@ def warm_start(cache_dir: str) -> Path:
     """Convert and warm-start the model once (what both runs then load)."""
     import torch
 
-    from mrtpo.initial_model import initial_folder
-    from mrtpo.pretrained import stored_dtype
-    from mrtpo.tasks import load_task
+    from mrtpo.model.initial import initial_folder
+    from mrtpo.model.pretrained import stored_dtype
+    from mrtpo.tasks.builtin import load_task
 
     return initial_folder(
         "smollm2-135m-instruct", load_task(TASK, seed=0), seed=0, cache_dir=cache_dir,

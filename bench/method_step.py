@@ -11,7 +11,7 @@ clause k (one prompt span per reward). One step, as ``mrtpo train`` runs it (the
 aside), cut into stages, each timed with its peak memory:
 
 - ``info_forward``: the with-information forward without gradient and the old log-probs
-  (``contrastive_replay``, the shared replay engine of mrtpo/replay_engine.py: the only forward
+  (``contrastive_replay``, the shared replay engine of mrtpo/replay/engine.py: the only forward
   GDPO runs before its update);
 - ``replay``: the forwards of the prompts without each reward's spans (and the engine's
   copies of hidden states for them);
@@ -30,7 +30,7 @@ every second of it falls into one stage.
 Variants: ``mrtpo`` (every (response, reward) pair replayed), ``gdpo`` (no replay, uniform
 advantages), ``mrtpo-half`` (half of the rewards have zero variance in their group, so half
 of the pairs have A_k = 0: skipped through the engine's ``replay_mask`` where the installed
-mrtpo.replay has one, else by giving those rewards no spans, which skips the same replay
+mrtpo.replay.api has one, else by giving those rewards no spans, which skips the same replay
 forwards; the CSV note says which).
 
 Every case (model, length, variant, repeat) runs in a fresh process: a warm-up step at

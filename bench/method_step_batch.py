@@ -34,10 +34,10 @@ def build_model(name: str, max_len: int, cache_dir: str, device: str):
     memory do not depend on the weights), or a built-in pretrained model by name."""
     import torch
 
-    from mrtpo.model import build_tiny_model, build_tokenizer, load_model
+    from mrtpo.model.loading import build_tiny_model, build_tokenizer, load_model
 
     if name == "tiny":
-        from mrtpo.config import TinyConfig
+        from mrtpo.training.config import TinyConfig
 
         texts = [prompt_of(p, len(CLAUSES))[0] for p in range(len(TOPICS))] * 4
         tok = build_tokenizer(texts)

@@ -99,12 +99,12 @@ class _Off:
 
 @contextlib.contextmanager
 def engine_stages(clock, full_prompts, replaying: bool):
-    """Wrap the replay engine's calls (in mrtpo.replay_engine; the prompts without spans are
-    tokenized in mrtpo.replay) so that its time falls into stages: a forward of a
+    """Wrap the replay engine's calls (in mrtpo.replay.engine; the prompts without spans are
+    tokenized in mrtpo.replay.api) so that its time falls into stages: a forward of a
     with-information prompt and the old log-probs after it are ``info_forward``; from there
     to the JS, ``replay``; the JS and what follows it, ``js``."""
-    import mrtpo.replay as rp
-    import mrtpo.replay_engine as engine
+    import mrtpo.replay.api as rp
+    import mrtpo.replay.engine as engine
 
     full = {tuple(p) for p in full_prompts}
     home = dict.fromkeys(("_rows_hidden", "linear_logprobs", "linear_js_distance"), engine)
@@ -148,7 +148,7 @@ def skip_method() -> str:
     """How ``mrtpo-half`` skips pairs here: the engine's replay_mask, or spans withheld."""
     import inspect
 
-    import mrtpo.replay as rp
+    import mrtpo.replay.api as rp
 
     has = "replay_mask" in inspect.signature(rp.contrastive_replay).parameters
     return "replay_mask" if has and hasattr(rp, "replay_mask_from_rewards") else "no spans"
@@ -157,16 +157,16 @@ def skip_method() -> str:
 def run_step(model, tok, prompter, batch, variant: str, clock, device, *, ckpt=False) -> dict:
     """One step on ``batch`` (rollout aside), as mrtpo train's ``train_step`` and
     ``_update`` run it with one micro-batch; stages into ``clock``. ``ckpt``: the policy's
-    forward under ``mrtpo.model.gradient_checkpointing`` (``--gradient-checkpointing``), its
+    forward under ``mrtpo.model.loading.gradient_checkpointing`` (``--gradient-checkpointing``), its
     recompute then in ``backward``."""
     import torch
 
-    import mrtpo.replay as rp
-    from mrtpo.config import TrainConfig
-    from mrtpo.model import gradient_checkpointing, lm_head
-    from mrtpo.relevance_modes import step_mode
-    from mrtpo.teacher_forcing import response_hidden, teacher_batch
-    from mrtpo.trainer import compute_advantages
+    import mrtpo.replay.api as rp
+    from mrtpo.model.loading import gradient_checkpointing, lm_head
+    from mrtpo.replay.relevance_modes import step_mode
+    from mrtpo.replay.teacher_forcing import response_hidden, teacher_batch
+    from mrtpo.training.config import TrainConfig
+    from mrtpo.training.trainer import compute_advantages
     from mrtpo_kernels import linear_policy_loss
 
     cfg = TrainConfig()
@@ -228,7 +228,7 @@ def child(spec: dict) -> dict:
     """Run one case in this process: warm-up step, then the measured step."""
     import torch
 
-    from mrtpo.prompting import ChatPrompter
+    from mrtpo.replay.prompting import ChatPrompter
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])

@@ -3,7 +3,7 @@ item 1).
 
 Two trainers in one process from the same warm start and seed, ``--algo gdpo
 --no-baseline-replay``, one PPO epoch and one minibatch: ``new`` takes the old log-probs
-from the update's own forward (``mrtpo.trainer.separate_old_forward`` False), ``old`` runs
+from the update's own forward (``mrtpo.training.trainer.separate_old_forward`` False), ``old`` runs
 the no-grad forward for them first (``Trainer.force_old_forward``). Their steps alternate,
 the order swapped every step, one thread, so that both see the same load; the record gives
 the load (``uptime``) before and after, per step each arm's phases, and the ratio of the
@@ -34,7 +34,7 @@ def uptime() -> str:
 
 
 def configs(args):
-    from mrtpo.config import TrainConfig
+    from mrtpo.training.config import TrainConfig
 
     common = dict(
         algo="gdpo", replay_for_baselines=False, steps=args.steps, seed=0, device="cpu",
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from mrtpo.trainer import Trainer, separate_old_forward
+    from mrtpo.training.trainer import Trainer, separate_old_forward
 
     torch.set_num_threads(1)
     cfgs = configs(args)

@@ -6,7 +6,7 @@
 Two questions, each answered by a ratio of two timings taken alternately in one process
 (so that the machine's load drifts over both):
 
-- **units / packed**: the replay's unit forwards as the engine runs them (``mrtpo.replay_engine``:
+- **units / packed**: the replay's unit forwards as the engine runs them (``mrtpo.replay.engine``:
   per reward, the group's rows after the prompt without that reward's spans, started from
   the full prompt's key/value cache at their common prefix: ``prompt_caches`` then
   ``_rows_hidden(prefix=)``, no gradient) against one packed no-grad forward of the same
@@ -72,9 +72,9 @@ def prepare(model, tok, *, k: int, group: int, length: int):
     import torch
 
     from bench.method_step_batch import build_batch
-    from mrtpo.prompting import ChatPrompter
-    from mrtpo.replay_engine import _shared_prefix, _start_token, _stream_ids
-    from mrtpo.teacher_forcing import prompt_caches
+    from mrtpo.replay.engine import _shared_prefix, _start_token, _stream_ids
+    from mrtpo.replay.prompting import ChatPrompter
+    from mrtpo.replay.teacher_forcing import prompt_caches
 
     prompter = ChatPrompter(tok)
     b = build_batch(tok, prompter, prompts=1, group=group, k=k, length=length, variant="mrtpo",
@@ -107,7 +107,7 @@ def prepare(model, tok, *, k: int, group: int, length: int):
 def run_units(model, tok, prep):
     """The engine's unit forwards (``_rows_hidden`` after the cached prefix), one per
     reward; returns the K (group x length, d) hidden states."""
-    from mrtpo.replay_engine import _rows_hidden
+    from mrtpo.replay.engine import _rows_hidden
 
     out = []
     for ids, pre, _ in prep["units"]:
@@ -121,7 +121,7 @@ def run_packed(model, prep):
     """One no-grad forward of the same tokens: every unit's rows in one batch."""
     import torch
 
-    from mrtpo.model import last_hidden
+    from mrtpo.model.loading import last_hidden
 
     with torch.no_grad():
         return last_hidden(model, prep["packed"], prep["mask"])
@@ -131,8 +131,8 @@ def measure(model, tok, *, k, group, length, repeats):
     import torch
 
     from bench.gemm_floor import js_gemms
-    from mrtpo.model import lm_head
-    from mrtpo.replay_engine import _rows_hidden
+    from mrtpo.model.loading import lm_head
+    from mrtpo.replay.engine import _rows_hidden
     from mrtpo_kernels import linear_js_distance
 
     prep = prepare(model, tok, k=k, group=group, length=length)

@@ -55,11 +55,11 @@ def importable(name: str) -> bool:
 def build_model(args, texts):
     """(model, tokenizer): ``--model`` (a folder or a built-in name) or a tiny Qwen2 built in
     code with the built-in model's shape, its tokenizer trained on ``texts``."""
-    from mrtpo.model import build_tiny_model, build_tokenizer, load_model
+    from mrtpo.model.loading import build_tiny_model, build_tokenizer, load_model
 
     if args.model:
         return load_model(args.model, cache_dir=args.cache_dir)
-    from mrtpo.config import TinyConfig
+    from mrtpo.training.config import TinyConfig
 
     tok = build_tokenizer(texts, vocab_size=TinyConfig().vocab_size)
     return build_tiny_model(tok, TinyConfig(), seed=args.seed), tok
@@ -73,9 +73,9 @@ def run_train(args) -> dict:
     """``Trainer.train_step`` under algo mrtpo and gdpo (no baseline replay), same batch."""
     import torch
 
-    from mrtpo.checkpoint import rng_state, set_rng_state
-    from mrtpo.config import TinyConfig, TrainConfig
-    from mrtpo.trainer import Trainer
+    from mrtpo.training.checkpoint import rng_state, set_rng_state
+    from mrtpo.training.config import TinyConfig, TrainConfig
+    from mrtpo.training.trainer import Trainer
 
     out = Path(args.work) / "train"
     cfg = TrainConfig(
@@ -268,7 +268,7 @@ def _fwd_bwd(model, ids, att, responses, a, loss_fn):
     """One policy forward + backward on the last ``a`` positions through ``loss_fn``."""
     import torch
 
-    from mrtpo.model import last_hidden, lm_head
+    from mrtpo.model.loading import last_hidden, lm_head
 
     weight, _ = lm_head(model)
     labels = torch.full((len(responses), a), -100, dtype=torch.long)

@@ -5,7 +5,7 @@ The batch is ``mrtpo train``'s on issue 25's settings (``bench.k4_step_time.SETT
 SmolLM2-135M-Instruct warm-started, constraints-real with 4 rewards, 2 prompts x 4 samples,
 bfloat16 autocast, one thread): one rollout sampled, its responses cut or extended to
 ``--tokens`` tokens each (the replay's cost depends on the shapes, not on the text). Then,
-alternating ``--repeats`` times, the replay engine (``mrtpo.replay_engine._replay_core``, as
+alternating ``--repeats`` times, the replay engine (``mrtpo.replay.engine._replay_core``, as
 ``contrastive_replay`` calls it) with ``reuse=False`` (every replay unit runs its whole
 prompt without spans; one JS over every row and stream with a kept pair) and ``reuse=True``
 (units start from the full prompt's key/value cache at their common token prefix; JS per
@@ -76,8 +76,8 @@ def batch(args):
     ``args.tokens`` tokens)."""
     from bench.k4_step_time import SETTINGS, warm_start
     from mrtpo.cli import build_parser, config_from_args
-    from mrtpo.rollouts import generate_rollouts
-    from mrtpo.trainer import Trainer
+    from mrtpo.training.rollouts import generate_rollouts
+    from mrtpo.training.trainer import Trainer
 
     warm_start(args.cache_dir)
     argv = ["train", *SETTINGS, "--algo", "mrtpo", "--seed", str(args.seed), "--steps", "1",
@@ -96,9 +96,9 @@ def batch(args):
 
 
 def profile(args, mask: str, prepared) -> dict:
-    import mrtpo.replay_engine as replay_mod
-    from mrtpo.replay_engine import _replay_core, _stream_ids
-    from mrtpo.replay_mask import replay_mask_from_rewards
+    import mrtpo.replay.engine as replay_mod
+    from mrtpo.replay.engine import _replay_core, _stream_ids
+    from mrtpo.replay.mask import replay_mask_from_rewards
 
     tr, cfg, ro, responses = prepared
     k = tr.k

@@ -25,7 +25,8 @@ responses, K rewards and ``kept`` of the n K (response, reward) pairs replayed:
 - j: the fused JS per side and response (a head GEMM over the response's tokens, V x d
   per token, and its row work).
 
-Which of F runs (``mrtpo.trainer.separate_old_forward`` and ``Trainer.replay_from_update``):
+Which of F runs (``mrtpo.training.trainer.separate_old_forward`` and
+``Trainer.replay_from_update``):
 ``separate`` (several PPO epochs or minibatches, and every record below, which predate
 issue 43 item 1): both arms run F. ``own-forward`` (one epoch, one minibatch, the batch
 more than one update micro-batch: ``replay_from_update="auto"``): GDPO runs none, MRTPO

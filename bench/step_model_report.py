@@ -79,7 +79,7 @@ in both arms), A the advantage op, F the with-information no-grad forward and ol
 of the n responses, H the update's head pass for the old log-probs where they are its own,
 u one replay unit's forward per kept (response, reward) pair, j the fused JS per side (one
 P side per response, one Q side per kept pair). Which forwards run
-(`mrtpo.trainer.separate_old_forward`, `Trainer.replay_from_update`): `separate` (several
+(`mrtpo.training.trainer.separate_old_forward`, `Trainer.replay_from_update`): `separate` (several
 PPO epochs or minibatches; every CPU record below predates issue 43 item 1): both arms run
 F; `own-forward` (one epoch and one minibatch, more responses than one update micro-batch):
 GDPO runs H only, MRTPO runs F for the with-information hidden states; `from-update` (one

@@ -2,7 +2,7 @@
 the responses in one piece (the 2-D attention mask over prompt + response, what the replay
 did before) against pieces of at most ``--piece`` tokens (issue 33 item 2).
 
-Each case runs ``mrtpo.teacher_forcing.forward_shared_prompts`` in a fresh process (one
+Each case runs ``mrtpo.replay.teacher_forcing.forward_shared_prompts`` in a fresh process (one
 thread, glibc's mmap threshold at 256 KiB so that freed tensors leave the RSS) on a small
 built-in Qwen2 shape (d = 64, 2 layers: the attention's (rows, R, P + R) terms dominate, not
 the weights), 4 rows of ``--tokens`` random tokens after two prompts, of the same length or
@@ -37,8 +37,8 @@ def child(piece: int, tokens: int, mixed: bool, out: Path) -> None:
 
     import torch
 
-    from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
-    from mrtpo.teacher_forcing import forward_shared_prompts
+    from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer
+    from mrtpo.replay.teacher_forcing import forward_shared_prompts
 
     torch.set_num_threads(1)
     tok = build_tokenizer(["hello world owls blue rain gold"] * 8, vocab_size=300)

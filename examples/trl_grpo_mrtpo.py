@@ -167,7 +167,7 @@ def main(argv=None):
     if not 0.0 <= args.warm_noise <= 1.0:
         ap.error(f"--warm-noise: expected a probability in [0, 1], got {args.warm_noise}")
     if args.warm_steps:
-        from mrtpo.builtin_models import is_builtin
+        from mrtpo.model.builtin import is_builtin
 
         if args.task is None or not is_builtin(args.model):
             ap.error("--warm-steps: needs a built-in --model (smollm2-135m-instruct) and a "
@@ -200,8 +200,8 @@ def main(argv=None):
 
         path = args.model
         if args.warm_steps:  # the built-in model after a supervised warm start on the task
-            from mrtpo.builtin_models import user_cache_dir
-            from mrtpo.initial_model import initial_folder
+            from mrtpo.model.builtin import user_cache_dir
+            from mrtpo.model.initial import initial_folder
 
             path = initial_folder(
                 args.model,

@@ -5,9 +5,10 @@ mrtpo compare --task constraints-full --algos grpo,gdpo,mrtpo --seeds 3
 mrtpo demo            # a small table of JS relevance and token advantages
 
 The flags of ``train`` and ``compare`` are built from the fields of `TrainConfig` and
-`CompareConfig` (mrtpo/config.py) by mrtpo/cli_args.py; a built-in ``--model`` fills the
-flags a command line leaves out with the settings its recorded runs used. Every bad argument
-ends the command with one line that names it and exit status 2, before any model is built.
+`CompareConfig` (mrtpo/training/config.py) by mrtpo/training/cli_args.py; a built-in
+``--model`` fills the flags a command line leaves out with the settings its recorded runs
+used. Every bad argument ends the command with one line that names it and exit status 2,
+before any model is built.
 (The benchmark suite runs from a checkout with ``python -m bench``.)
 """
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .builtin_models import check_available, is_builtin
-from .cli_args import add_flags, flag_for_error, given_flags
-from .cli_args import from_namespace as config_from_namespace
-from .config import COMPARE_FIXED, CompareConfig, TrainConfig
+from .model.builtin import check_available, is_builtin
+from .training.cli_args import add_flags, flag_for_error, given_flags
+from .training.cli_args import from_namespace as config_from_namespace
+from .training.config import COMPARE_FIXED, CompareConfig, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         note = oversubscription_note(threads)
         if note:
             print(note, file=sys.stderr, flush=True)
-    from .trainer import NonFiniteWeightsError
+    from .training.trainer import NonFiniteWeightsError
 
     try:
         if args.command == "train":
             return _train(cfg, quiet=args.quiet)
-        from .compare import run_compare
+        from .training.compare import run_compare
 
         run_compare(cfg)
     except ValueError as err:
@@ -120,7 +121,7 @@ def oversubscription_note(threads: int, *, cpus: int | None = None, load=None) -
 
     import torch
 
-    from .config import usable_cpus
+    from .training.config import usable_cpus
 
     used = threads or torch.get_num_threads()
     cpus = usable_cpus() if cpus is None else cpus
@@ -156,7 +157,7 @@ def _refuse(parser, command: str, err: ValueError, cfg) -> None:
 
 
 def _train(cfg: TrainConfig, *, quiet: bool) -> int:
-    from .trainer import train
+    from .training.trainer import train
 
     def log(msg: str) -> None:
         if not quiet or msg.startswith("resume"):  # what --resume found is always said

@@ -12,9 +12,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from mrtpo import allocation, config, relevance_modes, trainer
+from mrtpo import allocation
 from mrtpo.allocation import CREDIT_MODES, RELEVANCES, REPLAY_RELEVANCES, Allocation
 from mrtpo.allocation.tensors import allocating_relevance, allocation_inputs, stop_token_at_mean
+from mrtpo.replay import relevance_modes
+from mrtpo.training import config, trainer
 
 
 def test_the_vocabularies_are_defined_once():
@@ -29,8 +31,9 @@ def test_the_vocabularies_are_defined_once():
 
 
 def test_the_vocabularies_import_no_torch():
-    """``mrtpo.config`` (the command line's settings) imports the vocabularies without torch."""
-    code = "import sys, mrtpo.allocation, mrtpo.config; print('torch' in sys.modules)"
+    """``mrtpo.training.config`` (the command line's settings) imports the vocabularies
+    without torch."""
+    code = "import sys, mrtpo.allocation, mrtpo.training.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -48,8 +48,8 @@ def _check_case(rows, length, variant):
 
 
 def test_tiny_run_rows_report_and_plots(tmp_path):
-    import mrtpo.replay as rp
-    import mrtpo.replay_engine as engine
+    import mrtpo.replay.api as rp
+    import mrtpo.replay.engine as engine
 
     before = {n: getattr(engine, n) for n in ("_rows_hidden", "linear_js_distance")}
     before_ids = rp._stream_ids
@@ -117,8 +117,8 @@ def test_a_failed_case_keeps_its_rows():
 def test_half_rewards_cannot_move():
     """mrtpo-half's batch: the odd rewards are constant in their group (A_k = 0 there), the
     others differ (A_k != 0 for every response)."""
-    from mrtpo.model import build_tokenizer
-    from mrtpo.prompting import ChatPrompter
+    from mrtpo.model.loading import build_tokenizer
+    from mrtpo.replay.prompting import ChatPrompter
     from mrtpo_kernels import gdpo_advantages
 
     tok = build_tokenizer([batch.prompt_of(p, 8)[0] for p in range(4)] * 4)

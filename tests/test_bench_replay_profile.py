@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import torch
 
-import mrtpo.replay_engine as replay_mod
+import mrtpo.replay.engine as replay_mod
 from bench.replay_profile import PARTS, profile, write_record
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
-from mrtpo.prompting import ChatPrompter
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer
+from mrtpo.replay.prompting import ChatPrompter
 
 PROMPTS = [
     'Write a note about owls. Start with "hello". Include the word "blue".',

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo import builtin_models, model, pretrained
 from mrtpo.cli import build_parser, config_from_args
-from mrtpo.config import CompareConfig, TrainConfig
+from mrtpo.model import builtin as builtin_models
+from mrtpo.model import loading as model
+from mrtpo.model import pretrained
+from mrtpo.training.config import CompareConfig, TrainConfig
 
 NAME = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +122,7 @@ def test_a_cache_that_is_a_file_is_refused_naming_mrtpo_cache(monkeypatch, tmp_p
     named neither the variable nor the cache. Every way in (a built-in model by name, the
     tiny model, the settings, the command line) says MRTPO_CACHE and the path."""
     from mrtpo.cli import main
-    from mrtpo.tasks import load_task
+    from mrtpo.tasks.builtin import load_task
 
     afile = tmp_path / "not-a-folder"
     afile.write_text("x")

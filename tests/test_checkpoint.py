@@ -17,9 +17,9 @@ import pytest
 import torch
 from test_trainer import standin_task, tiny_config
 
-from mrtpo.checkpoint import KILL_ENV, KILL_POINTS, MARK, META, RunDir
-from mrtpo.config import TrainConfig
-from mrtpo.trainer import Trainer, train
+from mrtpo.training.checkpoint import KILL_ENV, KILL_POINTS, MARK, META, RunDir
+from mrtpo.training.config import TrainConfig
+from mrtpo.training.trainer import Trainer, train
 
 STEPS = 3
 
@@ -55,7 +55,7 @@ def forkserver():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         ["torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "matplotlib"]
-        + ["mrtpo.trainer", "test_trainer"]
+        + ["mrtpo.training.trainer", "test_trainer"]
     )
     return ctx
 

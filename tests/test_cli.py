@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.checkpoint import MARK
 from mrtpo.cli import build_parser, main
+from mrtpo.training.checkpoint import MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,8 +111,8 @@ def test_demo_forwards_its_arguments(monkeypatch):
 
 
 def test_every_config_field_has_a_flag_and_round_trips():
-    from mrtpo.cli_args import from_namespace as config_from_namespace
-    from mrtpo.config import CompareConfig, TrainConfig
+    from mrtpo.training.cli_args import from_namespace as config_from_namespace
+    from mrtpo.training.config import CompareConfig, TrainConfig
 
     argv = ["train", "--lr", "0.001", "--no-baseline-replay", "--warm-steps", "3"]
     args = build_parser().parse_args([*argv, "--task", "constraints:title,no_commas"])
@@ -180,7 +180,7 @@ def test_train_on_the_builtin_constraints_task(tmp_path, capsys):
 
 
 def test_steps_to_target_needs_a_full_window():
-    from mrtpo.stats import steps_to_target
+    from mrtpo.training.stats import steps_to_target
 
     rows = [{"step": i + 1, "all_pass": v} for i, v in enumerate([0.9, 0.1, 0.5, 0.7, 0.8])]
     assert steps_to_target(rows, 0.6, 1) == 1
@@ -192,7 +192,7 @@ def test_compare_writes_table_and_plot(tmp_path):
     from test_trainer import TINY, standin_task
 
     from mrtpo.cli import config_from_args
-    from mrtpo.compare import run_compare
+    from mrtpo.training.compare import run_compare
 
     args = build_parser().parse_args([
         "compare", "--algos", "gdpo,mrtpo", "--seeds", "2", "--steps", "2", "--window", "1",
@@ -305,7 +305,7 @@ def test_a_folder_in_use_is_refused(tmp_path, capsys):
     import fcntl
     import os
 
-    from mrtpo.checkpoint import LOCK
+    from mrtpo.training.checkpoint import LOCK
 
     run = tmp_path / "run"
     run.mkdir()
@@ -342,7 +342,7 @@ def test_resume_without_the_checkpoint_model_blames_the_checkpoint(tmp_path, cap
     small = ["--warm-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--out",
              str(out), "--max-new-tokens", "4", "--algo", "gdpo"]  # fmt: skip
     assert main([*_train_argv(tmp_path), *small]) == 0
-    from mrtpo.model_folder import check_model_folder
+    from mrtpo.model.folder import check_model_folder
 
     (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert check_model_folder(cached) is None  # a model the trainer saved passes the checks
@@ -360,7 +360,7 @@ def test_weights_that_do_not_fit_the_model_give_one_line(tmp_path, capsys):
     from test_trainer import standin_task
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mrtpo.model import build_tokenizer, save_model, task_texts
+    from mrtpo.model.loading import build_tokenizer, save_model, task_texts
 
     tok = build_tokenizer(task_texts(standin_task()), vocab_size=300)
     config = LlamaConfig(
@@ -435,7 +435,7 @@ def test_out_of_range_settings_are_refused_before_any_folder_or_model(
 
 
 def test_the_edges_of_the_ranges_are_accepted():
-    from mrtpo.config import MAX_TEMPERATURE, MIN_TEMPERATURE, TrainConfig, usable_cpus
+    from mrtpo.training.config import MAX_TEMPERATURE, MIN_TEMPERATURE, TrainConfig, usable_cpus
     from mrtpo_kernels import _validation
 
     assert (MIN_TEMPERATURE, MAX_TEMPERATURE) == (

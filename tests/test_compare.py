@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_trainer import TINY, standin_task
 
-import mrtpo.compare as compare
-from mrtpo.compare import plan_run, run_compare, run_key
-from mrtpo.config import CompareConfig, TrainConfig, check_algos, parse_variant
-from mrtpo.metrics import analogue_chars
-from mrtpo.replay import control_span
-from mrtpo.stats import bootstrap_ratio
-from mrtpo.tasks import load_task
+import mrtpo.training.compare as compare
+from mrtpo.replay.api import control_span
+from mrtpo.tasks.builtin import load_task
+from mrtpo.training.compare import plan_run, run_compare, run_key
+from mrtpo.training.config import CompareConfig, TrainConfig, check_algos, parse_variant
+from mrtpo.training.metrics import analogue_chars
+from mrtpo.training.stats import bootstrap_ratio
 
 _REAL_FINGERPRINT = compare.code_fingerprint
 
@@ -208,7 +208,7 @@ def test_oracle_relevance_puts_every_allocation_on_the_verifier_tokens(monkeypat
     # verifier names a proper subset of a response allocates only there (precision 1)
     from types import SimpleNamespace
 
-    import mrtpo.trainer as trainer
+    import mrtpo.training.trainer as trainer
 
     b = lambda *xs: torch.tensor(xs, dtype=torch.bool)
     masks = [[b(1, 0, 0, 1), None], [b(1, 1, 1), b(0, 1, 0)]]
@@ -288,7 +288,7 @@ def test_a_start_that_already_meets_the_target_is_reported_and_the_table_written
     """Issue 41, item 1: with the start's held-out all-pass already at the target (held-out
     steps to target 0), the comparison ended in a ZeroDivisionError after all the training,
     and neither the table nor the plot was written."""
-    import mrtpo.trainer as trainer_module
+    import mrtpo.training.trainer as trainer_module
 
     def meets(model, prompter, task, cfg, device, *, step, amp=None):
         names = [v.name for v in task.verifiers]

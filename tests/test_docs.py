@@ -78,7 +78,7 @@ def test_metrics_page_defines_every_figure():
     keys |= {f"time.{k}" for k in row["time"]} - {"time"}
     for key in sorted(keys - {"time"}):
         assert f"`{key}`" in page, key
-    # the columns and measures `mrtpo compare` prints (mrtpo/compare_report.py)
+    # the columns and measures `mrtpo compare` prints (mrtpo/training/compare_report.py)
     for term in ("steps to target", "ratio to GDPO", "AUC", "AUC difference", "final all-pass",
                  "credit precision", "uniform share", "relevance precision", "top-token hit",
                  "rank AUC", "s/step", "rollout / replay / update", "start pass rates",
@@ -97,7 +97,7 @@ def test_results_index_lists_every_record():
 
 
 def test_cli_flag_rows_follow_the_config():
-    from mrtpo.config import TrainConfig
+    from mrtpo.training.config import TrainConfig
 
     rows = docs_pages.cli_flags()
     for f in fields(TrainConfig):

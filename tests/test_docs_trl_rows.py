@@ -46,7 +46,7 @@ def test_rows_by_hand_name_their_sentences_and_score():
 def test_the_example_row_shown_is_the_real_one():
     pytest.importorskip("trl")
     from mrtpo.integrations.trl_trainer import example_row
-    from mrtpo.tasks import load_task
+    from mrtpo.tasks.builtin import load_task
 
     shown = eval(block_after("What `example_row(task.train[0])` returns"))  # a literal
     assert shown == example_row(load_task("constraints-real").train[0])
@@ -92,11 +92,11 @@ def test_readme_two_process_line_keeps_the_quick_starts_global_batch():
 def test_models_in_code_block_runs(tmp_path, monkeypatch):
     """The block as written but for the warm starts' lengths (2 tiny steps, 1 SmolLM2 step),
     into a cache of its own; the SmolLM2 half needs the [real] extra."""
-    import mrtpo.tasks
-    from mrtpo.builtin_models import check_available
+    import mrtpo.tasks.builtin
+    from mrtpo.model.builtin import check_available
 
     monkeypatch.setenv("MRTPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(mrtpo.tasks, "default_warm_steps", lambda name: 2)
+    monkeypatch.setattr(mrtpo.tasks.builtin, "default_warm_steps", lambda name: 2)
     code = block_after("## Models in code")
     assert "warm_steps=30" in code
     code = code.replace("warm_steps=30", "warm_steps=1")

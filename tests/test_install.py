@@ -98,7 +98,7 @@ import mrtpo_kernels as mk
 from mrtpo_kernels import _C  # the C++ extension the install built
 import mrtpo.cli
 from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer
-from mrtpo.builtin_models import check_available
+from mrtpo.model.builtin import check_available
 assert check_available("smollm2-135m-instruct") is None, check_available("smollm2-135m-instruct")
 print("ok", mk.__file__)
 """

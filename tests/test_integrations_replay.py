@@ -7,10 +7,10 @@ import torch
 
 from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
 from mrtpo.integrations.trl import fused_policy_loss, mrtpo_advantages_for_grpo
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer, lm_head
-from mrtpo.prompting import ChatPrompter
-from mrtpo.replay import contrastive_replay
-from mrtpo.teacher_forcing import forward_shared_prompts, teacher_batch
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer, lm_head
+from mrtpo.replay.api import contrastive_replay
+from mrtpo.replay.prompting import ChatPrompter
+from mrtpo.replay.teacher_forcing import forward_shared_prompts, teacher_batch
 
 PROMPTS = [
     'Write a note about owls. Start with "hello". Include the word "blue".',

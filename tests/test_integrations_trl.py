@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 
 from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.integrations.trl_grpo import rewards as trl_rewards  # noqa: E402
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 
 PROMPTS = ["count the apples", "name a colour", "add two and three", "spell cat"]
 

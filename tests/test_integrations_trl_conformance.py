@@ -29,7 +29,7 @@ from test_integrations_trl import PROMPTS, checking_class, make_trainer  # noqa:
 
 from mrtpo.integrations import trl_trainer  # noqa: E402
 from mrtpo.integrations.trl_grpo import fused_head  # noqa: E402
-from mrtpo.model import build_tokenizer  # noqa: E402
+from mrtpo.model.loading import build_tokenizer  # noqa: E402
 from mrtpo_kernels import gdpo_advantages  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def test_moe_aux_loss_is_the_models_own():
         am = torch.ones_like(ids)
         am[0, :4] = 0  # left padding
         want = model(input_ids=ids, attention_mask=am, output_router_logits=True).aux_loss
-        from mrtpo.model import decoder
+        from mrtpo.model.loading import decoder
 
         out = decoder(model)(input_ids=ids, attention_mask=am, output_router_logits=True)
         got = fused_head._router_aux_loss(model, out, am)

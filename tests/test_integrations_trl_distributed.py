@@ -96,7 +96,7 @@ def test_two_processes_give_the_advantages_of_one(tmp_path):
     from test_integrations_trl_replay import tiny_model, user_text
 
     from mrtpo.integrations.trl import mrtpo_advantages_for_grpo
-    from mrtpo.replay import replay_relevance
+    from mrtpo.replay.api import replay_relevance
 
     mp.spawn(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     recs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -15,9 +15,9 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from mrtpo.integrations import trl_trainer  # noqa: E402
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
-from mrtpo.prompting import ChatPrompter  # noqa: E402
-from mrtpo.replay import contrastive_replay  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.replay.api import contrastive_replay  # noqa: E402
+from mrtpo.replay.prompting import ChatPrompter  # noqa: E402
 from mrtpo.verifiers.base import Verdict  # noqa: E402
 from mrtpo_kernels import mrtpo_token_advantages  # noqa: E402
 from mrtpo_kernels.reference import js_distance_ref  # noqa: E402

@@ -372,7 +372,7 @@ def _fully_shard_part(rank: int, out: str):
     from torch.distributed.fsdp import fully_shard
 
     from mrtpo.integrations.engine import _fsdp2_states, sharded_replay
-    from mrtpo.replay import replay_relevance
+    from mrtpo.replay.api import replay_relevance
 
     mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)
@@ -553,7 +553,7 @@ def _zero3_replay_part(rank: int, out: str):
     from test_integrations_trl_replay import PROMPTS, quoted, tiny_model, user_text
 
     from mrtpo.integrations.engine import engine_sharding, sharded_replay
-    from mrtpo.replay import replay_relevance
+    from mrtpo.replay.api import replay_relevance
 
     _deepspeed_on_gloo()
     deepspeed.init_distributed(dist_backend="gloo")

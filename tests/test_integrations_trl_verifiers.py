@@ -23,9 +23,9 @@ from mrtpo.integrations.trl_trainer import (  # noqa: E402
     example_row,
     verifier_reward,
 )
-from mrtpo.model import TinyConfig, build_tokenizer, task_texts  # noqa: E402
-from mrtpo.tasks import load_task  # noqa: E402
-from mrtpo.trainer import stop_token_at_mean  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tokenizer, task_texts  # noqa: E402
+from mrtpo.tasks.builtin import load_task  # noqa: E402
+from mrtpo.training.trainer import stop_token_at_mean  # noqa: E402
 from mrtpo.verifiers import Example  # noqa: E402
 from mrtpo_kernels import specific_relevance  # noqa: E402
 

@@ -12,7 +12,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer  # noqa: E402
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
 
 PROMPTS = ["count the apples", "name a colour", "add two and three", "spell cat"]
 

@@ -156,7 +156,7 @@ PROMPTS = ['Write about owls. Include the word "blue".', 'Write about rain. End 
 
 
 def _replay_setup():
-    from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer
+    from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer
 
     tok = build_tokenizer(PROMPTS * 4 + ["hello blue owls", "rain bye now"], vocab_size=300)
     cfg = TinyConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -1,6 +1,6 @@
 """Models whose logits are scaled or softcapped after the LM head (Gemma 2 / 3's
 ``final_logit_softcapping``, Cohere / Cohere2's ``logit_scale``, Granite's
-``logits_scaling``): ``mrtpo.model.logit_transform`` reads the transform from the config,
+``logits_scaling``): ``mrtpo.model.loading.logit_transform`` reads the transform from the config,
 and the fused log-probs of ``mrtpo train``'s model wrapper, the replay and the TRL trainer
 equal the model's own ``log_softmax(logits / temperature)``. Tiny random models built in
 code, fp32."""
@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import mrtpo_kernels as mk  # noqa: E402
-from mrtpo.model import build_tokenizer, last_hidden, lm_head, logit_transform  # noqa: E402
-from mrtpo.replay import replay_relevance  # noqa: E402
+from mrtpo.model.loading import build_tokenizer, last_hidden, lm_head, logit_transform  # noqa: E402
+from mrtpo.replay.api import replay_relevance  # noqa: E402
 
 PROMPTS = ["count the apples", "name a colour", "add two and three", "spell cat"]
 TEMPERATURE = 0.9

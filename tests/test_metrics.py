@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from mrtpo.metrics import relevance_diagnostics, relevant_token_masks
-from mrtpo.rollouts import Rollouts
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
+from mrtpo.training.metrics import relevance_diagnostics, relevant_token_masks
+from mrtpo.training.rollouts import Rollouts
 
 
 def _auc_by_pairs(rel, mask):

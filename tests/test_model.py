@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from mrtpo.model import (
+from mrtpo.model.loading import (
     TinyConfig,
     build_tiny_model,
     build_tokenizer,
@@ -17,7 +17,7 @@ from mrtpo.model import (
     load_model,
     save_model,
 )
-from mrtpo.prompting import (
+from mrtpo.replay.prompting import (
     ChatPrompter,
     merge_spans,
     remove_spans,
@@ -180,7 +180,7 @@ def test_tokenizer_arguments_are_checked():
 def test_warm_start_micro_batches_take_the_same_steps(tok):
     """Gradients accumulated over forwards of 1 or 2 examples give the step of one forward
     over the batch (the mean loss over all of its response tokens, not a mean of means)."""
-    from mrtpo.model import warm_start
+    from mrtpo.model.loading import warm_start
     from mrtpo.verifiers import Example
 
     examples = [
@@ -214,7 +214,7 @@ def test_gradient_checkpointing_same_gradients_fewer_saved_activations(amp):
     forwards without gradient and the layers are as before once it exits."""
     import contextlib
 
-    from mrtpo.model import (
+    from mrtpo.model.loading import (
         build_tiny_model,
         build_tokenizer,
         decoder_layers,
@@ -282,8 +282,8 @@ def _default_model_in_process(cache: str, log: str, out: str, barrier) -> None:
     import hashlib
     import os
 
-    from mrtpo.model import default_model
-    from mrtpo.tasks import load_task
+    from mrtpo.model.loading import default_model
+    from mrtpo.tasks.builtin import load_task
 
     task = load_task("constraints", seed=0)
 
@@ -336,8 +336,8 @@ def test_a_broken_or_stale_tiny_model_cache_is_built_again(tmp_path):
     names it; one cached before digests were recorded is kept where its task did not change."""
     import json
 
-    from mrtpo.model import default_model
-    from mrtpo.tasks import load_task
+    from mrtpo.model.loading import default_model
+    from mrtpo.tasks.builtin import load_task
 
     task = load_task("constraints", seed=0)
     logs: list[str] = []

@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from mrtpo import builtin_models, pretrained
-from mrtpo.config import TrainConfig
+from mrtpo.model import builtin as builtin_models
+from mrtpo.model import pretrained
+from mrtpo.training.config import TrainConfig
 
 NAME = "smollm2-135m-instruct"
 HAVE_REAL = builtin_models.check_available(NAME) is None
@@ -89,8 +90,8 @@ def cache_dir(models_cache):
 @real
 @pytest.mark.slow
 def test_real_model_loads_with_chat_template(cache_dir):
-    from mrtpo.model import count_parameters, load_model
-    from mrtpo.prompting import ChatPrompter
+    from mrtpo.model.loading import count_parameters, load_model
+    from mrtpo.replay.prompting import ChatPrompter
 
     model, tok = load_model(NAME, cache_dir=cache_dir)
     assert pretrained.converted(pretrained.cached_folder(NAME, cache_dir))
@@ -122,7 +123,7 @@ def test_real_model_loads_with_chat_template(cache_dir):
 @real
 @pytest.mark.slow
 def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
-    from mrtpo.trainer import train
+    from mrtpo.training.trainer import train
 
     common = dict(
         task="constraints-real",
@@ -153,7 +154,7 @@ def test_real_model_trains_one_step_and_resumes(cache_dir, tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     # --freeze-embeddings: the tied embedding is exactly the initial one, the layers moved
-    from mrtpo.model import load_model
+    from mrtpo.model.loading import load_model
 
     init, _ = load_model(pretrained.cached_folder(NAME, cache_dir))
     after, _ = load_model(tmp_path / "run" / "checkpoint" / "model")
@@ -169,7 +170,7 @@ def _build_under_lock(folder: str, log: str) -> None:
     import time
     from pathlib import Path
 
-    from mrtpo.model_folder import build_lock, publish_folder
+    from mrtpo.model.folder import build_lock, publish_folder
 
     folder = Path(folder)
     with build_lock(folder):
@@ -212,9 +213,9 @@ def test_two_processes_build_a_cached_folder_once(tmp_path):
 def _fake_conversion(calls):
     """A stand-in for the GGUF conversion (a tiny model, in a second): the cache's rules are
     the same for every folder it builds."""
-    from mrtpo.config import TinyConfig
-    from mrtpo.model import build_tiny_model, build_tokenizer
-    from mrtpo.model_folder import save_model
+    from mrtpo.model.folder import save_model
+    from mrtpo.model.loading import build_tiny_model, build_tokenizer
+    from mrtpo.training.config import TinyConfig
 
     def conversion(name, folder, *, dtype, log):
         calls.append(folder)
@@ -236,7 +237,7 @@ def test_a_cut_short_cached_model_is_rebuilt_not_a_safetensors_traceback(monkeyp
     rebuilt. The mark records every file's size at publish time; a folder that differs (or,
     for a mark from before, whose safetensors are shorter than their header says) is
     converted again, and the log names it."""
-    from mrtpo.model import load_model
+    from mrtpo.model.loading import load_model
 
     calls, logs = [], []
     monkeypatch.setattr(pretrained, "_conversion", _fake_conversion(calls))
@@ -287,7 +288,7 @@ def test_a_published_folder_is_flushed_before_the_rename(monkeypatch, tmp_path):
     rename that makes it look finished, and the rename itself after (its parent folder)."""
     import os
 
-    from mrtpo import model_folder
+    from mrtpo.model import folder as model_folder
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -329,9 +330,9 @@ def test_a_built_in_models_warm_start_is_checked_and_rebuilt_like_its_conversion
     """The warm-started folder of a built-in model goes through the same builder as its
     conversion: marked with its files' sizes and its training set, built again where cut
     short."""
-    from mrtpo.initial_model import initial_folder
-    from mrtpo.model import load_model
-    from mrtpo.tasks import load_task
+    from mrtpo.model.initial import initial_folder
+    from mrtpo.model.loading import load_model
+    from mrtpo.tasks.builtin import load_task
 
     monkeypatch.setattr(pretrained, "_conversion", _fake_conversion([]))
     task = load_task("constraints-real", seed=0)

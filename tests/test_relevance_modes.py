@@ -1,4 +1,4 @@
-"""The relevance modes a training step asks (mrtpo/relevance_modes.py), without a model."""
+"""The relevance modes a training step asks (mrtpo/replay/relevance_modes.py), without a model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mrtpo.config import RELEVANCES
-from mrtpo.relevance_modes import RELEVANCE_MODES, relevance_mode, step_mode
-from mrtpo.replay import ReplayResult, control_span
+from mrtpo.replay.api import ReplayResult, control_span
+from mrtpo.replay.relevance_modes import RELEVANCE_MODES, relevance_mode, step_mode
+from mrtpo.training.config import RELEVANCES
 from mrtpo_kernels import specific_relevance
 
 LENGTHS = torch.tensor([3, 2])

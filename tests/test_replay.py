@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mrtpo.integrations.common import has_info_from_spans, padded_from_packed
-from mrtpo.model import (
+from mrtpo.model.loading import (
     TinyConfig,
     build_tiny_model,
     build_tokenizer,
@@ -17,10 +17,10 @@ from mrtpo.model import (
     lm_head,
     task_texts,
 )
-from mrtpo.prompting import ChatPrompter, merge_spans
-from mrtpo.replay import CallableLM, contrastive_replay, replay_relevance
-from mrtpo.tasks import load_task
-from mrtpo.teacher_forcing import forward_responses, forward_shared_prompts, teacher_batch
+from mrtpo.replay.api import CallableLM, contrastive_replay, replay_relevance
+from mrtpo.replay.prompting import ChatPrompter, merge_spans
+from mrtpo.replay.teacher_forcing import forward_responses, forward_shared_prompts, teacher_batch
+from mrtpo.tasks.builtin import load_task
 from mrtpo_kernels import linear_js_distance
 from mrtpo_kernels.reference import js_distance_ref, logprobs_from_logits_ref
 
@@ -150,7 +150,7 @@ def test_replay_without_old_logprobs_computes_the_with_information_logits_once(m
     own): no log-prob op on the with-information hidden states, so the JS is the only pass
     of them through the LM head; the relevance (and the hidden states) are the same bit for
     bit, and the old log-probs are None."""
-    import mrtpo.replay_engine as replay_mod
+    import mrtpo.replay.engine as replay_mod
 
     tok, model, pr = _setup()
     texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
@@ -547,10 +547,10 @@ def test_replay_relevance_errors():
 
 
 def test_span_convention():
-    """mrtpo.spans: what a reward function may return, and span checks."""
+    """mrtpo.replay.spans: what a reward function may return, and span checks."""
     import numpy as np
 
-    from mrtpo.spans import normalize_spans, prompt_without_spans, score_and_spans
+    from mrtpo.replay.spans import normalize_spans, prompt_without_spans, score_and_spans
     from mrtpo.verifiers.base import Verdict
 
     assert score_and_spans(0.5) == (0.5, None)
@@ -641,7 +641,7 @@ def test_replay_mask_leaves_token_advantages_bit_for_bit(k):
     way, has_info of those pairs) gives token advantages equal bit for bit to the full
     relevance's, whatever the options: those pairs have lambda_k A_k = 0, so their weights
     multiply 0, and the divisor D (batch std, cancellation floor) reads only the A_k."""
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
     from mrtpo_kernels import mrtpo_token_advantages
 
     gen = torch.Generator().manual_seed(k)
@@ -685,7 +685,7 @@ def test_replay_mask_leaves_token_advantages_bit_for_bit(k):
 
 
 def test_replay_mask_from_rewards_rules():
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
 
     rewards = torch.tensor([
         [1.0, 1.0, 0.0, 0.3],   # group 0: reward 0 zero variance, reward 2 one at the mean
@@ -744,7 +744,7 @@ def test_replay_mask_full_and_skipped_replay_give_the_same_token_advantages(amp)
     import contextlib
 
     from mrtpo.integrations.common import padded_token_advantages
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
 
     tok, model = _chat_setup()
     prompts, spans, responses, rewards, gids = _group_batch()
@@ -782,7 +782,7 @@ def test_replay_js_takes_the_bf16_head_under_bf16_autocast(monkeypatch):
     """Under autocast to bf16 the JS gets the LM head and the hidden states in bf16 (as the
     model's own head runs under autocast), and fp32 otherwise; the relevance moves only by
     the bf16 rounding of its operands."""
-    import mrtpo.replay_engine as replay_mod
+    import mrtpo.replay.engine as replay_mod
 
     tok, model = _chat_setup()
     prompts, spans, responses, _, _ = _group_batch()
@@ -810,7 +810,7 @@ def test_replay_js_takes_the_bf16_head_under_bf16_autocast(monkeypatch):
 def test_replay_mask_skipped_rows_get_no_replay_forward():
     """A row whose every pair is skipped gets the with-information forward only; a skipped
     (group, reward) unit gets no forward at all."""
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
 
     tok, model = _chat_setup()
     prompts, spans, responses, rewards, gids = _group_batch()

@@ -10,12 +10,16 @@ import pytest
 import torch
 from test_replay import PROMPTS, TINY  # the replay tests' prompts and tiny model shape
 
-import mrtpo.replay_engine as replay_mod
-from mrtpo.model import build_tiny_model, build_tokenizer, lm_head
-from mrtpo.prompting import ChatPrompter
-from mrtpo.replay import replay_relevance
-from mrtpo.replay_engine import _replay_core, _stream_ids
-from mrtpo.teacher_forcing import forward_after_prefix, forward_responses, forward_shared_prompts
+import mrtpo.replay.engine as replay_mod
+from mrtpo.model.loading import build_tiny_model, build_tokenizer, lm_head
+from mrtpo.replay.api import replay_relevance
+from mrtpo.replay.engine import _replay_core, _stream_ids
+from mrtpo.replay.prompting import ChatPrompter
+from mrtpo.replay.teacher_forcing import (
+    forward_after_prefix,
+    forward_responses,
+    forward_shared_prompts,
+)
 from mrtpo_kernels.reference import js_distance_ref
 
 

@@ -9,8 +9,14 @@ import re
 import torch
 from test_trainer import mixed_task, tiny_config
 
-from mrtpo.report import NOT_REPLAYED, curves_figure, pair_status, pyplot, write_tokens_html
-from mrtpo.trainer import Trainer
+from mrtpo.training.report import (
+    NOT_REPLAYED,
+    curves_figure,
+    pair_status,
+    pyplot,
+    write_tokens_html,
+)
+from mrtpo.training.trainer import Trainer
 
 NAMES = ["include", "ending", "short"]
 SKIP_LABEL = "not replayed"

@@ -1,4 +1,4 @@
-"""The comparison's statistics (mrtpo.stats): paired intervals, the sign-flip p-value, the
+"""The comparison's statistics (mrtpo.training.stats): paired intervals, the sign-flip p-value, the
 held-out curve's measures, the verdict's rules, equal wall-clock."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from mrtpo.report import claim_verdict
-from mrtpo.stats import (
+from mrtpo.training.report import claim_verdict
+from mrtpo.training.stats import (
     MIN_SEEDS,
     bootstrap_ratio,
     compare_to_gdpo,

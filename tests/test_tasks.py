@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from mrtpo.config import TASKS as CONFIG_TASKS
-from mrtpo.config import TinyConfig
-from mrtpo.data import instructions
-from mrtpo.tasks import FULL_CONSTRAINTS, TASKS, WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.builtin import FULL_CONSTRAINTS, TASKS, WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.data import instructions
+from mrtpo.training.config import TASKS as CONFIG_TASKS
+from mrtpo.training.config import TinyConfig
 from mrtpo.verifiers import Task
 from mrtpo.verifiers.constraints import KINDS, describe
 
@@ -164,7 +164,7 @@ def test_noisy_reference_fails_exactly_the_drawn_constraints(name):
 
 
 def test_warm_noise_is_part_of_the_model_key_and_checked():
-    from mrtpo.config import TrainConfig
+    from mrtpo.training.config import TrainConfig
 
     base = TinyConfig(warm_steps=5)
     assert TinyConfig(warm_steps=5, warm_noise=0.5).key() != base.key()
@@ -219,7 +219,7 @@ def _gold(ex) -> str:
 
 
 def _needs(name) -> list[str]:
-    from mrtpo.data import bfcl, ifbench
+    from mrtpo.tasks.data import bfcl, ifbench
 
     return {
         "tools-bfcl": [bfcl.PACKAGE],
@@ -276,7 +276,7 @@ def test_heldout_requests_and_gold_answers_are_not_trained_on(name, seed):
 
 
 def test_tools_split_keeps_whole_gold_calls_on_one_side():
-    from mrtpo.tasks import EVAL_FRACTION, N_TOOL_EXAMPLES
+    from mrtpo.tasks.builtin import EVAL_FRACTION, N_TOOL_EXAMPLES
 
     task = load_task("tools", seed=0)
     calls = lambda exs: {_gold(ex) for ex in exs}  # noqa: E731

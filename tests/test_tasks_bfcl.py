@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from mrtpo.config import check_task
-from mrtpo.data import bfcl, tool_defs
-from mrtpo.tasks import BFCL_DISTRACTORS, WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.builtin import BFCL_DISTRACTORS, WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.data import bfcl, tool_defs
+from mrtpo.training.config import check_task
 from mrtpo.verifiers import Example
 from mrtpo.verifiers.tools import (
     ArgumentsMatch,

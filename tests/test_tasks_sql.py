@@ -10,9 +10,9 @@ import sqlite3
 
 import pytest
 
-from mrtpo.config import check_task
-from mrtpo.data import sql_real
-from mrtpo.tasks import WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.builtin import WARM_STEPS, default_warm_steps, load_task
+from mrtpo.tasks.data import sql_real
+from mrtpo.training.config import check_task
 from mrtpo.verifiers import Example
 from mrtpo.verifiers.base import check_fields
 from mrtpo.verifiers.sql import (

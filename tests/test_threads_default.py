@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from mrtpo.cli import build_parser, config_from_args, oversubscription_note
-from mrtpo.config import TrainConfig
-from mrtpo.metrics import format_step
+from mrtpo.training.config import TrainConfig
+from mrtpo.training.metrics import format_step
 
 
 def test_the_default_is_one_thread_per_process():

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrtpo.config import TinyConfig, TrainConfig
-from mrtpo.metrics import credit_precision
-from mrtpo.trainer import Trainer, compute_advantages, train
+from mrtpo.training.config import TinyConfig, TrainConfig
+from mrtpo.training.metrics import credit_precision
+from mrtpo.training.trainer import Trainer, compute_advantages, train
 from mrtpo.verifiers import Example, Task, Verdict
 
 TOPICS = ["cats", "the sea", "red trains", "old maps", "rain", "bread", "owls", "stone walls"]
@@ -190,7 +190,7 @@ def test_baseline_algorithms_run(tmp_path, algo):
 
 @pytest.mark.parametrize("mode", ["relevance", "uniform"])
 def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monkeypatch, mode):
-    import mrtpo.trainer as trainer_mod
+    import mrtpo.training.trainer as trainer_mod
 
     seen = {}
     real_rollouts, real_op = trainer_mod.generate_rollouts, trainer_mod.mrtpo_token_advantages
@@ -362,7 +362,7 @@ def test_any_local_causal_lm_untied_head(tmp_path):
     """--model PATH: a Llama with an untied LM head and no pad token trains and resumes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mrtpo.model import build_tokenizer, save_model, task_texts
+    from mrtpo.model.loading import build_tokenizer, save_model, task_texts
 
     task = standin_task()
     tok = build_tokenizer(task_texts(task), vocab_size=300)
@@ -415,7 +415,7 @@ def test_heldout_evaluations_are_logged_and_leave_training_unchanged(tmp_path):
         plain.metrics
     )
     # the same prompts and sampling seed every time: the same policy scores the same
-    from mrtpo.heldout import evaluate_heldout
+    from mrtpo.training.heldout import evaluate_heldout
 
     trainer = Trainer(replace(cfg, out=str(tmp_path / "again")), task=task)
     try:
@@ -452,7 +452,7 @@ def test_the_eval_schedule_does_not_depend_on_how_the_run_was_split(tmp_path):
     """Issue 41, item 8: a run extended with --resume --steps kept the evaluation its shorter
     run made at its last step, so its held-out AUC and steps to target differed from the same
     run done in one go (its training bit-identical)."""
-    from mrtpo.stats import heldout_summary
+    from mrtpo.training.stats import heldout_summary
 
     task = standin_task()
     cfg = tiny_config(tmp_path, steps=5, eval_every=2, eval_prompts=2, checkpoint_every=1)
@@ -491,7 +491,7 @@ def test_the_eval_schedule_does_not_depend_on_how_the_run_was_split(tmp_path):
 
 
 def test_match_schedule_keeps_only_the_evaluations_of_the_final_schedule():
-    from mrtpo.heldout import match_schedule
+    from mrtpo.training.heldout import match_schedule
 
     def rows(evals):
         return [{"step": s, **({"eval": [{"step": e} for e in evals[s]]} if evals.get(s) else {})}
@@ -536,7 +536,7 @@ def test_a_non_finite_weight_stops_the_run_before_it_is_saved(tmp_path):
     update non-finite, the run stops naming the step, and what is saved stays finite."""
     from safetensors.torch import load_file
 
-    from mrtpo.trainer import NonFiniteWeightsError
+    from mrtpo.training.trainer import NonFiniteWeightsError
 
     cfg = tiny_config(tmp_path, steps=3, checkpoint_every=1)
     t = Trainer(cfg, task=standin_task())
@@ -566,7 +566,7 @@ def test_sampling_at_the_smallest_temperature_is_greedy(tmp_path, monkeypatch):
     """Item 6: at temperature 2^-126 (the smallest the settings take) generate's
     logits / temperature overflowed to inf and sampling raised; now every sample is the
     greedy answer, as the limit of sampling at temperature -> 0 is."""
-    from mrtpo.rollouts import generate_rollouts
+    from mrtpo.training.rollouts import generate_rollouts
 
     cfg = tiny_config(tmp_path, temperature=2.0**-126, group_size=3)
     t = Trainer(cfg, task=standin_task())
@@ -630,7 +630,7 @@ def test_replay_skip_leaves_training_bit_for_bit(tmp_path, monkeypatch, settings
     the token advantages, losses and trained weights are those of a full replay bit for bit
     (zero-variance groups, responses at their group's mean), the step logs its replayed and
     skipped pairs, and the relevance diagnostics are over the replayed pairs."""
-    import mrtpo.trainer as trainer_mod
+    import mrtpo.training.trainer as trainer_mod
 
     def run(name, full):
         seen = {"adv": [], "mask": []}
@@ -697,7 +697,7 @@ def test_gradient_checkpointing_trains_the_same_run(tmp_path, monkeypatch):
     equal; the trainer's model has no patched layer left after a step."""
     import torch.utils.checkpoint as ckpt
 
-    from mrtpo.model import decoder_layers
+    from mrtpo.model.loading import decoder_layers
 
     calls = []
     real = ckpt.checkpoint
@@ -730,9 +730,9 @@ def _counted_run(tmp_path, name, *, force=False, same_batching_old=False, from_u
     forced path's old log-probs from a no-grad forward batched as the update's (one row per
     forward), instead of the replay's packed one. ``from_update``:
     ``Trainer.replay_from_update``."""
-    import mrtpo.trainer as trainer_mod
-    from mrtpo.model import decoder_layers, lm_head, logit_transform
-    from mrtpo.teacher_forcing import forward_responses
+    import mrtpo.training.trainer as trainer_mod
+    from mrtpo.model.loading import decoder_layers, lm_head, logit_transform
+    from mrtpo.replay.teacher_forcing import forward_responses
     from mrtpo_kernels import linear_logprobs
 
     base = dict(steps=2, group_size=4, micro_batch=1, minibatches=1)
@@ -879,7 +879,7 @@ def test_the_old_logprob_forward_runs_where_the_policy_moves(tmp_path, kw):
     """Several PPO epochs or several minibatches per step: the policy moves before a later
     forward of the update, so the old log-probs come from the separate no-grad forward (the
     replay's with-information forward, run once per step) and the ratio is not held at 1."""
-    from mrtpo.trainer import separate_old_forward
+    from mrtpo.training.trainer import separate_old_forward
 
     tr, seen = _counted_run(
         tmp_path, "moving", algo="gdpo", replay_for_baselines=False, micro_batch=2, **kw

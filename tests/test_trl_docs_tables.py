@@ -1,7 +1,7 @@
 """docs/trl.md's table of MRTPOConfig's fields and its logged-metrics tables are generated from
 code (tools/docs_pages.py), and the help of an option that ``mrtpo train`` shares is written
-once (``mrtpo.method_options``); a field or a logged name missing from the tables fails here
-(issue 44 item 4)."""
+once (``mrtpo.training.method_options``); a field or a logged name missing from the tables
+fails here (issue 44 item 4)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from test_integrations_trl_replay import (  # noqa: E402
     word_spans,  # noqa: E402
 )
 
-from mrtpo.config import TrainConfig  # noqa: E402
 from mrtpo.integrations.trl_grpo import metrics  # noqa: E402
 from mrtpo.integrations.trl_grpo.config import OPTIONS, TRL_OPTIONS  # noqa: E402
 from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer  # noqa: E402
-from mrtpo.method_options import METHOD_OPTIONS  # noqa: E402
+from mrtpo.training.config import TrainConfig  # noqa: E402
+from mrtpo.training.method_options import METHOD_OPTIONS  # noqa: E402
 from mrtpo_kernels import ADVANTAGE_DEFAULTS  # noqa: E402
 
 DOC = (ROOT / "docs" / "trl.md").read_text()

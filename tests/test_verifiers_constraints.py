@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mrtpo.data import instructions
+from mrtpo.tasks.data import instructions
 from mrtpo.verifiers import Example
 from mrtpo.verifiers.constraints import KINDS, ConstraintVerifier, check, describe
 
@@ -251,7 +251,7 @@ def test_echoing_the_prompt_earns_nothing():
     """The constraint sentences hold their own example markup (<<title>>, [name], the
     keyword, "***"); a copy of the prompt, in any case or spacing, satisfies nothing, and a
     copied sentence's markup does not count beside an answer either."""
-    from mrtpo.tasks import load_task
+    from mrtpo.tasks.builtin import load_task
 
     for name in ("constraints", "constraints-full", "constraints:title,placeholders,word_count"):
         task = load_task(name, seed=0)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from mrtpo.data import shop
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
+from mrtpo.tasks.data import shop
 from mrtpo.verifiers.sql import (
     ExecutionMatch,
     QueryRuns,

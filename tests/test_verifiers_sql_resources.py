@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.data import shop
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
+from mrtpo.tasks.data import shop
 from mrtpo.verifiers.sql import CACHE_MAX_BYTES, sql_verifiers
 from mrtpo.verifiers.sql_common import _RunCache
 from mrtpo.verifiers.sql_sandbox import (
@@ -162,8 +162,8 @@ def test_outcome_cache_is_bounded_by_bytes():
 
 _MEMORY_SCRIPT = """
 import resource, sys, dataclasses
-from mrtpo.data import shop
-from mrtpo.tasks import load_task
+from mrtpo.tasks.data import shop
+from mrtpo.tasks.builtin import load_task
 from mrtpo.verifiers.sql import QueryRuns
 from mrtpo.verifiers.sql_sandbox import run_readonly, QueryTooLarge
 db = shop.db_path(sys.argv[1])

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from mrtpo.data import tool_defs
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
+from mrtpo.tasks.data import tool_defs
 from mrtpo.verifiers.tools import (
     MAX_CALL_CHARS,
     ArgumentsMatch,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mrtpo.data import tool_defs
-from mrtpo.tasks import load_task
+from mrtpo.tasks.builtin import load_task
+from mrtpo.tasks.data import tool_defs
 from mrtpo.verifiers.base import find_fence
 from mrtpo.verifiers.tools import parse_call, validate_subset
 
@@ -122,8 +122,8 @@ def test_tasks_and_tool_rewards_work_without_jsonschema():
             raise SystemExit("the blocker did not block jsonschema")
         except ModuleNotFoundError:
             pass
-        import mrtpo.tasks
-        from mrtpo.tasks import load_task
+        import mrtpo.tasks.builtin
+        from mrtpo.tasks.builtin import load_task
         from mrtpo.verifiers.tools import tool_verifiers
         task = load_task("tools", seed=0)
         for ex in task.train[:30]:

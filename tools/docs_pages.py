@@ -35,12 +35,12 @@ TRAINER_VARIABLES = {
     "MRTPO_CACHE": (
         "(unset)",
         "the per-user cache folder of converted and warm-started models "
-        "(`mrtpo.builtin_models.user_cache_dir`); unset: `$XDG_CACHE_HOME/mrtpo`, else "
+        "(`mrtpo.model.builtin.user_cache_dir`); unset: `$XDG_CACHE_HOME/mrtpo`, else "
         "`~/.cache/mrtpo`; `--cache-dir` overrides it for one run",
     ),
     "MRTPO_DATA_DIR": (
         "(unset)",
-        "the trainer's data cache folder (the text-to-SQL shop database, `mrtpo/data`); "
+        "the trainer's data cache folder (the text-to-SQL shop database, `mrtpo/tasks/data`); "
         "unset: `<tmp>/mrtpo-data-<uid>`",
     ),
     "MRTPO_TEST_KILL_AT": (
@@ -106,8 +106,8 @@ def op_table() -> str:
 
 
 def _flag_rows(default, *, skip=(), prefix_note=None) -> list[str]:
-    from mrtpo.cli_args import flag_of
-    from mrtpo.config import TrainConfig, model_default_note, value_kind
+    from mrtpo.training.cli_args import flag_of
+    from mrtpo.training.config import TrainConfig, model_default_note, value_kind
 
     rows = []
     for f in fields(default):
@@ -148,7 +148,7 @@ def _flag_rows(default, *, skip=(), prefix_note=None) -> list[str]:
 def cli_flags() -> str:
     """The ``mrtpo train`` flags and the flags ``mrtpo compare`` adds, from the fields'
     metadata (the same metadata builds the parser and checks a config built in code)."""
-    from mrtpo.config import COMPARE_FIXED, CompareConfig, TrainConfig
+    from mrtpo.training.config import COMPARE_FIXED, CompareConfig, TrainConfig
 
     head = [
         "| flag | default | accepts | group | meaning |",
@@ -188,9 +188,10 @@ def _accepts(desc: dict) -> str:
 
 def trl_config() -> str:
     """MRTPOConfig's MRTPO fields, from their descriptions (``trl_grpo.config.OPTIONS``: the
-    ones ``mrtpo train`` shares are ``mrtpo.method_options``'s, so the help is its help)."""
+    ones ``mrtpo train`` shares are ``mrtpo.training.method_options``'s, so the help is its
+    help)."""
     from mrtpo.integrations.trl_grpo.config import OPTIONS, MRTPOConfig
-    from mrtpo.method_options import METHOD_OPTIONS
+    from mrtpo.training.method_options import METHOD_OPTIONS
 
     declared = {f.name: f for f in fields(MRTPOConfig)}
     lines = [

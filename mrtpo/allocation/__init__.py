@@ -17,7 +17,7 @@ get.
 
 This module holds the vocabularies and their checks and imports no torch (the command
 line's config imports it); ``mrtpo.allocation.tensors`` applies the decisions to a batch,
-for ``mrtpo train`` (``mrtpo.trainer.compute_advantages``) and the TRL trainer alike.
+for ``mrtpo train`` (``mrtpo.training.trainer.compute_advantages``) and the TRL trainer alike.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def padded_from_packed(values: torch.Tensor, mask: torch.Tensor, *, fill: float 
     """Scatter packed per-token values (..., N) into a padded (..., B, T) tensor.
 
     Tokens are taken in row-major order of the 1 entries of ``mask`` (B, T), which is how
-    ``mrtpo.replay.contrastive_replay`` packs its (K, N) relevance for right-padded
+    ``mrtpo.replay.api.contrastive_replay`` packs its (K, N) relevance for right-padded
     responses; ``fill`` goes everywhere else.
     """
     check_tensor("values", values, ndim=(1, 2))

@@ -154,7 +154,7 @@ def _head_params(head):
 
 
 class _Head:
-    """What ``mrtpo.model.lm_head`` reads: the gathered weight and bias."""
+    """What ``mrtpo.model.loading.lm_head`` reads: the gathered weight and bias."""
 
     def __init__(self, weight, bias):
         self.weight, self.bias = weight, bias
@@ -242,7 +242,7 @@ class _DecoderOutput(dict):
 
 
 class EngineLM:
-    """A causal LM for ``mrtpo.replay.replay_relevance`` on a sharded engine: its decoder is
+    """A causal LM for ``mrtpo.replay.api.replay_relevance`` on a sharded engine: its decoder is
     the wrapped model's own forward, in lockstep over the ranks, its LM head the gathered
     one (``sharded_replay`` makes it)."""
 
@@ -251,7 +251,9 @@ class EngineLM:
     def __init__(self, decoder: _Decoder, weight, bias, config=None):
         self.model = decoder
         self._head = _Head(weight, bias)
-        self.config = config  # the model's (its logit scale / softcap: mrtpo.model.logit_transform)
+        self.config = (
+            config  # the model's (its logit scale / softcap: mrtpo.model.loading.logit_transform)
+        )
 
     def get_output_embeddings(self):
         return self._head

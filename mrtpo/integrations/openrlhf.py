@@ -195,14 +195,14 @@ def replay_masks_for_experiences(
     **options,
 ) -> list[torch.Tensor]:
     """Per experience, the (B_j, K) bool ``replay_mask`` of ``relevance_for_experience``:
-    the pairs whose GDPO advantage can move a token (``mrtpo.replay.replay_mask_from_rewards``),
+    the pairs whose GDPO advantage can move a token (``mrtpo.replay.api.replay_mask_from_rewards``),
     over the whole step's rewards (groups may span experiences; ``index`` as in
     ``mrtpo_token_advantages_for_experiences``). Give the ``reward_weights`` and the
     advantage settings (``settings`` and/or their fields as keywords, as in
     ``mrtpo_token_advantages_from_experience``; eps, nan and scale_rewards decide) the
     advantages are computed with. The rewards are known before the replay runs: replaying
     only these pairs leaves the token advantages the same bit for bit."""
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
 
     s = advantage_settings(settings, options, where="replay_masks_for_experiences")
     if not isinstance(rewards, (list, tuple)) or not rewards:
@@ -242,7 +242,7 @@ def relevance_for_experience(
     replay_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(relevance (K, B, A), has_info (B, K)) of an OpenRLHF ``Experience`` (or its samples)
-    in the action layout, from ``mrtpo.replay.replay_relevance`` run on ``model``: the
+    in the action layout, from ``mrtpo.replay.api.replay_relevance`` run on ``model``: the
     actor's Hugging Face module, its DeepSpeed engine, or OpenRLHF's ``Actor`` (whose
     ``model`` is either).
 
@@ -263,7 +263,7 @@ def relevance_for_experience(
     without action tokens is empty (zeros).
 
     Args:
-        spans: (B, K) per sample, per reward, spans of its prompt (``mrtpo.spans``).
+        spans: (B, K) per sample, per reward, spans of its prompt (``mrtpo.replay.spans``).
         prompts: (B,) the prompts the spans refer to; default ``experience.prompts`` (the
             dataset's prompt text after OpenRLHF's chat templating: plain strings, tokenized
             with ``add_special_tokens=False`` as OpenRLHF does). Chat messages are rendered
@@ -313,7 +313,7 @@ def relevance_for_experience(
         conts.append(seq[i][span].tolist())
         firsts.append(first)
     if encode is None and tokenizer is not None:
-        from mrtpo.replay import _prompt_encoder
+        from mrtpo.replay.api import _prompt_encoder
 
         encode = _prompt_encoder(
             tokenizer,
@@ -321,7 +321,7 @@ def relevance_for_experience(
             add_special_tokens=add_special_tokens,
             chat_template_kwargs=None,
         )
-    from mrtpo.replay import replay_relevance
+    from mrtpo.replay.api import replay_relevance
 
     from .engine import _inner, sharded_replay
 

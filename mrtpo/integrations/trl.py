@@ -234,7 +234,7 @@ def fused_policy_loss(
             TRL does; ``linear_policy_loss(kl_importance_weight=True)`` computes it in the
             same single fused pass (gradient in the forward).
         logit_scale, softcap: the model's logit transform before the temperature
-            (``mrtpo.model.logit_transform`` reads them from its config: Cohere's
+            (``mrtpo.model.loading.logit_transform`` reads them from its config: Cohere's
             logit_scale, Granite's 1 / logits_scaling, Gemma's final_logit_softcapping).
 
     Returns:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from mrtpo.model.loading import logit_transform
 from mrtpo_kernels import POLICY_LOSS_DEFAULTS, linear_logprobs, linear_policy_loss
 
-from ..model import logit_transform
 from .common import check_tensor, config_value, require
 
 __all__ = [
@@ -45,7 +45,7 @@ def logprobs_from_hidden(
         labels: (N,) or (1, N) next tokens (verl's ``input_ids_rmpad_rolled``).
         temperature: the rollout temperature (verl divides the logits by it).
         logit_scale, softcap: the model's logit transform before the temperature
-            (``mrtpo.model.logit_transform(model)`` reads them from its config: Cohere's
+            (``mrtpo.model.loading.logit_transform(model)`` reads them from its config: Cohere's
             ``logit_scale``, Gemma 2 / 3's ``final_logit_softcapping``); the defaults are
             the plain head.
         process_group: a vocabulary-parallel head (see ``linear_logprobs``).
@@ -178,7 +178,7 @@ def fused_causal_lm_forward(
     the labels rolled by one (``shift_labels`` when verl passes them) without the
     (tokens, V) logits, under the model's own logit transform (its config's
     ``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``:
-    ``mrtpo.model.logit_transform``). Install it with ``install_fused_forward(model)``.
+    ``mrtpo.model.loading.logit_transform``). Install it with ``install_fused_forward(model)``.
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 

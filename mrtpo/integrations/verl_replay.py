@@ -1,7 +1,7 @@
 """verl adapter, the contrastive replay in verl's actor workers (re-exported by
 ``mrtpo.integrations.verl``).
 
-``fill_mrtpo_relevance`` runs ``mrtpo.replay.replay_relevance`` on a verl batch (a padded
+``fill_mrtpo_relevance`` runs ``mrtpo.replay.api.replay_relevance`` on a verl batch (a padded
 DataProto or the remove-padding TensorDict verl 0.9's workers receive) and writes the keys
 the advantage estimator of ``mrtpo.integrations.verl`` reads:
 
@@ -88,7 +88,7 @@ def fill_mrtpo_relevance(
     replay_mask=None,
 ):
     """Fill ``mrtpo_relevance`` (bs, K, response_length) and ``mrtpo_has_info`` (bs, K) of a
-    verl batch with ``mrtpo.replay.replay_relevance`` run on ``model`` (the actor's Hugging
+    verl batch with ``mrtpo.replay.api.replay_relevance`` run on ``model`` (the actor's Hugging
     Face module, or the ``EngineLM`` of ``mrtpo.integrations.engine.sharded_replay`` on a
     sharded engine).
 
@@ -98,7 +98,7 @@ def fill_mrtpo_relevance(
     ``input_ids``; ``prompts`` and ``responses`` padded with ``attention_mask``, or nested).
     Per sample, ``non_tensor_batch[prompt_key]`` holds the prompt (chat messages, verl's
     ``raw_prompt``, or a string) and ``non_tensor_batch[spans_key]`` its K span lists
-    (``mrtpo.spans``; None or [] for a reward without spans). Prompts are rendered with the
+    (``mrtpo.replay.spans``; None or [] for a reward without spans). Prompts are rendered with the
     tokenizer's chat template (``apply_chat_template_kwargs`` of verl's data config as
     ``chat_template_kwargs``), or by ``encode``; with ``check_prompt_ids`` each must equal
     the prompt ids in the batch (a truncated prompt is an error: its spans would not match).
@@ -149,7 +149,7 @@ def fill_mrtpo_relevance(
             )
             return out["input_ids"] if hasattr(out, "keys") else out
 
-    from mrtpo.replay import replay_relevance
+    from mrtpo.replay.api import replay_relevance
 
     if replay_mask is None and REPLAY_MASK_KEY in keys:
         replay_mask = batch[REPLAY_MASK_KEY]
@@ -175,14 +175,14 @@ def fill_mrtpo_relevance(
 
 def set_replay_mask(data, *, reward_weights=None):
     """Write ``data.batch["mrtpo_replay_mask"]`` (bs, K) bool, the pairs whose GDPO advantage
-    can move a token (``mrtpo.replay.replay_mask_from_rewards``), from the batch's
+    can move a token (``mrtpo.replay.api.replay_mask_from_rewards``), from the batch's
     ``mrtpo_rewards`` ((bs, K), or (bs, K, T) summed over T as the estimator does) and
     ``non_tensor_batch["uid"]``; on the driver, over the whole batch, before the replay.
     Nothing (and None returned) where either is missing: then every pair is replayed.
     NaN rewards count as 0 here (where the estimator refuses them, it does so anyway).
     Pass the estimator's ``reward_weights`` to skip the rewards weighted 0 too. Local
     computation only (no collective)."""
-    from mrtpo.replay import replay_mask_from_rewards
+    from mrtpo.replay.api import replay_mask_from_rewards
 
     from .common import group_ids_from_index
 
@@ -226,7 +226,7 @@ def _check_version(feature: str, allow_unknown_version: bool):
 
 
 def replay_options(config) -> dict | None:
-    """The ``mrtpo.replay`` section of a verl config (None when absent or disabled):
+    """The ``mrtpo.replay.api`` section of a verl config (None when absent or disabled):
     ``enable``, ``spans_key``, ``prompt_key``, ``micro_batch``, ``max_tokens``,
     ``check_prompt_ids`` and
     ``chat_template_kwargs`` (as verl's ``data.apply_chat_template_kwargs``)."""

@@ -2,7 +2,7 @@
 `Experience` objects as its samples generator builds them (one sample each, action mask over
 the next-token positions), concatenated by `Experience.concat_experiences` (right-padded), a
 left-padded layout, and a multi-turn row whose actions are split by an observation; each gives
-the relevance of `mrtpo.replay.replay_relevance` on the same rows, and feeds the adapter's
+the relevance of `mrtpo.replay.api.replay_relevance` on the same rows, and feeds the adapter's
 advantages."""
 
 import importlib
@@ -33,8 +33,8 @@ def _import_with_stubs(name):
 Experience = _import_with_stubs("openrlhf.trainer.ppo_utils.experience").Experience
 
 from mrtpo.integrations import openrlhf  # noqa: E402
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
-from mrtpo.replay import replay_relevance  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.replay.api import replay_relevance  # noqa: E402
 
 USERS = ['Write about owls. Include the word "blue".', 'Write about rain. End with "bye now".']
 TAU = 1.2

@@ -1,7 +1,7 @@
 """The contrastive replay inside verl 0.9.1 (run by `make test-frameworks`): a real DataProto
 with a real Hugging Face model on the CPU, in verl's padded layout and in the remove-padding
 TensorDict its workers receive (``left_right_2_no_padding``), gives the same relevance as
-``mrtpo.replay.replay_relevance`` on the same rows; the worker method and the driver hook
+``mrtpo.replay.api.replay_relevance`` on the same rows; the worker method and the driver hook
 fill the batch the advantage step reads."""
 
 from types import SimpleNamespace as NS
@@ -20,8 +20,8 @@ from verl.workers import engine_workers  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 from mrtpo.integrations import verl  # noqa: E402
-from mrtpo.model import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
-from mrtpo.replay import replay_relevance  # noqa: E402
+from mrtpo.model.loading import TinyConfig, build_tiny_model, build_tokenizer  # noqa: E402
+from mrtpo.replay.api import replay_relevance  # noqa: E402
 
 USERS = ['Write about owls. Include the word "blue".', 'Write about rain. End with "bye now".']
 SYSTEM = {"role": "system", "content": "be brief"}

@@ -86,7 +86,7 @@ def _rank_main(rank: int, port: int, out: str, engine: str, steps: int) -> None:
 
     from mrtpo.integrations.engine import engine_sharding
     from mrtpo.integrations.trl_trainer import MRTPOConfig, MRTPOGRPOTrainer
-    from mrtpo.model import load_model
+    from mrtpo.model.loading import load_model
 
     if engine == "zero3":  # DeepSpeed's CPU accelerator, not Accelerate's CPU switch
         del os.environ["ACCELERATE_USE_CPU"]

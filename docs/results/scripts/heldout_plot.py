@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from mrtpo.stats import run_folder
+from mrtpo.training.stats import run_folder
 
 
 def curves(runs: Path) -> dict[str, dict[int, list[tuple[int, float]]]]:

@@ -1,6 +1,6 @@
 """The held-out table of a comparison's committed runs (config.json + metrics.jsonl per
 ``<algo>-seed<s>`` folder): per run, then each MRTPO variant against GDPO over the seeds both
-finished, with the analysis fixed in `mrtpo.stats.compare_to_gdpo` (paired bootstrap,
+finished, with the analysis fixed in `mrtpo.training.stats.compare_to_gdpo` (paired bootstrap,
 sign-flip p, verdict only with enough pairs). Reads only the files given.
 
     python docs/results/scripts/heldout_table.py RUNS_DIR --target 0.5 --steps 100
@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mrtpo.report import claim_verdict, fmt
-from mrtpo.stats import run_folder, summarize_run
+from mrtpo.training.report import claim_verdict, fmt
+from mrtpo.training.stats import run_folder, summarize_run
 
 
 def load(runs: Path, target: float, window: int, steps: int) -> dict:

@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from mrtpo.config import TrainConfig
-from mrtpo.initial_model import initial_folder
-from mrtpo.model import load_model
-from mrtpo.prompting import ChatPrompter
-from mrtpo.rollouts import generate_rollouts
-from mrtpo.tasks import load_task
+from mrtpo.model.initial import initial_folder
+from mrtpo.model.loading import load_model
+from mrtpo.replay.prompting import ChatPrompter
+from mrtpo.tasks.builtin import load_task
+from mrtpo.training.config import TrainConfig
+from mrtpo.training.rollouts import generate_rollouts
 
 
 def main(argv=None):

@@ -5,13 +5,13 @@ model is cached)."""
 
 import torch
 
-from mrtpo.config import TinyConfig, TrainConfig
-from mrtpo.metrics import relevant_token_masks
-from mrtpo.model import default_model
-from mrtpo.prompting import ChatPrompter
-from mrtpo.replay import contrastive_replay
-from mrtpo.rollouts import generate_rollouts
-from mrtpo.tasks import load_task
+from mrtpo.model.loading import default_model
+from mrtpo.replay.api import contrastive_replay
+from mrtpo.replay.prompting import ChatPrompter
+from mrtpo.tasks.builtin import load_task
+from mrtpo.training.config import TinyConfig, TrainConfig
+from mrtpo.training.metrics import relevant_token_masks
+from mrtpo.training.rollouts import generate_rollouts
 from mrtpo_kernels import specific_relevance
 
 torch.set_num_threads(2)

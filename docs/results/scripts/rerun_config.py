@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from mrtpo.config import TrainConfig
-from mrtpo.trainer import train
+from mrtpo.training.config import TrainConfig
+from mrtpo.training.trainer import train
 
 KEYS = ("response_len", "truncated", "all_pass", "grad_norm")
 

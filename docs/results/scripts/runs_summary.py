@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from mrtpo.stats import bootstrap_ratio, steps_to_target
+from mrtpo.training.stats import bootstrap_ratio, steps_to_target
 
 
 def _rows(path: Path) -> list[dict]:

@@ -5,9 +5,9 @@ TRL's test file is not part of this repository: give the path of ``tests/test_gr
 of a TRL checkout (``testing_utils.py`` and ``conftest.py`` of the same folder are used beside
 it). Nothing is downloaded: the Hub models the tests name are rebuilt as tiny random models of
 the same architecture with a local tokenizer (``--tokenizer``, a Hugging Face tokenizer folder,
-e.g. the converted SmolLM2 of ``mrtpo.pretrained``), and ``load_dataset("trl-internal-testing/zen",
-...)`` returns small local datasets of the same configurations (plain and conversational
-prompts, train and test splits).
+e.g. the converted SmolLM2 of ``mrtpo.model.pretrained``), and
+``load_dataset("trl-internal-testing/zen", ...)`` returns small local datasets of the same
+configurations (plain and conversational prompts, train and test splits).
 
     # once per trainer (in chunks with -k if the machine is slow; each chunk writes its XML)
     python docs/results/scripts/trl_conformance.py run PATH/test_grpo_trainer.py \\

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from mrtpo.config import TrainConfig
-from mrtpo.trainer import Trainer
+from mrtpo.training.config import TrainConfig
+from mrtpo.training.trainer import Trainer
 
 
 def main():

@@ -12,16 +12,16 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 from trl import GRPOConfig
 
-from ...allocation import CREDIT_MODES, REPLAY_RELEVANCES, Allocation
-from ...method_options import METHOD_OPTIONS
+from mrtpo.allocation import CREDIT_MODES, REPLAY_RELEVANCES, Allocation
+from mrtpo.training.method_options import METHOD_OPTIONS
 
 __all__ = ["CREDIT_MODES", "OPTIONS", "RELEVANCES", "TRL_OPTIONS", "MRTPOConfig"]
 
 # the relevance forms the TRL replay can give (mrtpo.allocation holds the vocabularies)
 RELEVANCES = REPLAY_RELEVANCES
 
-# MRTPO's options that `mrtpo train` lacks, described as mrtpo.method_options describes the
-# shared ones (the keywords of mrtpo.config_fields.setting)
+# MRTPO's options that `mrtpo train` lacks, described as mrtpo.training.method_options describes the
+# shared ones (the keywords of mrtpo.training.config_fields.setting)
 TRL_OPTIONS: dict[str, dict] = {
     "replay_micro_batch": dict(default=16, help="completions per replay chunk", lo=1),
     "replay_max_tokens": dict(
@@ -77,7 +77,7 @@ class MRTPOConfig(GRPOConfig):
     naming it (``mrtpo_advantages=False`` trains with TRL's advantages, which use it).
 
     MRTPO's fields (``mrtpo_alpha``, ``mrtpo_relevance``, ...) are described in ``OPTIONS``:
-    those ``mrtpo train`` shares take its descriptions (``mrtpo.method_options``), so each
+    those ``mrtpo train`` shares take its descriptions (``mrtpo.training.method_options``), so each
     help text is written once; docs/trl.md's table of them is generated from ``OPTIONS``.
     """
 

@@ -18,10 +18,9 @@ from transformers.models.mixtral.modeling_mixtral import (
     load_balancing_loss_func as mixtral_load_balancing_loss,
 )
 
+from mrtpo.integrations.trl import LOSS_TYPES, fused_policy_loss
+from mrtpo.model.loading import decoder, lm_head
 from mrtpo_kernels import linear_logprobs
-
-from ...model import decoder, lm_head
-from ..trl import LOSS_TYPES, fused_policy_loss
 
 
 class FusedHead:

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence, Set
 import torch
 from trl.trainer.utils import is_async_callable
 
-from ...spans import _is_array, score_and_spans
-from ...verifiers import Example
-from ...verifiers.base import check_fields
+from mrtpo.replay.spans import _is_array, score_and_spans
+from mrtpo.verifiers import Example
+from mrtpo.verifiers.base import check_fields
 
 __all__ = ["EXAMPLE_COLUMNS", "example_row", "verifier_reward"]
 
@@ -129,7 +129,7 @@ EXAMPLE_COLUMNS = ("prompt", "example_id", "fields", "reference")
 
 def verifier_reward(verifier, *, spans: bool = True):
     """A TRL reward function from a built-in verifier (``mrtpo.verifiers``: the SQL,
-    constraint, tool-call and BFCL verifiers of ``mrtpo.tasks.load_task(name).verifiers``,
+    constraint, tool-call and BFCL verifiers of ``mrtpo.tasks.builtin.load_task(name).verifiers``,
     or any ``Verifier``: ``verifier(example, response) -> Verdict``).
 
     Each dataset row is the task's ``Example``: the ``prompt`` column is the example's
@@ -152,7 +152,7 @@ def verifier_reward(verifier, *, spans: bool = True):
     if not callable(verifier) or not isinstance(name, str) or not name:
         raise ValueError(
             f"verifier: expected a verifier (a callable with a name, as in "
-            f"mrtpo.tasks.load_task(...).verifiers), got {type(verifier).__name__}"
+            f"mrtpo.tasks.builtin.load_task(...).verifiers), got {type(verifier).__name__}"
         )
 
     def reward(prompts, completions, fields=None, example_id=None, reference=None, **_):

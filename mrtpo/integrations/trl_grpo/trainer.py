@@ -11,14 +11,15 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
-from ...allocation.tensors import allocation_inputs
-from ...model import UNSUPPORTED_LOGIT_FIELDS, logit_transform
-from ...relevance_modes import relevance_mode
-from ...replay import replay_mask_from_rewards, replay_relevance
-from ...spans import span_list
-from ..common import consecutive_group_ids
-from ..engine import sharded_replay
-from ..trl import _check_scale_rewards, mrtpo_advantages_for_grpo
+from mrtpo.allocation.tensors import allocation_inputs
+from mrtpo.integrations.common import consecutive_group_ids
+from mrtpo.integrations.engine import sharded_replay
+from mrtpo.integrations.trl import _check_scale_rewards, mrtpo_advantages_for_grpo
+from mrtpo.model.loading import UNSUPPORTED_LOGIT_FIELDS, logit_transform
+from mrtpo.replay.api import replay_mask_from_rewards, replay_relevance
+from mrtpo.replay.relevance_modes import relevance_mode
+from mrtpo.replay.spans import span_list
+
 from . import metrics as logged
 from .config import _DEPRECATED_KWARGS, MRTPOConfig, _options_of
 from .fused_head import FusedHead
@@ -34,7 +35,7 @@ TRAINED_ADVANTAGE_COLUMNS = tuple(logged.COMPLETION_COLUMNS)
 # TRL settings the fused loss path reproduces; any other value goes to TRL's own loss code,
 # fed by fused log-probs (see MRTPOGRPOTrainer). The model's logit transform (Gemma's
 # final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling) goes to the fused
-# ops (mrtpo.model.logit_transform); these multipliers are refused there.
+# ops (mrtpo.model.loading.logit_transform); these multipliers are refused there.
 _REFUSED_MODEL_SETTINGS = UNSUPPORTED_LOGIT_FIELDS
 
 
@@ -49,12 +50,12 @@ class MRTPOGRPOTrainer(FusedHead, GRPOTrainer):
     Args:
         reward_spans: one entry per reward function, ``fn_k(prompt, **columns) -> spans``
             (the prompt and the other dataset columns of one sample; spans as in
-            ``mrtpo.spans``: (start, end) on a plain prompt, (message, start, end) on a
+            ``mrtpo.replay.spans``: (start, end) on a plain prompt, (message, start, end) on a
             conversational one) or None. Where None, a reward function's own outputs name
             the spans if it returns per sample ``(score, spans)`` or a ``Verdict``
             (``verifier_reward`` makes one from a built-in verifier); a reward with
             neither is spread uniformly (GDPO). On each generation batch the trainer runs
-            ``mrtpo.replay.replay_relevance`` on this process's rows with the training
+            ``mrtpo.replay.api.replay_relevance`` on this process's rows with the training
             model (whatever generated them, vLLM included).
         relevance_fn: override of the replay: ``fn(trainer, inputs, output) ->
             (relevance (K, B, T), has_info (B, K))`` for this process's rows.
