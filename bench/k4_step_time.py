@@ -1,7 +1,7 @@
 """MRTPO's step against GDPO's on the K = 4 real-model task, side by side (issue 33, item 4).
 
 Two ``mrtpo train`` runs at once, one thread each, from the same warm start and seed, with
-issue 25's settings (docs/results/real_k4/command.sh: SmolLM2-135M-Instruct, 2 prompts x 4
+issue 25's settings (records/real_k4/command.sh: SmolLM2-135M-Instruct, 2 prompts x 4
 samples, 32 new tokens, bfloat16 autocast): GDPO and MRTPO. MRTPO replays only the
 (response, reward) pairs whose GDPO advantage is not 0
 (``mrtpo.replay.api.replay_mask_from_rewards``).

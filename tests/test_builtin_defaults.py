@@ -28,8 +28,8 @@ def _values(cfg) -> dict:
 
 
 def test_builtin_model_defaults_are_the_recorded_runs_settings():
-    # every recorded real-model run (docs/results/real*/command.sh) used these
-    commands = sorted((ROOT / "docs" / "results").glob("real*/command.sh"))
+    # every recorded real-model run (records/real*/command.sh) used these
+    commands = sorted((ROOT / "records").glob("real*/command.sh"))
     assert len(commands) >= 3
     for path in commands:
         text = path.read_text()

@@ -350,7 +350,7 @@ SAVE_STATES = {
     # not made by a save, found by round 3's probes: checkpoint/ lost its mark
     "unmarked_beside_complete_tmp": ({"checkpoint": None, "checkpoint.tmp": 2}, 2),
 }
-RERUN_CONFIG = Path(__file__).resolve().parents[1] / "docs/results/scripts/rerun_config.py"
+RERUN_CONFIG = Path(__file__).resolve().parents[1] / "records/scripts/rerun_config.py"
 
 
 def _killed_run(out: Path, present: dict) -> bytes:
@@ -383,7 +383,7 @@ def _rerun_config_script():
 
 
 def _resume_like_rerun_config(out: Path, monkeypatch) -> dict | None:
-    """docs/results/scripts/rerun_config.py RECORDED OUT, run again after the kill, with
+    """records/scripts/rerun_config.py RECORDED OUT, run again after the kill, with
     the training replaced by what it does to the folder first."""
     script = _rerun_config_script()
     recorded = out.parent / "recorded"

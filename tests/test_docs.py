@@ -71,7 +71,7 @@ def test_flag_tables_hold_every_flag():
 
 def test_metrics_page_defines_every_figure():
     page = (DOCS / "metrics.md").read_text()
-    row = json.loads((DOCS / "results" / "readme_real_model" / "metrics.jsonl")
+    row = json.loads((ROOT / "records" / "readme_real_model" / "metrics.jsonl")
                      .read_text().splitlines()[0])  # fmt: skip
     keys = {k.split("/")[0] + ("/<reward>" if "/" in k else "") for k in row}
     keys -= {"algo", "seed", "step"}
@@ -89,11 +89,11 @@ def test_metrics_page_defines_every_figure():
 
 def test_results_index_lists_every_record():
     index = docs_pages.results_index()
-    for path in (DOCS / "results").rglob("*.md"):
-        rel = path.relative_to(DOCS / "results").as_posix()
+    for path in (ROOT / "records").rglob("*.md"):
+        rel = path.relative_to(ROOT / "records").as_posix()
         if rel.startswith("scripts/"):
             continue
-        assert f"(results/{rel})" in index, rel
+        assert f"(../records/{rel})" in index, rel
 
 
 def test_cli_flag_rows_follow_the_config():
@@ -135,10 +135,10 @@ def test_links_that_leave_docs_point_at_copies(tmp_path, monkeypatch):
     spec.loader.exec_module(gen)  # runs main(): every page of docs/ through the rewriter
 
     site = gen.Site()
-    text = "see [cpu](../bench/results/cpu-2026-12-01-xeon.md#x) and [runs](results/real/)\n"
+    text = "see [cpu](../bench/results/cpu-2026-12-01-xeon.md#x) and [runs](../records/real/)\n"
     out = site.rewrite_links(text, "docs/benchmarks.md")
     assert "(repo/bench/results/cpu-2026-12-01-xeon.md#x)" in out
-    assert "(results/real/index.md)" in out
+    assert "(repo/records/real/index.md)" in out
     assert "bench/results/cpu-2026-12-01-xeon.md" in site.done
     # code is left alone, and a missing target is left for the strict build to report
     code = "```\n[x](../nope.md)\n```\n[y](../missing.md)\n"

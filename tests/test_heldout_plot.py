@@ -1,4 +1,4 @@
-"""docs/results/scripts/heldout_plot.py on two tiny synthetic arms: the PNG is written, the
+"""records/scripts/heldout_plot.py on two tiny synthetic arms: the PNG is written, the
 curves read from the "eval" entries, and an arm set without a shared seed is refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "results" / "scripts" / "heldout_plot.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "records" / "scripts" / "heldout_plot.py"
 
 
 def _module():

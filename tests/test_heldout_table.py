@@ -1,4 +1,4 @@
-"""docs/results/scripts/heldout_table.py on tiny synthetic run folders: runs are read by
+"""records/scripts/heldout_table.py on tiny synthetic run folders: runs are read by
 distinct seed (``<algo>-seed<s>``, s without leading zeros; ``seed01`` is refused, naming
 the folder, not merged with ``seed1``)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "results" / "scripts" / "heldout_table.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "records" / "scripts" / "heldout_table.py"
 
 
 def _module():

@@ -163,7 +163,7 @@ def test_real_model_command_takes_the_models_settings():
     assert cfg.model == "smollm2-135m-instruct"
     assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch) == (2e-5, 2, 4, 8)
     # its record ran exactly these flags, adding only the steps and the output folder
-    record = (ROOT / "docs" / "results" / "readme_real_model.md").read_text()
+    record = (ROOT / "records" / "readme_real_model.md").read_text()
     m = re.search(r"```bash\n(.*?)\n```", record, flags=re.DOTALL)
     (ran,) = _cli_commands(m.group(1))
     ran = ran[ran.index("mrtpo") :]

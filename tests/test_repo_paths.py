@@ -7,7 +7,7 @@ naming each file and line that holds such a path.
 Files read: all tracked files except
 - ``*.jsonl`` and ``*.log``: raw output (metrics streams, logs captured on a device), which
   says where it ran and is not an instruction to anyone;
-- committed run folders, ``docs/results/**/runs/**``: copies of run output (config.json,
+- committed run folders, ``records/**/runs/**``: copies of run output (config.json,
   metrics, logs);
 - binary files (a NUL byte in the first 8 KiB, or not UTF-8), symlinks, submodules and
   tracked files missing from the working tree;
@@ -40,7 +40,7 @@ SELF = os.path.relpath(os.path.abspath(__file__), ROOT).replace(os.sep, "/")
 _START = r"(?<![A-Za-z0-9_.~$}/])"
 MACHINE = re.compile(_START + r"/(?:work|root|home|Users)/")
 MACHINE_IN_SCRIPT = re.compile(_START + r"/(?:work|root|home|Users|tmp)/")
-SKIP_GLOBS = ("*.jsonl", "*.log", "docs/results/*/runs/*")
+SKIP_GLOBS = ("*.jsonl", "*.log", "records/*/runs/*")
 SCRIPT_SUFFIXES = (".sh", ".bash", ".py")
 
 
@@ -112,9 +112,9 @@ def test_rule_examples():
         assert machine_paths(path, text), (path, text)
     for path, text in left_alone:
         assert not machine_paths(path, text), (path, text)
-    assert skipped("docs/results/real_k4/runs/gdpo-seed0/config.json")
+    assert skipped("records/real_k4/runs/gdpo-seed0/config.json")
     assert skipped("bench/results/gpu-2026-12-04-h200/check/cpu_build.log")
-    assert not skipped("docs/results/real_k4/command.sh")
+    assert not skipped("records/real_k4/command.sh")
 
 
 def test_tracked_files_name_no_machine_paths():

@@ -3,7 +3,7 @@
 the ``mrtpo train`` / ``mrtpo compare`` flag tables (from the fields of ``TrainConfig`` and
 ``CompareConfig``), docs/trl.md's tables of ``MRTPOConfig``'s fields and of the logged
 metrics (from ``mrtpo.integrations.trl_grpo``'s option descriptions and metric names) and
-the index of the claim records under docs/results/.
+the index of the claim records under records/.
 
 The site's build (tools/gen_docs.py, run by mkdocs-gen-files) fills each page's
 ``<!-- generated: NAME -->`` marker with ``section(NAME)``. The README's table sits between
@@ -262,13 +262,13 @@ def _first_sentence(path: Path) -> str:
 
 
 def results_index(results: Path | None = None) -> str:
-    """Every record under docs/results/: the claim records (the folder's own Markdown
+    """Every record under records/: the claim records (the folder's own Markdown
     files), then each measured table (``compare.md``, ``summary*.md``) by folder."""
-    results = ROOT / "docs" / "results" if results is None else results
+    results = ROOT / "records" if results is None else results
     records = sorted(p for p in results.glob("*.md"))
     lines = ["### Claim records", "", "| record | what |", "|---|---|"]
     for p in records:
-        lines.append(f"| [{_cell(_title(p))}](results/{p.name}) | {_cell(_first_sentence(p))} |")
+        lines.append(f"| [{_cell(_title(p))}](../records/{p.name}) | {_cell(_first_sentence(p))} |")
     tables = sorted(
         p for p in results.glob("*/**/*.md") if "scripts" not in p.relative_to(results).parts
     )
@@ -285,7 +285,7 @@ def results_index(results: Path | None = None) -> str:
     for p in tables:
         rel = p.relative_to(results).as_posix()
         lines.append(
-            f"| [`{rel}`](results/{rel}) | {_cell(_title(p))} | {_cell(_first_sentence(p))} |"
+            f"| [`{rel}`](../records/{rel}) | {_cell(_title(p))} | {_cell(_first_sentence(p))} |"
         )
     return "\n".join(lines)
 

@@ -85,7 +85,7 @@ class BuiltinModel:
     extra: str  # this project's extra that installs it
     about: str
     # TrainConfig field -> value: what the recorded runs with this model used, applied to
-    # every flag a command line leaves unset (docs/results/real*/command.sh)
+    # every flag a command line leaves unset (records/real*/command.sh)
     train_defaults: Mapping = field(default_factory=lambda: MappingProxyType({}))
 
 

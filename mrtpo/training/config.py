@@ -413,7 +413,7 @@ class CompareConfig:
     )
     out: str = setting("runs/compare", "folder for the runs", kind="path")
     results: str = setting(
-        "docs/results",
+        "records",
         "parent of the task's results folder (<results>/<task>/compare.md and plots)",
         kind="path",
     )

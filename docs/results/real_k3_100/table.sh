@@ -1,7 +1,0 @@
-# The table of docs/results/issue25_k3_tools.md for this item, from the committed runs
-# (runs/*/config.json and metrics.jsonl): per run, then MRTPO against GDPO over the seeds both
-# have (target 0.5, set before the runs). Reads only committed files.
-set -eu
-cd "$(dirname "$0")/../../.."
-PY=${PY:-.venv/bin/python}
-$PY docs/results/scripts/runs_summary.py docs/results/real_k3_100/runs --target 0.5

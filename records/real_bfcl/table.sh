@@ -1,0 +1,7 @@
+# The table of records/issue25_k3_tools.md for this item, from the committed runs
+# (runs/*/config.json and metrics.jsonl): per run, then MRTPO against GDPO over the seeds both
+# have (target 0.35, set before the runs). Reads only committed files.
+set -eu
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+$PY records/scripts/runs_summary.py records/real_bfcl/runs --target 0.35
