@@ -208,14 +208,14 @@ def test_oracle_relevance_puts_every_allocation_on_the_verifier_tokens(monkeypat
     # verifier names a proper subset of a response allocates only there (precision 1)
     from types import SimpleNamespace
 
-    import mrtpo.training.trainer as trainer
+    import mrtpo.training.step_advantages as step_advantages
 
     b = lambda *xs: torch.tensor(xs, dtype=torch.bool)
     masks = [[b(1, 0, 0, 1), None], [b(1, 1, 1), b(0, 1, 0)]]
 
     task = SimpleNamespace(verifiers=[object(), object()])
-    monkeypatch.setattr(trainer, "relevant_token_masks", lambda t, ro: masks)
-    rel = trainer.oracle_relevance(task, None, torch.tensor([4, 3]))
+    monkeypatch.setattr(step_advantages, "relevant_token_masks", lambda t, ro: masks)
+    rel = step_advantages.oracle_relevance(task, None, torch.tensor([4, 3]))
     want = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0]], dtype=torch.float32)
     assert torch.equal(rel, want)  # all-true and None masks: 0 (uniform allocation)
 

@@ -133,6 +133,28 @@ def test_grpo_trainer_fused_loss_equals_trl(tmp_path, overrides):
         assert key in logged
 
 
+@pytest.mark.parametrize("entropy_coef", [0.1, 0.0])
+def test_entropies_carry_a_gradient_only_where_the_entropy_bonus_uses_them(tmp_path, entropy_coef):
+    """As TRL: with ``entropy_coef`` set the entropies are differentiable (the bonus trains
+    through them); without it they are detached (logging and the entropy mask only), with
+    the same values; the log-probs carry their gradient either way."""
+    trainer = make_trainer(tmp_path, trl_trainer.MRTPOGRPOTrainer, entropy_coef=entropy_coef)
+    assert trainer._entropy_bonus_enabled is (entropy_coef != 0.0)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    mask = torch.ones_like(ids)
+    logps, ents, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, ids, mask, logits_to_keep=4, compute_entropy=True
+    )
+    assert logps.requires_grad
+    assert ents.requires_grad is (entropy_coef != 0.0)
+    trainer._entropy_bonus_enabled = not trainer._entropy_bonus_enabled  # the other setting
+    _, other, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, ids, mask, logits_to_keep=4, compute_entropy=True
+    )
+    assert other.requires_grad is (entropy_coef == 0.0)
+    torch.testing.assert_close(other.detach(), ents.detach(), rtol=0, atol=0)
+
+
 def test_aux_loss_of_a_model_without_router_logits_is_an_error(tmp_path):
     """A config that claims router logits (TRL turns the aux loss on for any config with
     output_router_logits) on a model whose decoder returns none: the loss names

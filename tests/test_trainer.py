@@ -190,10 +190,11 @@ def test_baseline_algorithms_run(tmp_path, algo):
 
 @pytest.mark.parametrize("mode", ["relevance", "uniform"])
 def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monkeypatch, mode):
+    import mrtpo.training.step_advantages as advantages_mod
     import mrtpo.training.trainer as trainer_mod
 
     seen = {}
-    real_rollouts, real_op = trainer_mod.generate_rollouts, trainer_mod.mrtpo_token_advantages
+    real_rollouts, real_op = trainer_mod.generate_rollouts, advantages_mod.mrtpo_token_advantages
 
     def rollouts(*a, **kw):
         seen["ro"] = real_rollouts(*a, **kw)
@@ -206,7 +207,7 @@ def test_truncated_credit_gives_cut_responses_the_gdpo_broadcast(tmp_path, monke
         return out
 
     monkeypatch.setattr(trainer_mod, "generate_rollouts", rollouts)
-    monkeypatch.setattr(trainer_mod, "mrtpo_token_advantages", token_advantages)
+    monkeypatch.setattr(advantages_mod, "mrtpo_token_advantages", token_advantages)
     cfg = tiny_config(tmp_path, steps=1, max_new_tokens=3, truncated_credit=mode)
     Trainer(cfg, task=mixed_task()).train_step()  # rewards that move: a replay to allocate
     cut = torch.tensor(seen["ro"].truncated)

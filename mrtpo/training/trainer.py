@@ -22,6 +22,12 @@ One step:
 5. PPO epochs over minibatches of responses, micro-batches accumulated, loss =
    ``linear_policy_loss`` on the policy's hidden states and LM head (optional k3 KL to the
    initial model), gradient-norm clipping, AdamW.
+
+This module holds the run (``Trainer``, ``train``): its setup, the step above and the loop.
+The parts it calls live by concern: ``mrtpo.training.step_advantages`` (4: the advantages and the
+oracle relevance), ``mrtpo.training.policy_update`` (5: the update, its forwards and the
+finite-weights check) and ``mrtpo.training.run_setup`` (seeds, device, the initial model, resume and
+checkpoint glue); their names stay importable from here.
 """
 
 from __future__ import annotations
@@ -29,161 +35,43 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mrtpo.allocation import Allocation
-from mrtpo.allocation.tensors import (
-    allocation_inputs,
-    stop_token_at_mean,  # noqa: F401 - its import path before
-)
-from mrtpo.model.builtin import is_builtin
-from mrtpo.model.folder import check_model_folder
-from mrtpo.model.initial import initial_folder
-from mrtpo.model.loading import (
-    default_model,
-    gradient_checkpointing,
-    lm_head,
-    load_model,
-    logit_transform,
-    save_model,
-)
-from mrtpo.model.pretrained import stored_dtype
+from mrtpo.allocation.tensors import stop_token_at_mean  # noqa: F401 - its import path before
+from mrtpo.model.loading import lm_head, logit_transform
 from mrtpo.replay.api import ReplayResult, contrastive_replay, replay_mask_from_rewards
 from mrtpo.replay.prompting import ChatPrompter
 from mrtpo.replay.relevance_modes import step_mode
-from mrtpo.replay.teacher_forcing import forward_responses, response_hidden, teacher_batch
+from mrtpo.replay.teacher_forcing import forward_responses
 from mrtpo.tasks.builtin import load_task
-from mrtpo_kernels import (
-    gdpo_advantages,
-    linear_logprobs,
-    linear_policy_loss,
-    mrtpo_token_advantages,
-)
+from mrtpo_kernels import linear_logprobs
 
-from .checkpoint import RunDir, rng_state, set_rng_state, write_atomic
+from .checkpoint import RunDir, write_atomic
 from .config import TrainConfig
 from .heldout import check_eval_split, eval_due, evaluate_heldout, match_schedule
-from .metrics import format_eval, format_step, relevant_token_masks, step_metrics
+from .metrics import format_eval, format_step, step_metrics
+from .policy_update import (
+    NonFiniteWeightsError,  # noqa: F401 - importable from here as before the split
+    check_finite_weights,
+    ppo_update,
+    separate_old_forward,
+    update_forwards,
+)
 from .report import pair_status, plot_curves, write_tokens_html
 from .rollouts import PromptSampler, generate_rollouts
-
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {name!r} was asked for but CUDA is not available")
-    return dev
-
-
-def separate_old_forward(cfg: TrainConfig) -> bool:
-    """Whether the update needs the rollout policy's log-probs from a no-grad forward of
-    their own: where the policy moves between the rollout and a forward of the update,
-    i.e. several PPO epochs (``ppo_epochs``) or several optimizer steps per epoch
-    (``minibatches``). With one of each the update's only optimizer step comes after all of
-    its forwards, which therefore run the rollout's weights: the old log-probs are then the
-    update's own, detached (one head pass over its hidden states, no model forward; the
-    importance ratio is exactly 1), and a GDPO or GRPO step runs no replay forward at all
-    (MRTPO's replay still runs, for the JS)."""
-    return cfg.ppo_epochs > 1 or cfg.minibatches > 1
-
-
-def oracle_relevance(task, ro, lengths) -> torch.Tensor:
-    """(K, N) 1 on the response tokens each reward's verifier names (`relevant_token_masks`:
-    ``relevant_chars`` or the SQL / tools analogue), 0 elsewhere: a diagnostic upper bound on
-    credit precision (1), not the method. A response whose verifier names no token, or all
-    of them, gets 0 everywhere, so its allocation stays uniform (below delta)."""
-    masks = relevant_token_masks(task, ro)
-    rel = torch.zeros((len(task.verifiers), int(lengths.sum())), dtype=torch.float32)
-    a = 0
-    for i, n in enumerate(lengths.tolist()):
-        for k, m in enumerate(masks[i]):
-            if m is not None and 0 < int(m[:n].sum()) < n:
-                rel[k, a : a + min(n, m.shape[0])] = m[:n].float()
-        a += n
-    return rel
-
-
-def compute_advantages(
-    algo, rewards, group_ids, relevance, has_info, lengths, cfg, control=None, finished=None
-):
-    """Token advantages (N,) packed, and the allocation weights (K, N) actually applied.
-    Under mrtpo, ``relevance`` (K, N) allocates as ``cfg``'s allocation decisions make it
-    (``mrtpo.allocation.tensors.allocation_inputs``: ``cfg.truncated_credit`` on the
-    responses not ``finished`` (n,) bool, the relevance form ``cfg.relevance``, with
-    ``control`` the d_ctrl (N,) of the control form, and ``cfg.stop_credit`` on the stop
-    token of each finished response; ``finished`` None: neither credit rule applies)."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(lengths, 0)
-    k, n_tok = rewards.shape[1], int(cu[-1])
-    uniform = torch.ones((k, n_tok), dtype=torch.float32)
-    if algo == "mrtpo":
-        allocation = Allocation(cfg.relevance, cfg.stop_credit, cfg.truncated_credit)
-        relevance, has_info, gamma = allocation_inputs(
-            allocation,
-            relevance,
-            has_info,
-            cfg.gamma,
-            lengths=lengths,
-            finished=finished,
-            control=control,
-        )
-        ta = mrtpo_token_advantages(
-            rewards,
-            group_ids,
-            relevance,
-            has_info=has_info,
-            cu_seqlens=cu,
-            alpha=cfg.alpha,
-            gamma=gamma,
-            batch_norm=cfg.batch_norm,
-        )
-        return ta.token.float(), ta.allocation.float()
-    summed = rewards.sum(1, keepdim=True) if algo == "grpo" else rewards
-    g = gdpo_advantages(summed, group_ids, batch_norm=cfg.batch_norm, lengths=lengths)
-    return g.sequence.float().repeat_interleave(lengths), uniform
-
-
-class NonFiniteWeightsError(RuntimeError):
-    """An update made weights NaN or inf: the run stops before they are saved or used."""
-
-
-@dataclass
-class TrainResult:
-    out: Path
-    metrics: list[dict]
-    metrics_path: Path
-    curves_path: Path
-    html_path: Path
-    checkpoint: Path
-
-
-def _refuse_other_config(saved: dict, cfg: TrainConfig, where: Path) -> None:
-    """Resume only a run of the same trajectory-changing settings."""
-    want = cfg.trajectory()
-    have = TrainConfig.from_dict(saved).trajectory()
-    diff = [k for k in want if want[k] != have.get(k)]
-    if diff:
-        pairs = ", ".join(f"{k}={have.get(k)!r} (asked: {want[k]!r})" for k in diff)
-        raise ValueError(
-            f"resume: the run in {str(where)!r} was made with {pairs}; resume it with the same "
-            "settings, or start another --out (or --overwrite it)"
-        )
+from .run_setup import (
+    TrainResult,
+    initial_model,
+    load_run_checkpoint,
+    refuse_other_config,
+    resolve_device,
+    save_run_checkpoint,
+    seed_everything,
+)
+from .step_advantages import compute_advantages, oracle_relevance
 
 
 class Trainer:
@@ -229,29 +117,7 @@ class Trainer:
         self.reward_names = [v.name for v in task.verifiers]
         self.device = resolve_device(cfg.device)
         dtype = getattr(torch, cfg.dtype)
-
-        if cfg.model is not None:
-            self.init_path = Path(cfg.model)
-            if is_builtin(cfg.model):  # converted once; warm-started where --warm-steps asks
-                self.init_path = initial_folder(
-                    cfg.model,
-                    task,
-                    seed=cfg.seed if cfg.init_seed is None else cfg.init_seed,
-                    cache_dir=cfg.cache_dir,
-                    warm_steps=cfg.tiny.warm_steps,
-                    warm_noise=cfg.tiny.warm_noise,
-                    dtype=stored_dtype(dtype),
-                    log=self.log,
-                )
-            model, tok = load_model(self.init_path, dtype=dtype, device=self.device)
-        else:
-            init_seed = cfg.seed if cfg.init_seed is None else cfg.init_seed
-            model, tok = default_model(
-                task, seed=init_seed, cache_dir=cfg.cache_dir, cfg=cfg.tiny, log=self.log
-            )
-            key = cfg.tiny.for_task(task.name).key()
-            self.init_path = Path(cfg.cache_dir) / f"{task.name}-seed{init_seed}-{key}"
-            model = model.to(device=self.device, dtype=dtype)
+        model, tok, self.init_path = initial_model(cfg, task, self.device, dtype, self.log)
         self.ref = None
         if cfg.kl_beta > 0:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -286,42 +152,33 @@ class Trainer:
         return self.run_dir.prepare(
             resume=cfg.resume,
             overwrite=cfg.overwrite,
-            check_config=lambda saved: _refuse_other_config(saved, cfg, self.out),
+            check_config=lambda saved: refuse_other_config(saved, cfg, self.out),
             log=self.log,
         )
 
     def save_checkpoint(self):
-        self.run_dir.save(
+        save_run_checkpoint(
+            self.run_dir,
             step=self.step,
-            save_model=lambda path: save_model(self.model, self.tok, path),
-            state={
-                "step": self.step,
-                "optimizer": self.opt.state_dict(),
-                "rng": rng_state(),
-                "sampler": self.sampler.state(),
-                "samples": self.samples,
-            },
-            config=self.cfg.to_dict(),
+            model=self.model,
+            tok=self.tok,
+            opt=self.opt,
+            sampler=self.sampler,
+            samples=self.samples,
+            cfg=self.cfg,
         )
 
     def _load_checkpoint(self, meta: dict):
-        problem = check_model_folder(self.ckpt_dir / "model")
-        if problem:
-            raise ValueError(f"checkpoint: {problem} (the checkpoint of step {meta['step']})")
-        state = self.run_dir.load_state()
-        model, _ = load_model(
-            self.ckpt_dir / "model",
+        self.step, self.samples = load_run_checkpoint(
+            self.run_dir,
+            meta,
+            self.model,
+            self.opt,
+            self.sampler,
             dtype=getattr(torch, self.cfg.dtype),
             device=self.device,
-            what="checkpoint",
+            log=self.log,
         )
-        self.model.load_state_dict(model.state_dict())
-        self.opt.load_state_dict(state["optimizer"])
-        self.sampler.load(state["sampler"])
-        set_rng_state(state["rng"])
-        self.step = int(meta["step"])
-        self.samples = state.get("samples", [])
-        self.log(f"resumed from {self.ckpt_dir} at step {self.step}")
 
     # -- one step -----------------------------------------------------------------------------
     def _amp(self):
@@ -447,163 +304,34 @@ class Trainer:
         )
         return row
 
+    # -- the update (`mrtpo.training.policy_update`) -----------------------------------------------
     def _update_forwards(self, ro):
-        """The update's forwards, run before the replay (MRTPO on-policy: one epoch, one
-        minibatch): its micro-batches in the order ``_update`` takes them (the epoch's
-        permutation drawn here, as ``_update`` would draw it), each (rows, token indices,
-        batch, hidden states with their graph), and the (N, d) with-information hidden
-        states, detached, packed in response order, for the replay's JS. The graphs of
-        every micro-batch are held until ``_update`` runs the loss on them: the update's
-        activation memory for the whole batch at once (with ``gradient_checkpointing``, one
-        (tokens, d) input per layer) instead of one micro-batch's."""
-        cfg = self.cfg
-        n = len(ro.responses)
-        lengths = [len(r) for r in ro.responses]
-        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        perm = torch.randperm(n).tolist()
-        self.model.eval()
-        held, hp = [], None
-        for m in range(0, n, cfg.micro_batch):
-            rows = perm[m : m + cfg.micro_batch]
-            tb = teacher_batch(
-                [ro.prompt_ids[i] for i in rows],
-                [ro.responses[i] for i in rows],
-                self.tok.pad_token_id,
-                self.device,
-            )
-            idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-            ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
-            with self._amp(), ckpt:
-                hidden = response_hidden(self.model, tb)
-            if hp is None:
-                hp = hidden.new_empty((starts[-1], hidden.shape[-1]))
-            hp[idx.to(hp.device)] = hidden.detach()
-            held.append((rows, idx, tb, hidden))
-        return held, hp
+        """The update's forwards, run before the replay (``update_forwards``)."""
+        return update_forwards(
+            self.model, self.tok.pad_token_id, ro, self.cfg, self.device, self._amp
+        )
 
     def _update(self, ro, old_logp, adv, ref_logp, lengths, held=None):
-        """PPO epochs over minibatches. ``old_logp`` (N,) the rollout policy's log-probs, or
-        None where the update's forwards run the rollout's weights (``separate_old_forward``
-        False): each micro-batch's own log-probs, detached, from its hidden states.
-        ``held``: the update's forwards, already run (``_update_forwards``; one epoch, one
-        minibatch): the loss runs on their hidden states, each graph freed after its
-        backward."""
-        cfg = self.cfg
-        n = len(ro.responses)
-        starts = torch.zeros(n + 1, dtype=torch.long)
-        starts[1:] = torch.cumsum(lengths, 0)
-        weight_bias = lambda: lm_head(self.model)
-        head_kw = logit_transform(self.model)  # the model's logit scale / softcap, if any
-        stats = {"loss": [], "clip_fraction": [], "mean_ratio": [], "kl": [], "grad_norm": []}
-        self.model.eval()  # no dropout: the loss must see the rollout policy's distribution
-        if held is not None and (cfg.ppo_epochs > 1 or cfg.minibatches > 1):
-            raise ValueError(
-                "held: the update's forwards can be run first only for one epoch of one minibatch"
-            )
-        for _ in range(cfg.ppo_epochs):
-            if held is None:
-                perm = torch.randperm(n).tolist()
-            else:
-                perm = [r for rows, *_ in held for r in rows]
-            per_mb = math.ceil(n / cfg.minibatches)
-            for s in range(0, n, per_mb):
-                mb = perm[s : s + per_mb]
-                mb_tokens = int(lengths[mb].sum())
-                self.opt.zero_grad(set_to_none=True)
-                for j, m in enumerate(range(0, len(mb), cfg.micro_batch)):
-                    rows = mb[m : m + cfg.micro_batch]
-                    if held is not None:  # run before the replay; freed after its backward
-                        _, idx, tb, hidden = held[j]
-                        held[j] = None
-                    else:
-                        tb = teacher_batch(
-                            [ro.prompt_ids[i] for i in rows],
-                            [ro.responses[i] for i in rows],
-                            self.tok.pad_token_id,
-                            self.device,
-                        )
-                        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-                        ckpt = gradient_checkpointing(self.model, cfg.gradient_checkpointing)
-                        with self._amp(), ckpt:
-                            hidden = response_hidden(self.model, tb)
-                    w, b = weight_bias()
-                    if old_logp is None:  # the same policy: ratio exactly 1
-                        with torch.no_grad():
-                            old_mb = linear_logprobs(
-                                hidden.detach(),
-                                w.detach(),
-                                tb.labels,
-                                bias=None if b is None else b.detach(),
-                                temperature=cfg.temperature,
-                                **head_kw,
-                            ).float()
-                    else:
-                        old_mb = old_logp[idx].to(self.device)
-                    loss, met = linear_policy_loss(
-                        hidden,
-                        w,
-                        tb.labels,
-                        old_mb,
-                        adv[idx].to(self.device),
-                        bias=b,
-                        temperature=cfg.temperature,
-                        clip_low=cfg.clip_low,
-                        clip_high=cfg.clip_high,
-                        ref_logprobs=None if ref_logp is None else ref_logp[idx].to(self.device),
-                        beta=cfg.kl_beta,
-                        **head_kw,
-                    )
-                    share = idx.numel() / mb_tokens
-                    (loss * share).backward()
-                    stats["loss"].append(loss.item() * share)
-                    stats["clip_fraction"].append((float(met["clip_fraction"]), idx.numel()))
-                    stats["mean_ratio"].append((float(met["mean_ratio"]), idx.numel()))
-                    if "kl" in met:
-                        stats["kl"].append((float(met["kl"]), idx.numel()))
-                gn = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(),
-                    cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
-                )
-                stats["grad_norm"].append(float(gn))
-                self.opt.step()
-                self._check_finite_weights()
-        self.opt.zero_grad(set_to_none=True)
-
-        def wmean(pairs):
-            tot = sum(c for _, c in pairs)
-            return sum(v * c for v, c in pairs) / tot if tot else None
-
-        n_mb = max(1, cfg.ppo_epochs * math.ceil(n / math.ceil(n / cfg.minibatches)))
-        return {
-            "loss": sum(stats["loss"]) / n_mb,
-            "clip_fraction": wmean(stats["clip_fraction"]),
-            "mean_ratio": wmean(stats["mean_ratio"]),
-            "kl": wmean(stats["kl"]),
-            "grad_norm": sum(stats["grad_norm"]) / len(stats["grad_norm"]),
-        }
+        """PPO epochs over minibatches (``ppo_update``), each optimizer step followed by the
+        finite-weights check; the update's metrics."""
+        return ppo_update(
+            self.model,
+            self.opt,
+            self.tok.pad_token_id,
+            ro,
+            old_logp,
+            adv,
+            ref_logp,
+            lengths,
+            self.cfg,
+            self.device,
+            amp=self._amp,
+            after_step=self._check_finite_weights,
+            held=held,
+        )
 
     def _check_finite_weights(self) -> None:
-        """After each optimizer step: a NaN or inf weight stops the run, naming the step,
-        before the weights are saved (no checkpoint of them is ever written) or sampled
-        from. One reduction per trained tensor and a single host sync."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if not named or bool(torch.stack([torch.isfinite(p).all() for _, p in named]).all()):
-            return
-        bad = [(n, int((~torch.isfinite(p)).sum()), p.numel()) for n, p in named]
-        bad = [b for b in bad if b[1]]
-        count = sum(b[1] for b in bad)
-        total = sum(p.numel() for _, p in named)
-        last = self.run_dir.committed_step()
-        kept = (
-            f"the last checkpoint (step {last}) in {self.ckpt_dir} is untouched"
-            if last is not None
-            else "no checkpoint was saved"
-        )
-        raise NonFiniteWeightsError(
-            f"step {self.step + 1}: the optimizer update made {count} of {total} weights "
-            f"non-finite (NaN or inf; {len(bad)} tensors, first {bad[0][0]}); the run stopped "
-            f"without saving them: {kept} (lower --lr or --max-grad-norm)"
-        )
+        check_finite_weights(self.model, self.step, self.run_dir)
 
     def _keep_samples(self, ro, relevance, alloc, lengths, have_relevance, has_info, replayed):
         starts = torch.zeros(len(lengths) + 1, dtype=torch.long)

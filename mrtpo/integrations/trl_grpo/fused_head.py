@@ -121,7 +121,10 @@ class FusedHead:
             out = self._head_pass(model, head_pass, hidden, weight, bias)
             if compute_entropy:
                 logps.append(out[0])
-                ents.append(out[1])
+                # as TRL: the entropies carry a gradient only where the entropy bonus uses
+                # them; otherwise they feed logging and the entropy mask alone
+                bonus = getattr(self, "_entropy_bonus_enabled", True)
+                ents.append(out[1] if bonus else out[1].detach())
             else:
                 logps.append(out)
         aux_loss = torch.stack(auxes).mean() if compute_aux_loss else None  # as TRL: chunk mean
