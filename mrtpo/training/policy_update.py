@@ -2,8 +2,8 @@
 minibatches of responses, micro-batches accumulated, loss = ``linear_policy_loss`` on the
 policy's hidden states and LM head (optional k3 KL to the initial model), gradient-norm
 clipping, AdamW, and the check that no update made a weight non-finite. Also which forward
-gives the rollout policy's log-probs (``separate_old_forward``), and the update's forwards run before the
-replay (``update_forwards``; MRTPO on-policy)."""
+gives the rollout policy's log-probs (``separate_old_forward``), and the update's forwards run
+before the replay (``update_forwards``; MRTPO on-policy)."""
 
 from __future__ import annotations
 
