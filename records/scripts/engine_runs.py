@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ("ddp", "fsdp2", "zero3")
 WORLD = 2
 WORDS, ENDS = ["river", "lamp", "cloud", "stone"], ["today", "again"]

@@ -36,7 +36,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 # Names (classes or tests, as pytest's -k matches them) that are deselected, with the reason.
 EXCLUDED = {
