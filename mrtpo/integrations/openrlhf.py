@@ -218,9 +218,7 @@ def replay_masks_for_experiences(
         allr,
         gids.to(allr.device),
         weights=reward_weights,
-        eps=s.eps,
-        nan=s.nan,
-        scale_rewards=s.scale_rewards,
+        settings=s,
     )
     return list(torch.split(mask, [r.shape[0] for r in rewards]))
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mrtpo_kernels import ADVANTAGE_DEFAULTS, gdpo_advantages
+from mrtpo_kernels import AdvantageSettings, gdpo_advantages
 
 
 def replay_mask_from_rewards(
@@ -23,16 +23,15 @@ def replay_mask_from_rewards(
     *,
     has_info=None,
     weights: torch.Tensor | None = None,
-    eps: float = ADVANTAGE_DEFAULTS.eps,
-    nan: str = ADVANTAGE_DEFAULTS.nan,
     whole_rows: bool = False,
-    scale_rewards: str = ADVANTAGE_DEFAULTS.scale_rewards,
+    settings: AdvantageSettings | None = None,
+    **advantage_options,
 ) -> torch.Tensor:
     """(n, K) bool on the CPU: the (response, reward) pairs whose replay can move a token
     advantage, the ``replay_mask`` of ``replay_relevance`` and ``contrastive_replay``.
 
     A pair can move only where lambda_k A_k[i] is not exactly 0, A_k the GDPO per-reward
-    advantage (``gdpo_advantages(rewards, group_ids, weights=, eps=, nan=, scale_rewards=)``:
+    advantage (``gdpo_advantages(rewards, group_ids, weights=, settings=, **options)``:
     a group of one, a reward with zero variance in its group and a response at its group's
     mean give exactly 0) and, with ``has_info`` (n, K), where the reward names spans. Where it is 0,
     ``mrtpo_token_advantages`` multiplies the pair's (finite) allocation weight by 0 and
@@ -40,16 +39,16 @@ def replay_mask_from_rewards(
     weights of those that do not; the divisor D (batch std and cancellation floor) reads
     only the A_k. So whatever relevance such a pair has (0 when skipped) and whatever its
     has_info, the token advantages are the same bit for bit. Give the ``rewards``,
-    ``group_ids``, ``weights``, ``eps``, ``nan`` and ``scale_rewards`` the advantages are
-    computed with (the whole batch's: with several processes, every process's rewards).
+    ``group_ids``, ``weights`` and advantage settings the advantages are computed with (the
+    whole batch's: with several processes, every process's rewards): the same
+    ``AdvantageSettings`` as ``settings=``, or its fields (``eps``, ``nan``,
+    ``scale_rewards``, ...) as keywords, checked by ``gdpo_advantages`` as there.
 
     ``whole_rows``: a row replays every pair with spans as soon as one of its pairs can move
     (needs ``has_info``). For a relevance that mixes a response's rewards (``specific``: r_k
     subtracts the other rewards' d), whose pairs cannot be skipped one by one.
     """
-    g = gdpo_advantages(
-        rewards, group_ids, weights=weights, eps=eps, nan=nan, scale_rewards=scale_rewards
-    )
+    g = gdpo_advantages(rewards, group_ids, weights=weights, settings=settings, **advantage_options)
     moves = g.per_reward != 0
     if weights is not None:
         lam = torch.as_tensor(weights, device=moves.device).reshape(1, -1)

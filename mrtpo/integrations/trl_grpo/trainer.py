@@ -14,7 +14,7 @@ from trl import GRPOTrainer
 from mrtpo.allocation.tensors import allocation_inputs
 from mrtpo.integrations.common import consecutive_group_ids
 from mrtpo.integrations.engine import sharded_replay
-from mrtpo.integrations.trl import _check_scale_rewards, mrtpo_advantages_for_grpo
+from mrtpo.integrations.trl import _check_scale_rewards, _trl_settings, mrtpo_advantages_for_grpo
 from mrtpo.model.loading import UNSUPPORTED_LOGIT_FIELDS, logit_transform
 from mrtpo.replay.api import replay_mask_from_rewards, replay_relevance
 from mrtpo.replay.relevance_modes import relevance_mode
@@ -344,10 +344,8 @@ class MRTPOGRPOTrainer(FusedHead, GRPOTrainer):
             rewards,
             group_ids,
             weights=self.reward_weights.to(rewards.device),
-            eps=1e-4,
-            nan="zero",
-            scale_rewards=_check_scale_rewards(self.scale_rewards),
-        )
+            settings=_trl_settings(None, {"scale_rewards": self.scale_rewards}, "scale_rewards"),
+        )  # the GDPO part of the settings mrtpo_advantages_for_grpo computes the advantages with
         if process_slice is not None:
             moving = moving[process_slice]
         info = torch.tensor([[bool(s) for s in row] for row in spans], dtype=torch.bool)
