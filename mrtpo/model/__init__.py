@@ -15,6 +15,8 @@ load_model``, the path the docs and README use).
 
 from __future__ import annotations
 
+from mrtpo._lazy import lazy_exports
+
 _LOADING = (
     "CHAT_TEMPLATE LOGIT_SCALE_FIELDS SOFTCAP_FIELD SPECIAL_TOKENS UNSUPPORTED_LOGIT_FIELDS"
     " WARM_MARKER TinyConfig build_tiny_model build_tokenizer count_parameters decoder"
@@ -25,18 +27,4 @@ _LOADING = (
 _EXPORTS = dict.fromkeys(_LOADING.split(), "loading")
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """The wing's public names, imported from their module on first use (PEP 562), so that
-    importing one module of the wing loads none of the others."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

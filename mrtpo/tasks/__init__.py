@@ -9,6 +9,8 @@ load_task``, the path the docs use).
 
 from __future__ import annotations
 
+from mrtpo._lazy import lazy_exports
+
 _EXPORTS = dict.fromkeys(
     (
         "BFCL_DISTRACTORS",
@@ -27,18 +29,4 @@ _EXPORTS = dict.fromkeys(
 )
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """The wing's public names, imported from their module on first use (PEP 562), so that
-    importing one module of the wing loads none of the others."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
