@@ -16,24 +16,5 @@ except ImportError as exc:  # pragma: no cover - the trl extra is not installed
         "framework-free functions are in mrtpo.integrations.trl and need no TRL)"
     ) from exc
 
-from .trl_grpo import (
-    CREDIT_MODES,
-    EXAMPLE_COLUMNS,
-    RELEVANCES,
-    TRAINED_ADVANTAGE_COLUMNS,
-    MRTPOConfig,
-    MRTPOGRPOTrainer,
-    example_row,
-    verifier_reward,
-)
-
-__all__ = [
-    "CREDIT_MODES",
-    "EXAMPLE_COLUMNS",
-    "RELEVANCES",
-    "TRAINED_ADVANTAGE_COLUMNS",
-    "MRTPOConfig",
-    "MRTPOGRPOTrainer",
-    "example_row",
-    "verifier_reward",
-]
+from .trl_grpo import *  # noqa: E402, F403 (the TRL surface, re-exported as it is)
+from .trl_grpo import __all__  # noqa: E402, F401
