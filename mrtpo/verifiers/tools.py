@@ -14,14 +14,8 @@ accepts and JSON does not), an object with a key twice (a parser keeps either on
 fenced block that holds a brace or another fence (a second call) all fail the format, and
 so every reward.
 
-Arguments are validated with ``jsonschema`` when it is installed (imported on first use,
-so importing this module never needs it) and otherwise with `validate_subset`, a small
-validator of the JSON Schema keywords the built-in tool definitions use (type, enum,
-properties, required, additionalProperties, items, minimum/maximum and their exclusive
-forms, minLength/maxLength, pattern); a schema with any other keyword is refused there.
-Both read ``pattern`` as JSON Schema (ECMA-262) does, not as Python does: ``$`` is the end
-of the string only (Python's also matches before a final newline, so ``"EUR\\n"`` would
-match ``^[A-Z]{3}$``) and ``\\d`` is an ASCII digit (`json_schema_regex`).
+How arguments are validated against a tool's schema (``jsonschema`` where installed, else
+a small validator of the keywords the built-in tools use): mrtpo/verifiers/tool_schema.py.
 
 Rewards (`tool_verifiers()`), reading these `Example.fields`:
 

@@ -164,7 +164,7 @@ def _rank_main(rank: int, port: int, out: str, engine: str, steps: int) -> None:
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
-    checksum = _weights_checksum(trainer.model, engine_sharding(trainer.model))
+    checksum = _weights_checksum(trainer.model)
     logs = [
         {k: v for k, v in h.items() if k.startswith(("mrtpo/", "reward", "loss", "step"))}
         for h in trainer.state.log_history
@@ -187,23 +187,12 @@ def _rank_main(rank: int, port: int, out: str, engine: str, steps: int) -> None:
     trainer.end_training()
 
 
-def _weights_checksum(model, sharding) -> float:
-    """The sum of |w| over the full weights (a collective on a sharded engine)."""
-    import torch
+def _weights_checksum(model) -> float:
+    """The sum of |w| over the full weights (``full_weights`` of the sharded tests: a
+    collective on a sharded engine)."""
+    from test_integrations_trl_sharded import full_weights
 
-    if sharding == "zero3":
-        import deepspeed
-
-        from mrtpo.integrations.engine import _inner
-
-        params = list(_inner(model).parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return float(sum(p.detach().double().abs().sum() for p in params))
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        full = getattr(p, "full_tensor", None)
-        total += (full() if full is not None else p).detach().double().abs().sum()
-    return float(total)
+    return float(sum(w.double().abs().sum() for w in full_weights(model).values()))
 
 
 def run_engine(out: Path, engine: str, steps: int, deadline_s: float) -> dict:
