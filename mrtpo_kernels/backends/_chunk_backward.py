@@ -6,7 +6,8 @@ modules), shared by the log-probs backward and the policy loss:
   (the policy loss's forward with gradient runs the same walk).
 - ``_backward_by_vocab``: the low-memory mode (``_low_memory``: ``MRTPO_LOW_MEMORY``, see
   _saved_state.low_memory_for). Per vocabulary chunk of all N rows, the logits again, the
-  column kernel's gradient, dW for the chunk's rows written once and dh accumulated in fp32.
+  column kernel's gradient, dW for the chunk's rows written once and dh accumulated in fp32
+  (fp32 mode: dh += G (W - c) with the head centred, ``_Centred``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _backward_by_vocab(
     """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
     again (GEMM), dz from each row's saved (raw max, log s) ``norm`` (the forward's;
     without one, from the saved lse), dW[v0:v1] = dz^T h written once in the weight's dtype
-    (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM).
+    (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM; in fp32 mode the head
+    centred, dz (W[v0:v1] - c): ``_Centred``).
     Memory: the chunk (MRTPO_CHUNK_BYTES), in 16-bit mode a 16-bit gradient chunk of the
     same shape, and the fp32 dh accumulator (none for fp32)."""
     nkw = {} if norm is None else {"norm": norm}
@@ -114,6 +116,7 @@ def _backward_by_vocab(
     dw = torch.empty_like(weight)
     db = hidden.new_zeros(v if bias is not None else 0, dtype=acc)
     dh32 = hidden.new_zeros(hidden.shape, dtype=acc)
+    centred = _Centred(head, labels, ignore_index, settings.chunk_bytes())
     for v0 in range(0, v, cols):
         v1 = min(v, v0 + cols)
         w_c = weight[v0:v1] if head.low else head.w[v0:v1]
@@ -132,7 +135,56 @@ def _backward_by_vocab(
         else:
             g = z
             dw[v0:v1] = g.t() @ upcast(hidden)  # dW[v0:v1] = G^T h, fp32
-            dh32.addmm_(g, w_c)  # dh += G W[v0:v1]
+            centred.addmm_(dh32, g, w_c)  # dh += G (W[v0:v1] - c)
         if bias is not None:
             db[v0:v1] = g.sum(0, dtype=acc)
     return dh32.to(hidden.dtype), dw, db
+
+
+class _Centred:
+    """dh += G (W[v0:v1] - c) for the low-memory backward's fp32 GEMMs, c one row for the
+    whole call: the mean of the head's rows at the rows' labels.
+
+    Every op here depends on the logits through their log-softmax only, so each row of the
+    logit gradient G sums to zero over the vocabulary and G 1 c^T = 0: centring the head
+    changes no exact value. It changes the rounding. The vocabulary is split into chunks
+    here, and a chunk's partial sum of G W carries every column's share of a component the
+    rows of W have in common (at logits ~1e4 from a common offset, partial sums ~1e4 g:
+    each chunk rounds at ulp(1e4)), and the rows of G sum to zero only up to the fp32
+    rounding of p (~1e-7 each row, times that component). Taking c near where p has its mass
+    removes both: the labels are the completions' tokens, sampled from the policy, so their
+    rows' mean estimates the p-weighted mean of the head's rows.
+    Not applied: under a softcap (the gradient of the raw logits, G times the cap's slope,
+    does not sum to zero; a logit scale keeps the sum zero), in 16-bit mode (G is rounded
+    to 16 bits for its GEMM, an error centring cannot remove), with no row to learn from
+    (every label ignored or out of the vocabulary), or when c is not finite. The centred
+    head is formed a block of at most ``budget`` bytes at a time."""
+
+    def __init__(self, head, labels, ignore_index, budget):
+        self.c = None
+        self.block = None
+        if head.cap.softcap != 0.0 or head.low:
+            return
+        v, d = head.weight.shape
+        use = (labels != ignore_index) & (labels >= 0) & (labels < v)
+        idx = labels[use]
+        if idx.numel() == 0:
+            return
+        c = head.weight.index_select(0, idx).sum(0, dtype=torch.float32) / idx.numel()
+        if bool(torch.isfinite(c).all()):
+            self.c = c.to(acc_dtype(head.weight))
+            self.rows = max(1, budget // (4 * max(d, 1)))
+
+    def addmm_(self, dh, g, w):
+        """dh += g (w - c), in blocks of the head's rows (w: rows [v0, v1) of the head)."""
+        if self.c is None:
+            dh.addmm_(g, w)
+            return
+        n = w.shape[0]
+        step = min(n, self.rows)
+        if self.block is None or self.block.shape[0] < step:
+            self.block = w.new_empty((step, w.shape[1]), dtype=self.c.dtype)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            blk = torch.sub(w[a:b], self.c, out=self.block[: b - a])
+            dh.addmm_(g[:, a:b], blk)
