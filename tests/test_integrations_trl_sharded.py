@@ -163,14 +163,11 @@ def full_weights(model) -> dict:
     """Every parameter in full on this rank (a collective on a sharded engine)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    from mrtpo.integrations.engine import _inner, engine_sharding
+    from mrtpo.integrations.engine import _inner, engine_sharding, zero3_full_copies
 
-    if engine_sharding(model) == "zero3":  # the whole model at once: the test's check only
-        import deepspeed
-
-        inner = _inner(model)
-        with deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None):
-            return {n: p.detach().clone() for n, p in inner.named_parameters()}
+    if engine_sharding(model) == "zero3":  # one parameter at a time (zero3_full_copies)
+        names, params = zip(*_inner(model).named_parameters())
+        return dict(zip(names, zero3_full_copies(params)))
     if any(isinstance(m, FSDP1) for m in model.modules()):
         with FSDP1.summon_full_params(model, writeback=False):
             return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
@@ -326,7 +323,9 @@ def test_sharded_engines_train_as_ddp_whatever_a_rank_holds(sharded_runs):
             assert r0["partitioned"] is r1["partitioned"] is (engine == "zero3" or None)
             assert r0["final"].keys() == ref.keys(), engine
             for key, val in ref.items():  # fp32: the same step as DDP's, on both ranks
-                torch.testing.assert_close(r0["final"][key], r1["final"][key], rtol=0, atol=0)
+                torch.testing.assert_close(r0["final"][key], r1["final"][key], rtol=0, atol=0,
+                                           msg=lambda m, c=case, e=engine, k=key:
+                                           f"{c} {e} {k}, rank 0 against rank 1: {m}")  # fmt: skip
                 torch.testing.assert_close(r0["final"][key], val, rtol=0, atol=1e-6,
                                            msg=lambda m, c=case, e=engine, k=key:
                                            f"{c} {e} {k}: {m}")  # fmt: skip
@@ -497,6 +496,39 @@ def test_fused_head_runs_as_the_head_modules_forward():
     _as_module_forward(head, loss_of, hidden)
     assert head.forward is own
     assert not _partitioned(head.weight)  # a plain parameter: the fused head runs directly
+
+
+def test_zero3_full_copies_gather_one_parameter_at_a_time(monkeypatch):
+    """DeepSpeed's gather of several parameters at once waits on its last all-gather only
+    (ordered on a GPU stream, not on gloo: one rank read garbage rows in about one run of
+    four here); zero3_full_copies opens one gather per parameter and copies inside it."""
+    pytest.importorskip("deepspeed")
+    import deepspeed
+
+    from mrtpo.integrations.engine import zero3_full_copies
+
+    seen = []
+
+    class Gathered:
+        def __init__(self, params, modifier_rank=None):
+            self.params = params
+            assert modifier_rank is None
+
+        def __enter__(self):
+            seen.append(list(self.params))
+            for p in self.params:  # the gathered value, visible only inside the context
+                p.data = torch.full(p.shape, float(len(seen)))
+
+        def __exit__(self, *exc):
+            for p in self.params:
+                p.data = torch.zeros(p.shape)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", Gathered)
+    params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(3))]
+    copies = zero3_full_copies(params)
+    assert [[id(p) for p in c] for c in seen] == [[id(params[0])], [id(params[1])]]
+    assert [float(c.unique()) for c in copies] == [1.0, 2.0]  # copied while gathered
+    assert not any(c.requires_grad for c in copies)
 
 
 def test_zero3_example_config_launches_stage_3():

@@ -71,6 +71,21 @@ def _inner(model):
     return model
 
 
+def zero3_full_copies(params) -> list:
+    """ZeRO-3: a full copy of each partitioned parameter, gathered one at a time (the same
+    collectives on every rank). DeepSpeed's gather of several parameters at once launches one
+    asynchronous all-gather each and waits on the last only, which orders them on a GPU
+    stream but not on gloo, where the copies could read a gather still under way (seen as
+    garbage rows on one rank, on the CPU); one parameter takes its synchronous path."""
+    import deepspeed
+
+    out = []
+    for p in params:
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            out.append(p.detach().clone())
+    return out
+
+
 @contextlib.contextmanager
 def _gathered_head(model, inner, sharding):
     """The LM head's full weight (V, d) and bias or None, gathered by the engine, without
@@ -89,10 +104,7 @@ def _gathered_head(model, inner, sharding):
         with FSDP1.summon_full_params(owner, recurse=False, writeback=False):
             full = [p.detach().clone() for p in _head_params(head)]
     elif sharding == "zero3":
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            full = [p.detach().clone() for p in _head_params(head)]
+        full = zero3_full_copies(_head_params(head))
     elif sharding == "fsdp2":
         with _fsdp2_head_unsharded(model, head) as copy_needed:
             full = [
