@@ -265,6 +265,7 @@ def _grad(ctx_tensors, ent, cfg, g_logp, g_ent):
         cap.scale,
         cap.softcap,
         backend,
+        False,  # ent_in is not the shard's own entropy: its rows of dL/dz need not sum to 0
         None,
     )
     # the label's column: g [v == y] where the kernel put g w_r [v == mapped], with respect

@@ -262,6 +262,7 @@ def linear_logprobs_bwd_op(
     logit_scale: float,
     softcap: float,
     backend: str,
+    own_entropy: bool,
     saved: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fn = _dispatch.get(backend, "linear_logprobs_bwd")
@@ -278,6 +279,7 @@ def linear_logprobs_bwd_op(
         ignore_index,
         saved,
         **_cap_kw(logit_scale, softcap),
+        own_entropy=own_entropy,
     )
 
 
@@ -296,6 +298,7 @@ def _(
     logit_scale,
     softcap,
     backend,
+    own_entropy,
     saved,
 ):
     return (
@@ -336,6 +339,7 @@ def _linear_backward(ctx, g_logp, g_entropy, g_lse, g_saved):
         ignore_index,
         *ctx.cap,
         backend,
+        True,  # the forward's own entropy
         saved_state(ctx),
     )
     dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None

@@ -98,12 +98,13 @@ def _backward_by_vocab(
     inv_t,
     ignore_index,
     norm=None,
+    centre=True,
 ):
     """The low-memory backward: per vocabulary chunk [v0, v1) of all N rows, the logits
     again (GEMM), dz from each row's saved (raw max, log s) ``norm`` (the forward's;
     without one, from the saved lse), dW[v0:v1] = dz^T h written once in the weight's dtype
     (GEMM), dh += dz W[v0:v1] in an fp32 (N, d) accumulator (GEMM; in fp32 mode the head
-    centred, dz (W[v0:v1] - c): ``_Centred``).
+    centred, dz (W[v0:v1] - c): ``_Centred``; ``centre``: each row of dz sums to zero).
     Memory: the chunk (MRTPO_CHUNK_BYTES), in 16-bit mode a 16-bit gradient chunk of the
     same shape, and the fp32 dh accumulator (none for fp32)."""
     nkw = {} if norm is None else {"norm": norm}
@@ -116,7 +117,7 @@ def _backward_by_vocab(
     dw = torch.empty_like(weight)
     db = hidden.new_zeros(v if bias is not None else 0, dtype=acc)
     dh32 = hidden.new_zeros(hidden.shape, dtype=acc)
-    centred = _Centred(head, labels, ignore_index, settings.chunk_bytes())
+    centred = _Centred(head, labels if centre else None, ignore_index, settings.chunk_bytes())
     for v0 in range(0, v, cols):
         v1 = min(v, v0 + cols)
         w_c = weight[v0:v1] if head.low else head.w[v0:v1]
@@ -145,8 +146,9 @@ class _Centred:
     """dh += G (W[v0:v1] - c) for the low-memory backward's fp32 GEMMs, c one row for the
     whole call: the mean of the head's rows at the rows' labels.
 
-    Every op here depends on the logits through their log-softmax only, so each row of the
-    logit gradient G sums to zero over the vocabulary and G 1 c^T = 0: centring the head
+    The ops depend on the logits through their log-softmax only, so with each row's own
+    entropy as the entropy term's input, each row of the logit gradient G sums to zero over
+    the vocabulary and G 1 c^T = 0: centring the head
     changes no exact value. It changes the rounding. The vocabulary is split into chunks
     here, and a chunk's partial sum of G W carries every column's share of a component the
     rows of W have in common (at logits ~1e4 from a common offset, partial sums ~1e4 g:
@@ -154,16 +156,18 @@ class _Centred:
     rounding of p (~1e-7 each row, times that component). Taking c near where p has its mass
     removes both: the labels are the completions' tokens, sampled from the policy, so their
     rows' mean estimates the p-weighted mean of the head's rows.
-    Not applied: under a softcap (the gradient of the raw logits, G times the cap's slope,
-    does not sum to zero; a logit scale keeps the sum zero), in 16-bit mode (G is rounded
-    to 16 bits for its GEMM, an error centring cannot remove), with no row to learn from
-    (every label ignored or out of the vocabulary), or when c is not finite. The centred
-    head is formed a block of at most ``budget`` bytes at a time."""
+    Not applied: where the caller cannot promise the zero sums (``labels`` None: the
+    vocabulary-parallel shard's entropy term), under a softcap (the gradient of the raw
+    logits, G times the cap's slope, does not sum to zero; a logit scale keeps the sum
+    zero), in 16-bit mode (G is rounded to 16 bits for its GEMM, an error centring cannot
+    remove), with no row to learn from (every label ignored or out of the vocabulary), or
+    when c is not finite. The centred head is formed a block of at most ``budget`` bytes at
+    a time."""
 
     def __init__(self, head, labels, ignore_index, budget):
         self.c = None
         self.block = None
-        if head.cap.softcap != 0.0 or head.low:
+        if labels is None or head.cap.softcap != 0.0 or head.low:
             return
         v, d = head.weight.shape
         use = (labels != ignore_index) & (labels >= 0) & (labels < v)

@@ -115,8 +115,10 @@ def linear_logprobs_bwd(
     saved=None,
     logit_scale=1.0,
     softcap=0.0,
+    own_entropy=True,
 ):
-    """(dh, dW, db); ``saved``: the forward's fourth output (or None: recompute all)."""
+    """(dh, dW, db); ``saved``: the forward's fourth output (or None: recompute all);
+    ``own_entropy``: ``ent`` is the rows' own entropy (contract.RowKernel)."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     ent, g_ent = _none_if_empty(ent), _none_if_empty(g_ent)
@@ -140,6 +142,7 @@ def linear_logprobs_bwd(
             inv_t,
             ignore_index,
             norm,
+            centre=own_entropy or g_ent is None,  # each row of dL/dz sums to zero
         )
     kept, k = kept_from(saved, n, v)
     spans = grad_spans(n, v, k, head.low)

@@ -87,10 +87,14 @@ class LinearLogprobsEntryPoints(Protocol):
         saved: Tensor | None = None,
         logit_scale: float = 1.0,
         softcap: float = 0.0,
+        own_entropy: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """entropy and grad_entropy (N,) or (0,) -> (grad_hidden (N, d), grad_weight (V, d)
         fp32, grad_bias (V,) fp32 or (0,)). saved: the forward's, or None (then the
-        backward recomputes what it needs); it may be overwritten."""
+        backward recomputes what it needs); it may be overwritten. own_entropy: entropy is
+        the rows' own (the forward's output), so each row of dL/dz sums to zero (the
+        low-memory backward relies on it: _chunk_backward._Centred); False where it is not
+        (the vocabulary-parallel shard gets the global entropy shifted to the shard)."""
         ...
 
 
