@@ -225,6 +225,74 @@ def test_replay_takes_the_with_information_hidden_states_given():
                            hidden_p=own.hidden_p[:-1], **kw)  # fmt: skip
 
 
+def test_replay_takes_the_prompt_caches_given_with_the_hidden_states():
+    """prompt_caches given with hidden_p (mrtpo train on-policy: both from the update's
+    forward): the replay runs no forward of a full prompt, only its units. Caches equal to
+    the replay's own (prompt_caches) give the relevance bit for bit; caches taken from a
+    teacher-forced forward of prompt + response (response_hidden(prefixes=)) hold the same
+    keys and values to float32 rounding, and the relevance agrees to it. A cache given
+    without hidden_p, or not a dict, is a ValueError naming prompt_caches."""
+    from mrtpo.replay.teacher_forcing import prompt_caches, response_hidden
+
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    kw = dict(temperature=0.7, micro_batch=4, old_logprobs=False)
+    own = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
+    hp = own.hidden_p.clone()
+    with torch.no_grad():
+        mine: dict = {}
+        prompt_caches(model, prompt_ids, tok.pad_token_id, micro_batch=4, device="cpu",
+                      prefixes=mine)  # fmt: skip
+        tf: dict = {}
+        tb = teacher_batch(prompt_ids, responses, tok.pad_token_id, "cpu")
+        h_tf = response_hidden(model, tb, prompts=prompt_ids, prefixes=tf)
+    assert set(tf) == set(mine) == {tuple(p) for p in prompt_ids}
+    for key in mine:
+        for (ka, va), (kb, vb) in zip(mine[key], tf[key]):
+            assert ka.shape == kb.shape == (1, 1, len(key), ka.shape[-1])
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h_tf, hp, rtol=1e-5, atol=1e-6)
+
+    prompt_rows = []  # decoder forwards over a whole full prompt (the prompt-cache forwards)
+    hook = decoder_layers(model)[0].register_forward_hook(
+        lambda m, a, o: prompt_rows.append(o[0].shape[1] if isinstance(o, tuple) else o.shape[1])
+    )
+    longest = max(len(p) for p in prompt_ids)
+    alone = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=hp, **kw)
+    n_alone = sum(1 for w in prompt_rows if w == longest)
+    prompt_rows.clear()
+    given = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=hp,
+                               prompt_caches=mine, **kw)  # fmt: skip
+    n_given = sum(1 for w in prompt_rows if w == longest)
+    prompt_rows.clear()
+    from_tf = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=hp,
+                                 prompt_caches=tf, **kw)  # fmt: skip
+    hook.remove()
+    assert n_alone >= 1 and n_given == 0 and sum(1 for w in prompt_rows if w == longest) == 0
+    assert own.relevance.abs().sum() > 0
+    assert torch.equal(alone.relevance, own.relevance)
+    assert torch.equal(given.relevance, own.relevance)
+    torch.testing.assert_close(from_tf.relevance, own.relevance, rtol=1e-4, atol=1e-5)
+    assert given.replayed == from_tf.replayed == own.replayed
+    with pytest.raises(ValueError, match="prompt_caches"):
+        contrastive_replay(model, pr, texts, prompt_ids, responses, spans, prompt_caches=mine,
+                           **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="prompt_caches"):
+        contrastive_replay(model, pr, texts, prompt_ids, responses, spans, hidden_p=hp,
+                           prompt_caches=[mine], **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="prompts"):
+        response_hidden(model, tb, prompts=prompt_ids[:1], prefixes={})
+
+
 def test_shared_prompt_cache_equals_separate_forwards():
     """Each distinct prompt run once, its key/value cache shared by the rows after it:
     the same hidden states as one full forward per row, in the rows' order."""

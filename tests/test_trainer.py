@@ -875,6 +875,34 @@ def test_replay_from_update_auto_takes_the_update_forward_only_in_one_micro_batc
     assert all(n <= micro_batch for n in calls)
 
 
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_on_policy_replay_takes_the_prompt_caches_from_the_update_forward(
+    tmp_path, monkeypatch, ckpt
+):
+    """MRTPO on-policy (the update's forwards run first): the key/value caches the replay's
+    units start from come from those same forwards, so the replay runs no forward of a full
+    prompt (``prompt_caches`` is never asked for one). With gradient checkpointing the
+    update's layers run again in the backward, so no cache is taken there and the replay
+    runs its prompts as before. Either way pairs are replayed and the ratio is exactly 1."""
+    import mrtpo.replay.engine as engine
+
+    asked = []
+    real = engine.prompt_caches
+
+    def counted(model, prompts, *a, **k):
+        asked.append(len(prompts))
+        return real(model, prompts, *a, **k)
+
+    monkeypatch.setattr(engine, "prompt_caches", counted)
+    cfg = tiny_config(tmp_path / "run", algo="mrtpo", steps=2, group_size=4, micro_batch=64,
+                      minibatches=1, gradient_checkpointing=ckpt)  # fmt: skip
+    tr = Trainer(cfg, task=mixed_task())
+    tr.run(progress=False)
+    pairs = sum(r["replay/pairs"] or 0 for r in tr.metrics)
+    assert pairs > 0 and all(r["mean_ratio"] == 1.0 for r in tr.metrics)
+    assert (sum(asked) > 0) is ckpt
+
+
 @pytest.mark.parametrize("kw", [{"ppo_epochs": 2}, {"minibatches": 2}], ids=["epochs", "mb"])
 def test_the_old_logprob_forward_runs_where_the_policy_moves(tmp_path, kw):
     """Several PPO epochs or several minibatches per step: the policy moves before a later

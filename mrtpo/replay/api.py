@@ -86,6 +86,7 @@ def contrastive_replay(
     replay_mask=None,
     old_logprobs: bool = True,
     hidden_p: torch.Tensor | None = None,
+    prompt_caches: dict | None = None,
 ) -> ReplayResult:
     """Old log-probs and, with ``replay``, the (K, N) relevance of every reward's spans:
     ``replay_relevance``'s engine on packed rows, for ``mrtpo train`` (prompts rendered by
@@ -115,10 +116,20 @@ def contrastive_replay(
             (``mrtpo train`` on-policy: its update's, detached): the replay then runs no
             with-information forward of its own, only each distinct prompt (for the
             key/value caches its replays start from).
+        prompt_caches: optional, with ``hidden_p``: the key/value caches of the prompts
+            from that same forward (``response_hidden(prompts=, prefixes=)``, keyed by the
+            prompt's token ids): a prompt found there is not run again (``mrtpo train``
+            on-policy: the replay then runs no forward of the full prompts at all).
     """
     n = len(responses)
     if not (len(prompt_texts) == len(prompt_ids) == len(spans) == n):
         raise ValueError("prompt_texts, prompt_ids, spans: expected one entry per response")
+    if prompt_caches is not None and (not isinstance(prompt_caches, dict) or hidden_p is None):
+        raise ValueError(
+            "prompt_caches: expected a dict of prompt key/value caches from the forward that "
+            f"gave hidden_p, got {type(prompt_caches).__name__}"
+            + (" without hidden_p" if hidden_p is None else "")
+        )
     k = len(spans[0]) if n else 0
     streams = [list(row) for row in spans] if replay else [[] for _ in range(n)]
     keep = None
@@ -155,6 +166,7 @@ def contrastive_replay(
         keep=keep,
         logprobs=old_logprobs,
         given_hidden=hidden_p,
+        given_prefixes=prompt_caches,
     )
     if not replay or k == 0:
         return ReplayResult(core.hidden_p, core.old_logprobs, None, 0)

@@ -214,6 +214,7 @@ def _replay_core(
     reuse=True,
     logprobs=True,
     given_hidden=None,
+    given_prefixes=None,
 ) -> _Core:
     """The replay: rows in prompt order, in chunks of at most ``micro_batch`` rows (and
     ``max_tokens`` padded tokens); per chunk, the with-information forward (one prompt
@@ -239,7 +240,10 @@ def _replay_core(
     ``pointwise`` needs them), so their logits are computed once, by the JS; the old
     log-probs are then None. ``given_hidden`` (N, d): the with-information hidden states,
     from the caller's forward; each chunk then runs its distinct prompts alone (their
-    caches, with ``reuse``) instead of the with-information forward."""
+    caches, with ``reuse``) instead of the with-information forward. ``given_prefixes``:
+    with ``given_hidden``, a dict of prompt caches from that same forward (as
+    ``prompt_caches`` fills it; ``response_hidden(prefixes=)``): a prompt found there is not
+    run again."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch: expected a positive int, got {micro_batch!r}")
     if max_tokens is not None and (
@@ -307,10 +311,17 @@ def _replay_core(
             )
         else:  # the caller's forward: only the prompts run here, for their caches
             hp = given_hidden[idx.to(given_hidden.device)].to(device, weight.dtype)
-            if prefixes is not None and not isinstance(model, CallableLM):
+            need = [full_ids[r] for r in rows]
+            if prefixes is not None and given_prefixes:
+                for p in need:
+                    kv = given_prefixes.get(tuple(p))
+                    if kv is not None:
+                        prefixes[tuple(p)] = kv
+                need = [p for p in need if tuple(p) not in prefixes]
+            if prefixes is not None and need and not isinstance(model, CallableLM):
                 prompt_caches(
                     model,
-                    [full_ids[r] for r in rows],
+                    need,
                     pad_id,
                     micro_batch=per_fwd,
                     device=device,

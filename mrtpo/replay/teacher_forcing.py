@@ -57,13 +57,53 @@ def teacher_batch(
     )
 
 
-def response_hidden(model, batch: TeacherBatch) -> torch.Tensor:
+def response_hidden(
+    model,
+    batch: TeacherBatch,
+    prompts: Sequence[Sequence[int]] | None = None,
+    prefixes: dict | None = None,
+) -> torch.Tensor:
     """(N, d) packed last hidden states that predict each response token (with whatever
-    grad mode is active)."""
+    grad mode is active).
+
+    ``prefixes``: a dict to fill, as ``prompt_caches`` fills it, with the key/value cache of
+    each distinct prompt of the batch (``prompts``, the batch's rows' prompt ids) taken from
+    this same forward, detached: the caches a replay starts from, without a forward of the
+    prompts alone (``mrtpo train`` on-policy). Causal attention makes a prompt's keys and
+    values those of the prompt alone (the same positions, counted over the attention mask).
+    Left empty where the model's cache is not a plain per-layer key/value cache."""
     r_width = batch.response_mask.shape[1]
-    h = last_hidden(model, batch.input_ids, batch.attention_mask)
+    if prefixes is None:
+        h = last_hidden(model, batch.input_ids, batch.attention_mask)
+    else:
+        if prompts is None or len(prompts) != batch.input_ids.shape[0]:
+            raise ValueError("prompts: expected the batch's rows' prompt ids with prefixes")
+        h = _hidden_keeping_prompt_caches(model, batch, prompts, prefixes)
     h = h[:, batch.prompt_width - 1 : batch.prompt_width - 1 + r_width]
     return h[batch.response_mask]
+
+
+def _hidden_keeping_prompt_caches(model, batch: TeacherBatch, prompts, prefixes: dict):
+    """``last_hidden`` of the batch, its forward run with a key/value cache whose prompt
+    positions fill ``prefixes`` (detached views: the forward's own tensors, no copy)."""
+    mask = batch.attention_mask
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = decoder(model)(
+        input_ids=batch.input_ids, attention_mask=mask, position_ids=pos, use_cache=True
+    )
+    kv = _plain_layers(_output_cache(out))
+    if kv is not None:
+        p_width = batch.prompt_width
+        for i, p in enumerate(prompts):
+            key = tuple(int(t) for t in p)
+            if not key or key in prefixes:
+                continue
+            a = p_width - len(key)
+            prefixes[key] = [
+                (k[i : i + 1, :, a:p_width].detach(), v[i : i + 1, :, a:p_width].detach())
+                for k, v in kv
+            ]
+    return out.last_hidden_state
 
 
 @torch.no_grad()

@@ -38,12 +38,33 @@ def separate_old_forward(cfg: TrainConfig) -> bool:
     return cfg.ppo_epochs > 1 or cfg.minibatches > 1
 
 
+def _micro_forward(
+    model, pad_token_id, ro, rows, starts, cfg: TrainConfig, device, amp, prefixes=None
+):
+    """One micro-batch's forward with its graph: (teacher batch, the rows' token indices in
+    the packed (N,) response order given by ``starts``, response hidden states).
+    ``prefixes``: a dict to fill with the rows' prompts' key/value caches from this forward
+    (``response_hidden``), where gradient checkpointing is off (a checkpointed layer runs
+    again in the backward, and would fill a cache a second time)."""
+    prompts = [ro.prompt_ids[i] for i in rows]
+    tb = teacher_batch(prompts, [ro.responses[i] for i in rows], pad_token_id, device)
+    idx = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in rows])
+    ckpt = gradient_checkpointing(model, cfg.gradient_checkpointing)
+    if cfg.gradient_checkpointing:
+        prefixes = None
+    with amp(), ckpt:
+        hidden = response_hidden(model, tb, prompts=prompts, prefixes=prefixes)
+    return tb, idx, hidden
+
+
 def update_forwards(model, pad_token_id, ro, cfg: TrainConfig, device, amp):
     """The update's forwards, run before the replay (MRTPO on-policy: one epoch, one
     minibatch): its micro-batches in the order ``ppo_update`` takes them (the epoch's
     permutation drawn here, as ``ppo_update`` would draw it), each (rows, token indices,
-    batch, hidden states with their graph), and the (N, d) with-information hidden
-    states, detached, packed in response order, for the replay's JS. The graphs of
+    batch, hidden states with their graph), the (N, d) with-information hidden
+    states, detached, packed in response order, for the replay's JS, and the prompts'
+    key/value caches from the same forwards (detached; empty with gradient checkpointing),
+    which the replay's units start from. The graphs of
     every micro-batch are held until ``ppo_update`` runs the loss on them: the update's
     activation memory for the whole batch at once (with ``gradient_checkpointing``, one
     (tokens, d) input per layer) instead of one micro-batch's. ``amp``: a fresh autocast
@@ -53,24 +74,17 @@ def update_forwards(model, pad_token_id, ro, cfg: TrainConfig, device, amp):
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     perm = torch.randperm(n).tolist()
     model.eval()
-    held, hp = [], None
+    held, hp, prefixes = [], None, {}
     for m in range(0, n, cfg.micro_batch):
         rows = perm[m : m + cfg.micro_batch]
-        tb = teacher_batch(
-            [ro.prompt_ids[i] for i in rows],
-            [ro.responses[i] for i in rows],
-            pad_token_id,
-            device,
+        tb, idx, hidden = _micro_forward(
+            model, pad_token_id, ro, rows, starts, cfg, device, amp, prefixes=prefixes
         )
-        idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-        ckpt = gradient_checkpointing(model, cfg.gradient_checkpointing)
-        with amp(), ckpt:
-            hidden = response_hidden(model, tb)
         if hp is None:
             hp = hidden.new_empty((starts[-1], hidden.shape[-1]))
         hp[idx.to(hp.device)] = hidden.detach()
         held.append((rows, idx, tb, hidden))
-    return held, hp
+    return held, hp, prefixes
 
 
 def ppo_update(
@@ -122,16 +136,9 @@ def ppo_update(
                     _, idx, tb, hidden = held[j]
                     held[j] = None
                 else:
-                    tb = teacher_batch(
-                        [ro.prompt_ids[i] for i in rows],
-                        [ro.responses[i] for i in rows],
-                        pad_token_id,
-                        device,
+                    tb, idx, hidden = _micro_forward(
+                        model, pad_token_id, ro, rows, starts, cfg, device, amp
                     )
-                    idx = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows])
-                    ckpt = gradient_checkpointing(model, cfg.gradient_checkpointing)
-                    with amp(), ckpt:
-                        hidden = response_hidden(model, tb)
                 w, b = weight_bias()
                 if old_logp is None:  # the same policy: ratio exactly 1
                     with torch.no_grad():

@@ -10,7 +10,8 @@ One step:
    log-probs (only where the policy moves during the update, ``separate_old_forward``;
    otherwise the update's own, detached, and the replay runs no log-prob op: the JS is the
    only head pass over its with-information hidden states, which under MRTPO are the
-   update's own too, from its forwards run before the replay, ``replay_from_update``); the
+   update's own too, from its forwards run before the replay, ``replay_from_update``,
+   which also give the prompts' key/value caches the replay's units start from); the
    forwards without each reward's spans give
    the relevance d (K, N). Under
    mrtpo only the pairs whose GDPO advantage A_k is not 0 are replayed
@@ -209,12 +210,12 @@ class Trainer:
                 ro.rewards, ro.group_ids, has_info=has_info, whole_rows=mode.mixes_rewards
             )
         rep = ReplayResult(None, None, None, 0)  # no forward: nothing replayed, no old log-probs
-        held, hp_update, t_held = None, None, 0.0
+        held, hp_update, caches, t_held = None, None, None, 0.0
         from_update = self.replay_from_update
         if from_update == "auto":
             from_update = len(ro.responses) <= cfg.micro_batch
         if cfg.algo == "mrtpo" and want_replay and own_old and from_update:
-            held, hp_update = self._update_forwards(ro)
+            held, hp_update, caches = self._update_forwards(ro)
             t_held = time.perf_counter() - t1
         if want_replay or not own_old:
             with self._amp():
@@ -235,6 +236,7 @@ class Trainer:
                     # logits are then computed once, by the JS
                     old_logprobs=not own_old,
                     hidden_p=hp_update,
+                    prompt_caches=caches,  # the prompts' caches from the same forwards
                 )
         lengths = torch.tensor([len(r) for r in ro.responses], dtype=torch.long)
         have_rel = rep.relevance is not None
