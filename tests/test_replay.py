@@ -39,6 +39,22 @@ def _setup():
     return tok, model, ChatPrompter(tok)
 
 
+def _three_rows():
+    """The tiny setup and three rows over both prompts (two sharing the first), each with
+    one reward's spans: (tok, model, prompter, texts, spans, prompt ids, responses)."""
+    tok, model, pr = _setup()
+    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    p0, p1 = PROMPTS
+    spans = [
+        [((p0.index("Start"), p0.index("Include")),), ()],
+        [((p0.index("Include"), len(p0)),), ()],
+        [(), ((p1.index("End"), len(p1)),)],
+    ]
+    prompt_ids = [pr.encode(t).ids for t in texts]
+    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    return tok, model, pr, texts, spans, prompt_ids, responses
+
+
 def test_replay_prompt_is_the_prompt_without_the_spans():
     tok, _, pr = _setup()
     p = PROMPTS[0]
@@ -152,16 +168,7 @@ def test_replay_without_old_logprobs_computes_the_with_information_logits_once(m
     bit, and the old log-probs are None."""
     import mrtpo.replay.engine as replay_mod
 
-    tok, model, pr = _setup()
-    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    p0, p1 = PROMPTS
-    spans = [
-        [((p0.index("Start"), p0.index("Include")),), ()],
-        [((p0.index("Include"), len(p0)),), ()],
-        [(), ((p1.index("End"), len(p1)),)],
-    ]
-    prompt_ids = [pr.encode(t).ids for t in texts]
-    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    tok, model, pr, texts, spans, prompt_ids, responses = _three_rows()
     calls = {"n": 0}
     real = replay_mod.linear_logprobs
 
@@ -193,16 +200,7 @@ def test_replay_takes_the_with_information_hidden_states_given():
     the JS of the hidden states given: bit for bit the replay's own where they are its own
     (the same prompt caches), different where they differ; a wrong shape is a ValueError
     naming hidden_p."""
-    tok, model, pr = _setup()
-    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    p0, p1 = PROMPTS
-    spans = [
-        [((p0.index("Start"), p0.index("Include")),), ()],
-        [((p0.index("Include"), len(p0)),), ()],
-        [(), ((p1.index("End"), len(p1)),)],
-    ]
-    prompt_ids = [pr.encode(t).ids for t in texts]
-    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    tok, model, pr, texts, spans, prompt_ids, responses = _three_rows()
     kw = dict(temperature=0.7, micro_batch=2, old_logprobs=False)
     own = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
     forwards = []
@@ -234,16 +232,7 @@ def test_replay_takes_the_prompt_caches_given_with_the_hidden_states():
     without hidden_p, or not a dict, is a ValueError naming prompt_caches."""
     from mrtpo.replay.teacher_forcing import prompt_caches, response_hidden
 
-    tok, model, pr = _setup()
-    texts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    p0, p1 = PROMPTS
-    spans = [
-        [((p0.index("Start"), p0.index("Include")),), ()],
-        [((p0.index("Include"), len(p0)),), ()],
-        [(), ((p1.index("End"), len(p1)),)],
-    ]
-    prompt_ids = [pr.encode(t).ids for t in texts]
-    responses = [[20, 21, 22], [23, tok.eos_token_id], [24, 25, 26, tok.eos_token_id]]
+    tok, model, pr, texts, spans, prompt_ids, responses = _three_rows()
     kw = dict(temperature=0.7, micro_batch=4, old_logprobs=False)
     own = contrastive_replay(model, pr, texts, prompt_ids, responses, spans, **kw)
     hp = own.hidden_p.clone()
