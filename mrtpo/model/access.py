@@ -89,14 +89,19 @@ def logit_transform(model) -> dict:
 def last_hidden(model, input_ids, attention_mask) -> torch.Tensor:
     """(B, L, d) last hidden states for left/right-padded input; positions count only the
     tokens the attention mask keeps, so padding does not shift them."""
+    return decoder_output(model, input_ids, attention_mask).last_hidden_state
+
+
+def decoder_output(model, input_ids, attention_mask, use_cache: bool = False):
+    """The decoder's output for left/right-padded input (``last_hidden``'s forward), with
+    its key/value cache where ``use_cache``."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = decoder(model)(
+    return decoder(model)(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        use_cache=False,
+        use_cache=use_cache,
     )
-    return out.last_hidden_state
 
 
 def decoder_layers(model) -> list:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mrtpo.model.access import decoder, last_hidden, lm_head
+from mrtpo.model.access import decoder, decoder_output, last_hidden, lm_head
 
 
 @dataclass
@@ -86,11 +86,7 @@ def response_hidden(
 def _hidden_keeping_prompt_caches(model, batch: TeacherBatch, prompts, prefixes: dict):
     """``last_hidden`` of the batch, its forward run with a key/value cache whose prompt
     positions fill ``prefixes`` (detached views: the forward's own tensors, no copy)."""
-    mask = batch.attention_mask
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = decoder(model)(
-        input_ids=batch.input_ids, attention_mask=mask, position_ids=pos, use_cache=True
-    )
+    out = decoder_output(model, batch.input_ids, batch.attention_mask, use_cache=True)
     kv = _plain_layers(_output_cache(out))
     if kv is not None:
         p_width = batch.prompt_width
