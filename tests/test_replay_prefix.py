@@ -99,12 +99,49 @@ def test_unit_forward_feeds_only_the_prompt_suffix():
     finally:
         counter.handle.remove()
     r_width = 4
-    # with information: the prompt once, the 3 responses; the unit: q[n:], the 3 responses
-    assert counter.tokens() == len(full) + 3 * r_width + (len(q) - n) + 3 * r_width
-    assert [s for s, _ in counter.calls] == [(1, len(full)), (3, r_width), (1, len(q) - n),
-                                             (3, r_width)]  # fmt: skip
-    assert not any(m for _, m in counter.calls[1:])  # no padded prompt: no mask at all
+    # with information: the prompt once, the 3 responses; the unit: one packed row of q[n:]
+    # and each response but its last token (which predicts nothing)
+    packed = (len(q) - n) + sum(len(r) - 1 for r in responses)
+    assert counter.tokens() == len(full) + 3 * r_width + packed
+    assert [s for s, _ in counter.calls] == [(1, len(full)), (3, r_width), (1, packed)]
+    # no mask for the unpadded responses after the prompt's cache; the packed row's 4-D one
+    assert [m for _, m in counter.calls[1:]] == [False, True]
     assert rep.replayed == 3 and bool((rep.relevance > 0).any())
+
+
+@pytest.mark.parametrize("why", ["eager", "sliding_window", "max_piece"])
+def test_unit_forward_runs_suffix_then_responses_where_it_cannot_pack(why):
+    """Where the packed row does not apply (attention that would not take the 4-D mask as
+    given, a sliding window the mask would override, more tokens than one piece), the unit
+    runs its prompt suffix once, then the responses through its cache: the same hidden
+    states as the packed row, to float tolerance."""
+    tok, model = _setup()
+    pr = ChatPrompter(tok)
+    p = PROMPTS[0]
+    full = pr.encode(p).ids
+    q = pr.encode(p, remove=[(p.index("Include"), len(p))]).ids
+    n = next(i for i, (a, b) in enumerate(zip(full, q)) if a != b)
+    responses = [[10, 11, 12], [13, 14], [15, 16, 17, 18]]
+    prefixes = {}
+    forward_shared_prompts(model, [full], [[5]], tok.pad_token_id, micro_batch=1, device="cpu",
+                           prefixes=prefixes)  # fmt: skip
+    kv = [(k[:, :, :n], v[:, :, :n]) for k, v in prefixes[tuple(full)]]
+    packed = forward_after_prefix(model, kv, q, responses, tok.pad_token_id, device="cpu")
+    kw = {"max_piece": 4} if why == "max_piece" else {}
+    if why == "eager":
+        model.config._attn_implementation = "eager"
+    elif why == "sliding_window":
+        model.config.sliding_window, model.config.use_sliding_window = 4096, True
+    counter = _FedTokens(model)
+    try:
+        got = forward_after_prefix(model, kv, q, responses, tok.pad_token_id, device="cpu", **kw)
+    finally:
+        counter.handle.remove()
+    assert counter.calls[0] == ((1, len(q) - n), False)  # the suffix alone, no mask
+    assert all(s[0] == 3 for s, _ in counter.calls[1:])  # then the 3 responses together
+    torch.testing.assert_close(got, packed, rtol=1e-5, atol=1e-5)
+    want = torch.cat([_plain_hidden(model, q, r) for r in responses])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mixed_lengths", [False, True])

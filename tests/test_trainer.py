@@ -917,3 +917,46 @@ def test_the_old_logprob_forward_runs_where_the_policy_moves(tmp_path, kw):
     assert seen["calls"] == 2 and seen["forwards"] > 0
     assert any(r["mean_ratio"] != 1.0 for r in tr.metrics)  # the second pass sees new weights
     assert not separate_old_forward(replace(tr.cfg, ppo_epochs=1, minibatches=1))
+
+
+@pytest.mark.parametrize("from_update", [True, False], ids=["from_update", "own_forward"])
+def test_on_policy_replay_reuses_the_update_forwards_weight_casts(tmp_path, from_update):
+    """Under autocast to bf16, MRTPO on-policy: the update's forwards and the replay run in
+    one autocast region, so the replay's forwards use the bf16 copies of the weights that
+    autocast made for the update's forwards and cast no weight again (one cast of the
+    weights fewer a step). Where the replay runs its own with-information forward instead,
+    it casts each weight once, as before. Counted as copies of one decoder weight (the first
+    layer's query projection) to bf16 inside the replay."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mrtpo.training.trainer as trainer_mod
+    from mrtpo.model.loading import decoder_layers
+
+    cfg = tiny_config(tmp_path / "run", algo="mrtpo", steps=2, group_size=4, micro_batch=64,
+                      minibatches=1, autocast="bfloat16")  # fmt: skip
+    tr = Trainer(cfg, task=mixed_task())
+    tr.replay_from_update = from_update
+    weight = decoder_layers(tr.model)[0].self_attn.q_proj.weight
+    casts = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0] is weight:
+                casts.append(kwargs.get("dtype"))
+            return func(*args, **kwargs)
+
+    real = trainer_mod.contrastive_replay
+
+    def replay(*a, **k):
+        with Casts():
+            return real(*a, **k)
+
+    trainer_mod.contrastive_replay = replay
+    try:
+        tr.run(progress=False)
+    finally:
+        trainer_mod.contrastive_replay = real
+    pairs = [r["replay/pairs"] or 0 for r in tr.metrics]
+    assert all(p > 0 for p in pairs)  # every step replayed (a forward in each replay)
+    assert casts == ([] if from_update else [torch.bfloat16] * 2)

@@ -267,6 +267,9 @@ def forward_after_prefix(
     if not rows:
         return weight.new_empty((0, weight.shape[1]))
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix]) if n_pre else None
+    if n_pre and _packs_rows(base, len(prompt) - n_pre + sum(len(responses[r]) - 1 for r in rows),
+                             max_piece):  # fmt: skip
+        return _packed_after_prefix(base, cache_kw, cache, n_pre, prompt, rows, responses, device)
     suffix = torch.as_tensor(list(prompt[n_pre:]), dtype=torch.long, device=device)[None]
     pos = torch.arange(n_pre, len(prompt), device=device)[None]
     kw = {} if cache is None else {cache_kw: cache}
@@ -281,6 +284,59 @@ def forward_after_prefix(
     return torch.cat(
         [torch.cat([last, tail[j, : len(responses[r]) - 1]]) for j, r in enumerate(rows)]
     )
+
+
+def _packs_rows(base, n_tokens: int, max_piece: int) -> bool:
+    """Whether a unit's prompt suffix and responses can run as one packed row
+    (``_packed_after_prefix``): at most ``max_piece`` tokens, and a decoder that takes a
+    4-D boolean mask as given: SDPA attention with every layer full-attention (no sliding
+    window, which a custom mask would override)."""
+    cfg = getattr(base, "config", None)
+    if n_tokens > max_piece or getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return False
+    if getattr(cfg, "sliding_window", None) is not None and getattr(
+        cfg, "use_sliding_window", True
+    ):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    return types is None or all(t == "full_attention" for t in types)
+
+
+def _packed_after_prefix(base, cache_kw, cache, n_pre, prompt, rows, responses, device):
+    """``forward_after_prefix`` in one forward of one packed row: the prompt suffix
+    ``prompt[n_pre:]``, then each response but its last token, side by side; a 4-D mask lets
+    the suffix see the cached prefix and itself causally, and each response the prefix, the
+    whole suffix and itself causally (never another response); position ids continue the
+    prompt in each response. The suffix's keys and values are computed once for all rows,
+    and the unit pays one forward's fixed cost (on a CPU, the weights' pass through the
+    GEMMs) instead of two."""
+    p_len, n_suf = len(prompt), len(prompt) - n_pre
+    cut = [list(responses[r][:-1]) for r in rows]  # a response's last token predicts nothing
+    length = n_suf + sum(len(c) for c in cut)
+    ids = torch.as_tensor(list(prompt[n_pre:]) + [t for c in cut for t in c], dtype=torch.long)
+    pos = list(range(n_pre, p_len))
+    mask = torch.zeros((length, n_pre + length), dtype=torch.bool)
+    mask[:, :n_pre] = True
+    mask[:n_suf, n_pre : n_pre + n_suf] = torch.ones(n_suf, n_suf, dtype=torch.bool).tril()
+    at = n_suf
+    for c in cut:
+        m = len(c)
+        pos.extend(range(p_len, p_len + m))
+        mask[at : at + m, n_pre : n_pre + n_suf] = True
+        mask[at : at + m, n_pre + at : n_pre + at + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        at += m
+    h = base(
+        input_ids=ids[None].to(device),
+        position_ids=torch.as_tensor(pos, dtype=torch.long, device=device)[None],
+        attention_mask=mask[None, None].to(device),
+        use_cache=True,
+        **{cache_kw: cache},
+    ).last_hidden_state[0]
+    last, out, at = h[n_suf - 1 : n_suf], [], n_suf
+    for c in cut:
+        out += [last, h[at : at + len(c)]]
+        at += len(c)
+    return torch.cat(out)
 
 
 def _tail_hidden(base, cache_kw, cache, p_mask, p_len, responses, pad_id, device, max_piece):

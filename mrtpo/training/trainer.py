@@ -214,11 +214,14 @@ class Trainer:
         from_update = self.replay_from_update
         if from_update == "auto":
             from_update = len(ro.responses) <= cfg.micro_batch
-        if cfg.algo == "mrtpo" and want_replay and own_old and from_update:
-            held, hp_update, caches = self._update_forwards(ro)
-            t_held = time.perf_counter() - t1
-        if want_replay or not own_old:
-            with self._amp():
+        # one autocast region over the update's forwards and the replay: the replay's forwards
+        # reuse the low-precision weight copies autocast cast for the update's (the weights
+        # do not change before the optimizer step), one cast of the weights fewer a step
+        with self._amp():
+            if cfg.algo == "mrtpo" and want_replay and own_old and from_update:
+                held, hp_update, caches = self._update_forwards(ro)
+                t_held = time.perf_counter() - t1
+            if want_replay or not own_old:
                 rep = contrastive_replay(
                     self.model,
                     self.prompter,
