@@ -2,6 +2,7 @@
 
     python -m bench.replay_floor --out DIR [--models tiny,smollm2-135m-instruct]
         [--lengths 256,1024,4096] [--K 4] [--group 2] [--repeats 3] [--threads 1]
+        [--parts units,js]
 
 Two questions, each answered by a ratio of two timings taken alternately in one process
 (so that the machine's load drifts over both):
@@ -127,7 +128,10 @@ def run_packed(model, prep):
         return last_hidden(model, prep["packed"], prep["mask"])
 
 
-def measure(model, tok, *, k, group, length, repeats):
+PAIRS = {"units": "packed", "js": "js_floor"}  # each part and the floor it is timed against
+
+
+def measure(model, tok, *, k, group, length, repeats, parts=tuple(PAIRS)):
     import torch
 
     from bench.gemm_floor import js_gemms
@@ -147,6 +151,7 @@ def measure(model, tok, *, k, group, length, repeats):
         "js": lambda: linear_js_distance(hp, hq, weight),
         "js_floor": lambda: js_gemms(hp, hq, weight),
     }
+    calls = {n: f for n, f in calls.items() if n in parts or n in [PAIRS[x] for x in parts]}
     times = {name: [] for name in calls}
     with torch.no_grad():
         for fn in calls.values():  # warm-up
@@ -169,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--group", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="units,js", help="which of units, js to time")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache-dir", default="runs/cache", help="where built-in models are cached")
     ap.add_argument("--record", type=Path, default=None, help="write the Markdown table here")
@@ -179,6 +185,9 @@ def main(argv=None) -> int:
         raise ValueError(f"--lengths: expected positive ints, got {args.lengths!r}")
     if args.K < 1 or args.group < 1 or args.repeats < 1:
         raise ValueError("--K, --group, --repeats: expected positive ints")
+    parts = [x for x in args.parts.split(",") if x]
+    if not parts or any(x not in PAIRS for x in parts):
+        raise ValueError(f"--parts: expected some of {','.join(PAIRS)}, got {args.parts!r}")
     import torch
 
     from bench.method_step_batch import build_model
@@ -193,8 +202,8 @@ def main(argv=None) -> int:
         model, tok = build_model(name, max(lengths) + 256, args.cache_dir, "cpu")
         for length in lengths:
             tokens, n_js, t = measure(model, tok, k=args.K, group=args.group, length=length,
-                                      repeats=args.repeats)  # fmt: skip
-            for part, floor in (("units", "packed"), ("js", "js_floor")):
+                                      repeats=args.repeats, parts=parts)  # fmt: skip
+            for part, floor in ((x, PAIRS[x]) for x in parts):
                 ratio = statistics.median(t[part]) / statistics.median(t[floor])
                 rows.append({
                     "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": _commit(),

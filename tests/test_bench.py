@@ -603,3 +603,10 @@ def test_replay_floor_runs_and_records(tmp_path):
     assert "load average" in text and "| tiny | 8 | units |" in text
     with pytest.raises(ValueError, match="--lengths"):
         replay_floor.main(["--out", str(tmp_path), "--lengths", "0"])
+    # --parts js: the JS and its floor only
+    assert replay_floor.main(["--out", str(tmp_path / "js"), "--models", "tiny", "--lengths",
+                              "8", "--repeats", "1", "--parts", "js"]) == 0  # fmt: skip
+    rows = list(csv.DictReader(open(tmp_path / "js" / "replay_floor.csv")))
+    assert [r["part"] for r in rows] == ["js"] and float(rows[0]["floor_ms_p50"]) > 0
+    with pytest.raises(ValueError, match="--parts"):
+        replay_floor.main(["--out", str(tmp_path), "--parts", "gemm"])

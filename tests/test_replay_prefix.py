@@ -109,10 +109,11 @@ def test_unit_forward_feeds_only_the_prompt_suffix():
     assert rep.replayed == 3 and bool((rep.relevance > 0).any())
 
 
-@pytest.mark.parametrize("why", ["eager", "sliding_window", "max_piece"])
-def test_unit_forward_runs_suffix_then_responses_where_it_cannot_pack(why):
+@pytest.mark.parametrize("why", ["eager", "sliding_window", "max_piece", "row_tokens"])
+def test_unit_forward_runs_suffix_then_responses_where_it_cannot_pack(why, monkeypatch):
     """Where the packed row does not apply (attention that would not take the 4-D mask as
-    given, a sliding window the mask would override, more tokens than one piece), the unit
+    given, a sliding window the mask would override, more tokens than one piece or than
+    PACKED_ROW_TOKENS, past which its masked attention costs more than a forward), the unit
     runs its prompt suffix once, then the responses through its cache: the same hidden
     states as the packed row, to float tolerance."""
     tok, model = _setup()
@@ -132,6 +133,10 @@ def test_unit_forward_runs_suffix_then_responses_where_it_cannot_pack(why):
         model.config._attn_implementation = "eager"
     elif why == "sliding_window":
         model.config.sliding_window, model.config.use_sliding_window = 4096, True
+    elif why == "row_tokens":
+        import mrtpo.replay.teacher_forcing as tf
+
+        monkeypatch.setattr(tf, "PACKED_ROW_TOKENS", 4)
     counter = _FedTokens(model)
     try:
         got = forward_after_prefix(model, kv, q, responses, tok.pad_token_id, device="cpu", **kw)

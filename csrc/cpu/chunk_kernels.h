@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "row_kernels.h"
 
@@ -66,20 +68,67 @@ MRTPO_INLINE void js_rows(const T* zp, const T* zq, int64_t V, T inv_t, T* stat_
   }
 }
 
-// One-vs-many on stacked rows z [S = 1 + K, C, V] (stream 0 = P): per token row r, P's
-// shift statistics once, then each Q_j against it while P's row is still in cache;
-// out [K, C].
+// Of one row z of V logits: its raw max M (NaN where the row has no distribution:
+// row_defined) and, in e, exp((z - M) / tau) per logit; returns their sum.
+template <typename T>
+MRTPO_INLINE T row_exps(const T* z, int64_t V, T inv_t, T* e, T* m_out) {
+  bool has_nan;
+  const T m = row_max_raw(z, V, &has_nan);
+  if (!row_defined(m, has_nan)) {
+    *m_out = std::numeric_limits<T>::quiet_NaN();
+    return T(0);
+  }
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < V; ++v) {
+    const T x = vexp(shifted(z[v], m, inv_t));
+    e[v] = x;
+    sum += x;
+  }
+  *m_out = m;
+  return sum;
+}
+
+// One-vs-many on stacked rows z [S = 1 + K, C, V] (stream 0 = P); out [K, C]. Per token
+// row r, P's log-probabilities a and probabilities p into two scratch rows (one exp per
+// logit, not one per stream); then per Q_j its exps into a third scratch row while they are
+// summed, and the JS terms from the scratch rows with no exp (p = e_p / s_p, q = e_q / s_q,
+// the same arithmetic on both sides, so that equal rows give exactly 0). Three exps per
+// logit and stream became 1 + 1 / K. The scratch rows (3 V) stay in cache while the K
+// streams read them.
 template <typename T>
 MRTPO_INLINE void js_many_rows(const T* z, int64_t S, int64_t C, int64_t V, T inv_t, T* out,
                                int64_t begin, int64_t end) {
+  std::vector<T> scratch(static_cast<size_t>(3 * V));
+  T* pa = scratch.data();  // a = log p
+  T* pp = pa + V;          // p
+  T* qe = pp + V;          // exp((z_q - M_q) / tau), before the division by its sum
+  const T nan = std::numeric_limits<T>::quiet_NaN();
   for (int64_t r = begin; r < end; ++r) {
-    const T* p = z + r * V;
-    const RowShift<T> sp = row_shift(p, V, inv_t, false);
+    const T* zp = z + r * V;
+    T mp;
+    const T sum_p = row_exps(zp, V, inv_t, pp, &mp);
+    if (mp != mp) {  // no distribution for P: every distance of the row is NaN
+      for (int64_t j = 1; j < S; ++j) out[(j - 1) * C + r] = nan;
+      continue;
+    }
+    const T lsp = static_cast<T>(std::log(static_cast<double>(sum_p)));
+    const T inv_p = T(1) / sum_p;
+#pragma omp simd
+    for (int64_t v = 0; v < V; ++v) {
+      pa[v] = shifted(zp[v], mp, inv_t) - lsp;
+      pp[v] *= inv_p;
+    }
     for (int64_t j = 1; j < S; ++j) {
-      const T* q = z + (j * C + r) * V;
-      const RowShift<T> sq = row_shift(q, V, inv_t, false);
-      out[(j - 1) * C + r] = row_js(p, q, V, inv_t, sp.m, static_cast<T>(sp.log_s), sq.m,
-                                    static_cast<T>(sq.log_s));
+      const T* zq = z + (j * C + r) * V;
+      T mq;
+      const T sum_q = row_exps(zq, V, inv_t, qe, &mq);
+      if (mq != mq) {
+        out[(j - 1) * C + r] = nan;
+        continue;
+      }
+      const T lsq = static_cast<T>(std::log(static_cast<double>(sum_q)));
+      out[(j - 1) * C + r] = js_terms(pa, pp, zq, qe, V, inv_t, mq, lsq, T(1) / sum_q);
     }
   }
 }

@@ -228,44 +228,69 @@ MRTPO_INLINE void row_grad(T* z, int64_t V, T inv_t, int64_t label, T ent, T g_l
   z[label] += c_lp;
 }
 
+// The JS sum's terms for one element: p, q, their log-probabilities a, b. For p close to q
+// (t = (p - q) / (p + q) small) the series in t keeps the digits the direct form cancels.
+template <typename T>
+MRTPO_INLINE T js_term(T a, T b, T p, T q) {
+  const T ln2 = static_cast<T>(kLn2);
+  const T tiny = std::numeric_limits<T>::min();
+  const T s = p + q;
+  const T s_safe = s > tiny ? s : T(1);
+  const T t = (p - q) / s_safe;
+  const T t2 = t * t;
+  // h(t) / t^2 = 1 + t^2/6 + t^4/15 + t^6/28 + t^8/45 + t^10/66 (+ O(t^12) < 1e-8 here)
+  T h = T(1) / 66;
+  h = h * t2 + T(1) / 45;
+  h = h * t2 + T(1) / 28;
+  h = h * t2 + T(1) / 15;
+  h = h * t2 + T(1) / 6;
+  h = h * t2 + T(1);
+  const T series = T(0.5) * s * t2 * h;
+  const T log_s = vlog(s_safe);
+  // p = 0 (a logit of -inf, or an underflow) contributes 0, not 0 * inf
+  const T direct = (p > T(0) ? p * (ln2 + a - log_s) : T(0)) +
+                   (q > T(0) ? q * (ln2 + b - log_s) : T(0));
+  const T term = t2 < T(0.0625) ? series : direct;
+  return s > tiny ? term : T(0);
+}
+
+// The distance from the JS sum acc = sum of js_term: sqrt(JSD / ln 2) in [0, 1].
+template <typename T>
+MRTPO_INLINE T js_from_sum(T acc) {
+  T jsd = T(0.5) * acc;
+  jsd = jsd < T(0) ? T(0) : jsd;  // (NaN stays NaN)
+  const T d = std::sqrt(jsd / static_cast<T>(kLn2));
+  return d > T(1) ? T(1) : d;
+}
+
 // JS distance between the rows zp and zq with shift statistics (mp, lsp), (mq, lsq);
 // NaN when either row is undefined (a NaN shift statistic).
 template <typename T>
 MRTPO_INLINE T row_js(const T* zp, const T* zq, int64_t V, T inv_t, T mp, T lsp, T mq, T lsq) {
   if (mp != mp || lsp != lsp || mq != mq || lsq != lsq)
     return std::numeric_limits<T>::quiet_NaN();
-  const T ln2 = static_cast<T>(kLn2);
-  const T tiny = std::numeric_limits<T>::min();
   T acc = 0;
 #pragma omp simd reduction(+ : acc)
   for (int64_t v = 0; v < V; ++v) {
     const T a = shifted(zp[v], mp, inv_t) - lsp;
     const T b = shifted(zq[v], mq, inv_t) - lsq;
-    const T p = vexp(a);
-    const T q = vexp(b);
-    const T s = p + q;
-    const T s_safe = s > tiny ? s : T(1);
-    const T t = (p - q) / s_safe;
-    const T t2 = t * t;
-    // h(t) / t^2 = 1 + t^2/6 + t^4/15 + t^6/28 + t^8/45 + t^10/66 (+ O(t^12) < 1e-8 here)
-    T h = T(1) / 66;
-    h = h * t2 + T(1) / 45;
-    h = h * t2 + T(1) / 28;
-    h = h * t2 + T(1) / 15;
-    h = h * t2 + T(1) / 6;
-    h = h * t2 + T(1);
-    const T series = T(0.5) * s * t2 * h;
-    const T log_s = vlog(s_safe);
-    // p = 0 (a logit of -inf, or an underflow) contributes 0, not 0 * inf
-    const T direct = (p > T(0) ? p * (ln2 + a - log_s) : T(0)) +
-                     (q > T(0) ? q * (ln2 + b - log_s) : T(0));
-    const T term = t2 < T(0.0625) ? series : direct;
-    acc += s > tiny ? term : T(0);
+    acc += js_term(a, b, vexp(a), vexp(b));
   }
-  T jsd = T(0.5) * acc;
-  jsd = jsd < T(0) ? T(0) : jsd;  // (NaN stays NaN)
-  const T d = std::sqrt(jsd / ln2);
-  return d > T(1) ? T(1) : d;
+  return js_from_sum(acc);
+}
+
+// row_js with P's log-probabilities pa and probabilities pp given, and Q's exps qe (before
+// the division by their sum; inv_sum = 1 / that sum, lsq = log of it).
+template <typename T>
+MRTPO_INLINE T js_terms(const T* pa, const T* pp, const T* zq, const T* qe, int64_t V, T inv_t,
+                        T mq, T lsq, T inv_sum) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t v = 0; v < V; ++v) {
+    const T b = shifted(zq[v], mq, inv_t) - lsq;
+    acc += js_term(pa[v], b, pp[v], qe[v] * inv_sum);
+  }
+  return js_from_sum(acc);
 }
 
 struct PolicyOut {
