@@ -7,8 +7,10 @@ right-padded to R, position ids counted over the attention mask, so the hidden s
 predicts response token t of every row sits at column P - 1 + t whatever the prompt length.
 ``forward_shared_prompts`` runs each distinct prompt once and lets its key/value cache serve
 every response that follows it; ``forward_after_prefix`` starts a prompt from another
-prompt's cache of their common first tokens. Responses go through a cache in pieces of at
-most ``TAIL_PIECE`` tokens, with an attention mask only where prompts are left-padded.
+prompt's cache of their common first tokens (up to ``PACKED_ROW_TOKENS``, the rest of the
+prompt and the responses as one packed row with a 4-D mask). Responses go through a cache in
+pieces of at most ``TAIL_PIECE`` tokens, with an attention mask only where prompts are
+left-padded.
 """
 
 from __future__ import annotations
@@ -249,9 +251,10 @@ def forward_after_prefix(
     (one prompt shared by all rows), its first tokens' key/value cache given: ``prefix``,
     per layer a (1, heads, L, head_dim) key and value of ``prompt[:L]`` (from
     ``forward_shared_prompts(prefixes=)`` of a prompt that starts with those L tokens).
-    Only ``prompt[L:]`` (at least one token) and the responses are fed to the model: the
-    prompt suffix once, then the responses through its cache in pieces of at most
-    ``max_piece`` tokens. No attention mask: one prompt, no left padding."""
+    Only ``prompt[L:]`` (at least one token) and the responses are fed to the model: up to
+    ``PACKED_ROW_TOKENS`` in one packed row (``_packs_rows``, ``_packed_after_prefix``),
+    else the prompt suffix once, then the responses through its cache in pieces of at most
+    ``max_piece`` tokens, with no attention mask (one prompt, no left padding)."""
     _check_piece(max_piece)
     n_pre = int(prefix[0][0].shape[2]) if prefix else 0
     if not 0 <= n_pre < len(prompt):
