@@ -270,8 +270,8 @@ def forward_after_prefix(
     if not rows:
         return weight.new_empty((0, weight.shape[1]))
     cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix]) if n_pre else None
-    if n_pre and _packs_rows(base, len(prompt) - n_pre + sum(len(responses[r]) - 1 for r in rows),
-                             max_piece):  # fmt: skip
+    n_packed = len(prompt) - n_pre + sum(len(responses[r]) - 1 for r in rows)
+    if n_pre and _packs_rows(base, n_packed, max_piece):
         return _packed_after_prefix(base, cache_kw, cache, n_pre, prompt, rows, responses, device)
     suffix = torch.as_tensor(list(prompt[n_pre:]), dtype=torch.long, device=device)[None]
     pos = torch.arange(n_pre, len(prompt), device=device)[None]
