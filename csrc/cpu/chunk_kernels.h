@@ -93,7 +93,7 @@ MRTPO_INLINE T row_exps(const T* z, int64_t V, T inv_t, T* e, T* m_out) {
 // row r, P's log-probabilities a and probabilities p into two scratch rows (one exp per
 // logit, not one per stream); then per Q_j its exps into a third scratch row while they are
 // summed, and the JS terms from the scratch rows with no exp (p = e_p / s_p, q = e_q / s_q,
-// the same arithmetic on both sides, so that equal rows give exactly 0). Three exps per
+// the same arithmetic on both sides, so that equal rows give exactly 0). 3 + 1 / K exps per
 // logit and stream became 1 + 1 / K. The scratch rows (3 V) stay in cache while the K
 // streams read them.
 template <typename T>
